@@ -1,0 +1,89 @@
+"""Build the example's tiny Llama and character tokenizer from scratch, in HF format.
+
+No weights can be downloaded here, so the example makes its own: a character-level
+tokenizer (the `tokenizers` library, wrapped as a `PreTrainedTokenizerFast`) and a randomly
+initialised 4-layer Llama. Both are saved with `save_pretrained` and everything downstream
+loads them with `from_pretrained`, exactly as it would load a hub model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = list("0123456789+-*=?:,. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    max_positions: int = 128,
+    seed: int = 0,
+) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_tiny_model(out_dir: str, num_layers: int = 4, hidden_size: int = 128, seed: int = 0) -> str:
+    """Write tokenizer + model to `out_dir` (idempotent: reuses an existing one)."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="examples/arithmetic/artifacts/tiny-llama")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(save_tiny_model(args.out, args.layers, args.hidden, args.seed))
+
+
+if __name__ == "__main__":
+    main()

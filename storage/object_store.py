@@ -1,0 +1,131 @@
+"""One small file API over fsspec, for local paths and s3:// alike.
+
+Every write is atomic: bytes go to a temporary name beside the target and are then moved into
+place, so a crash never leaves a half-written file under the final name. On S3 a PUT is
+already atomic per object, so the same code path simply writes the object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+
+@dataclass
+class ObjectStore:
+    """Files under a root URI (`./runs`, `file:///abs`, `s3://bucket/prefix`)."""
+
+    root: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        protocol, path = fsspec.core.split_protocol(self.root)
+        self.protocol = protocol or "file"
+        if self.protocol == "file":
+            path = os.path.abspath(os.path.expanduser(path))
+        self._root_path = path.rstrip("/")
+        self.fs: fsspec.AbstractFileSystem = fsspec.filesystem(
+            self.protocol, **self.storage_options
+        )
+
+    # -- paths ---------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        """Filesystem path (no protocol) of `parts` under the root."""
+        return "/".join([self._root_path, *[p.strip("/") for p in parts if p]])
+
+    def uri(self, *parts: str) -> str:
+        """Full URI, usable by anyone holding the same storage options."""
+        p = self.path(*parts)
+        return p if self.protocol == "file" else f"{self.protocol}://{p}"
+
+    def child(self, *parts: str) -> ObjectStore:
+        return ObjectStore(self.uri(*parts), self.storage_options)
+
+    # -- queries -------------------------------------------------------------------------
+    def exists(self, *parts: str) -> bool:
+        return bool(self.fs.exists(self.path(*parts)))
+
+    def list(self, *parts: str) -> list[str]:
+        """Names (not paths) directly under `parts`, sorted; empty if it does not exist."""
+        p = self.path(*parts)
+        if not self.fs.exists(p):
+            return []
+        if self.protocol != "file":
+            self.fs.invalidate_cache(p)
+        return sorted(os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
+
+    # -- reads ---------------------------------------------------------------------------
+    def read_bytes(self, *parts: str) -> bytes:
+        with self.fs.open(self.path(*parts), "rb") as f:
+            return f.read()
+
+    def read_json(self, *parts: str) -> Any:
+        return json.loads(self.read_bytes(*parts))
+
+    def read_text(self, *parts: str) -> str:
+        return self.read_bytes(*parts).decode()
+
+    # -- writes --------------------------------------------------------------------------
+    def write_bytes(self, data: bytes, *parts: str) -> str:
+        """Write atomically; returns the URI written."""
+        target = self.path(*parts)
+        if self.protocol == "file":
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        else:
+            with self.fs.open(target, "wb") as f:
+                f.write(data)
+            self.fs.invalidate_cache(os.path.dirname(target))
+        return self.uri(*parts)
+
+    def write_json(self, obj: Any, *parts: str) -> str:
+        return self.write_bytes(
+            json.dumps(obj, indent=1, sort_keys=True, default=str).encode(), *parts
+        )
+
+    def write_text(self, text: str, *parts: str) -> str:
+        return self.write_bytes(text.encode(), *parts)
+
+    def put_dir(self, local_dir: str, *parts: str) -> str:
+        """Copy a local directory (e.g. a save_pretrained output) under `parts`."""
+        for dirpath, _, files in os.walk(local_dir):
+            rel = os.path.relpath(dirpath, local_dir)
+            for name in files:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    sub = name if rel == "." else f"{rel}/{name}"
+                    self.write_bytes(f.read(), *parts, sub)
+        return self.uri(*parts)
+
+    def get_dir(self, local_dir: str, *parts: str) -> str:
+        """Copy the directory at `parts` into `local_dir` (a no-op path for local stores)."""
+        src = self.path(*parts)
+        if self.protocol == "file":
+            return src
+        os.makedirs(local_dir, exist_ok=True)
+        self.fs.get(src.rstrip("/") + "/", local_dir.rstrip("/") + "/", recursive=True)
+        return local_dir
+
+    def delete(self, *parts: str) -> None:
+        p = self.path(*parts)
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=True)
+
+
+def open_store(uri: str, endpoint_url: str | None = None, **options: Any) -> ObjectStore:
+    """Build a store; `endpoint_url` points s3fs at MinIO/moto/any S3-compatible service."""
+    storage_options = dict(options)
+    if uri.startswith("s3://") and endpoint_url:
+        client_kwargs = dict(storage_options.get("client_kwargs", {}))
+        client_kwargs["endpoint_url"] = endpoint_url
+        storage_options["client_kwargs"] = client_kwargs
+    return ObjectStore(uri, storage_options)

@@ -1,0 +1,114 @@
+"""The record that crosses every stage boundary: one response to one prompt.
+
+A *group* is the `n_samples_per_prompt` samples of one prompt; groups move together and are
+never split across steps (`Group` is simply `list[Sample]`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+ChatMessages = list[dict[str, Any]]
+Prompt = str | ChatMessages
+
+
+class Status(StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class Sample:
+    """One response to one prompt, in slime's shape.
+
+    `tokens` holds prompt + response ids; `loss_mask` and `rollout_log_probs` cover only the
+    response (`response_length` entries). `reward` is a float or, for reward models that
+    return several scores, a dict from which `reward_key` picks the trained one.
+    """
+
+    index: int
+    group_index: int
+    prompt: Prompt = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    reward: float | dict[str, float] | None = None
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    status: Status = Status.PENDING
+    weight_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    def scalar_reward(self, reward_key: str | None = None) -> float:
+        """The reward the algorithm trains on; a dict reward needs `reward_key`."""
+        if isinstance(self.reward, dict):
+            if reward_key is None or reward_key not in self.reward:
+                raise KeyError(
+                    f"sample {self.index}: reward is a dict with keys {sorted(self.reward)}; "
+                    f"set rollout.reward_key to one of them (got {reward_key!r})"
+                )
+            return float(self.reward[reward_key])
+        if self.reward is None:
+            raise ValueError(f"sample {self.index}: reward is missing")
+        return float(self.reward)
+
+    def append_response(self, token_ids: list[int], log_probs: list[float], text: str) -> None:
+        """Extend the response with freshly generated tokens (used by partial rollouts too)."""
+        self.tokens.extend(token_ids)
+        self.response += text
+        self.response_length += len(token_ids)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.rollout_log_probs.extend(log_probs)
+
+    def check(self) -> None:
+        """Raise if the per-token fields disagree with `response_length`."""
+        n = self.response_length
+        if n > len(self.tokens):
+            raise ValueError(f"sample {self.index}: response_length {n} > len(tokens)")
+        if len(self.loss_mask) != n:
+            raise ValueError(
+                f"sample {self.index}: loss_mask has {len(self.loss_mask)} entries, "
+                f"response_length is {n}"
+            )
+        if self.rollout_log_probs and len(self.rollout_log_probs) != n:
+            raise ValueError(
+                f"sample {self.index}: rollout_log_probs has {len(self.rollout_log_probs)} "
+                f"entries, response_length is {n}"
+            )
+
+    def clone(self) -> Sample:
+        return copy.deepcopy(self)
+
+
+Group = list[Sample]
+
+
+def flatten(groups: list[Group]) -> list[Sample]:
+    return [s for g in groups for s in g]
+
+
+def regroup(samples: list[Sample]) -> list[Group]:
+    """Split samples (sorted or not) back into groups, ordered by group index."""
+    by_group: dict[int, Group] = {}
+    for s in sorted(samples, key=lambda s: s.index):
+        by_group.setdefault(s.group_index, []).append(s)
+    return [by_group[k] for k in sorted(by_group)]
