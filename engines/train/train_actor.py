@@ -1,0 +1,103 @@
+"""The training side of a run as one long-lived actor around a train backend.
+
+It reads each step's `train.arrow` from the run directory, so a step can be (re)trained from
+storage alone, and it knows how to get back to any committed weight version after losing
+its state: load the last checkpoint, then replay the committed batches after it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flows.config import RollflowConfig
+from storage.batch_io import read_samples
+from storage.run_layout import RunLayout, step_dir
+
+
+def _torch_backend(cfg: RollflowConfig) -> Any:
+    from engines.train.torch_backend import TorchTrainBackend
+
+    return TorchTrainBackend(
+        cfg.train, cfg.algorithm, cfg.rollout.temperature, cfg.cluster.actor_num_threads
+    )
+
+
+def _mock_backend(cfg: RollflowConfig) -> Any:
+    from engines.train.mock_backend import MockTrainBackend
+
+    return MockTrainBackend(cfg.train, cfg.algorithm)
+
+
+TRAIN_BACKENDS: dict[str, Callable[[RollflowConfig], Any]] = {
+    "torch": _torch_backend,
+    "mock": _mock_backend,
+}
+
+
+class TrainActor:
+    def __init__(self, cfg: RollflowConfig) -> None:
+        self.cfg = cfg
+        self.layout = RunLayout.open(
+            cfg.storage.uri, cfg.storage.run_name, cfg.storage.endpoint_url,
+            cfg.storage.storage_options,
+        )
+        self.backend = TRAIN_BACKENDS[cfg.train.backend](cfg)
+        self.replayed_steps: list[int] = []
+
+    def version(self) -> int:
+        return int(self.backend.version)
+
+    def train(self, rollout_id: int) -> dict[str, float]:
+        """Train on step `rollout_id`'s batch; a no-op if the policy is already past it."""
+        samples = read_samples(self.layout.store, step_dir(rollout_id), "train.arrow")
+        start = time.perf_counter()
+        metrics = dict(self.backend.train(samples, rollout_id))
+        metrics["train/seconds"] = time.perf_counter() - start
+        return metrics
+
+    def weights(self) -> dict[str, Any]:
+        """State dict for the engines; returned through Ray's object store."""
+        return dict(self.backend.state_dict_for_engine())
+
+    def save_checkpoint(self, rollout_id: int) -> str:
+        """Checkpoint of the weights after step `rollout_id`; LATEST is moved last."""
+        parts = self.layout.checkpoint_parts(rollout_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.backend.save_checkpoint(tmp)
+            uri = self.layout.store.put_dir(tmp, *parts)
+        self.layout.set_latest_checkpoint(rollout_id)
+        return uri
+
+    def _load_checkpoint(self, rollout_id: int) -> None:
+        parts = self.layout.checkpoint_parts(rollout_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.backend.load_checkpoint(self.layout.store.get_dir(tmp, *parts))
+
+    def _train_done(self, rollout_id: int) -> bool:
+        return self.layout.task_record(rollout_id, "train") is not None
+
+    def ensure_version(self, target: int) -> dict[str, Any]:
+        """Bring the policy to weight version `target` (= next step to run).
+
+        Version `target + 1` is also fine when step `target` already finished training but
+        did not commit (the train task is then skipped). Anything else means this actor's
+        state does not belong to the run on storage: rebuild from checkpoint + replay.
+        """
+        v = self.version()
+        if v == target or (v == target + 1 and self._train_done(target)):
+            return {"rebuilt": False, "version": v, "replayed": []}
+        self.backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
+        latest = self.layout.latest_checkpoint()
+        first = 0
+        if latest is not None and latest < target:
+            self._load_checkpoint(latest)
+            first = latest + 1
+        replayed = []
+        for k in range(first, target):
+            self.train(k)
+            replayed.append(k)
+        self.replayed_steps.extend(replayed)
+        return {"rebuilt": True, "version": self.version(), "replayed": replayed}

@@ -1,0 +1,69 @@
+"""Named, detached actors of one run: get them if they exist, create them if not.
+
+Flow runs attach to these instead of reloading models, so a run's second step costs no
+model load, and a driver that crashed can be re-run against the same warm actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from engines.rollout.engine_actor import EngineActor
+from engines.rollout.rollout_manager import RolloutManager
+from engines.train.train_actor import TrainActor
+from flows.config import RollflowConfig
+
+
+def actor_name(run_name: str, role: str) -> str:
+    return f"{run_name}:{role}"
+
+
+def _named(cls: type, name: str, cfg: RollflowConfig, *args: Any) -> Any:
+    return (
+        ray.remote(cls)
+        .options(
+            name=name,
+            namespace=cfg.cluster.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+        )
+        .remote(*args)
+    )
+
+
+@dataclass
+class RunActors:
+    rollout: Any
+    trainer: Any
+    engines: list[Any]
+
+
+def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
+    run = cfg.storage.run_name
+    engines = [
+        _named(EngineActor, actor_name(run, f"engine-{i}"), cfg, cfg.engine, i)
+        for i in range(cfg.engine.num_engines)
+    ]
+    rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)
+    trainer = _named(TrainActor, actor_name(run, "trainer"), cfg, cfg)
+    urls = ray.get([e.url.remote() for e in engines])
+    ray.get(rollout.set_engines.remote(urls))
+    return RunActors(rollout=rollout, trainer=trainer, engines=engines)
+
+
+def kill_run_actors(cfg: RollflowConfig) -> int:
+    run = cfg.storage.run_name
+    roles = ["rollout", "trainer"] + [f"engine-{i}" for i in range(cfg.engine.num_engines)]
+    killed = 0
+    for role in roles:
+        try:
+            ray.kill(ray.get_actor(actor_name(run, role), namespace=cfg.cluster.namespace))
+            killed += 1
+        except ValueError:
+            pass
+    return killed

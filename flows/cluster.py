@@ -1,0 +1,120 @@
+"""The persistent local Ray cluster: started on demand, reused by every flow run.
+
+A head started here outlives the driver (it is a `ray start --head` process, not an
+in-process `ray.init()`), so detached actors holding models survive between flow runs and
+between invocations of the CLI. Its address is kept in `~/.rollflow/cluster.json`;
+`rollflow cluster down` stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flows.config import ClusterConfig
+
+STATE_FILE = Path(os.environ.get("ROLLFLOW_HOME", Path.home() / ".rollflow")) / "cluster.json"
+
+
+def _ray_env() -> dict[str, str]:
+    # Drivers and the cluster must agree on auth; CPU-only machines must not look for GPUs.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return dict(os.environ)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray_cli() -> str:
+    local = Path(sys.executable).with_name("ray")
+    return str(local) if local.exists() else (shutil.which("ray") or "ray")
+
+
+def read_state() -> dict[str, Any] | None:
+    if not STATE_FILE.exists():
+        return None
+    return json.loads(STATE_FILE.read_text())
+
+
+def _alive(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def start_local_head(num_cpus: int | None = None) -> str:
+    """`ray start --head` on loopback; returns the GCS address."""
+    port = free_port()
+    cmd = [
+        _ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+        "--include-dashboard=false", "--disable-usage-stats",
+        f"--num-cpus={num_cpus or max(os.cpu_count() or 1, 4)}", "--num-gpus=0",
+    ]
+    subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True)
+    address = f"127.0.0.1:{port}"
+    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    STATE_FILE.write_text(json.dumps({"address": address, "started_at": time.time()}))
+    return address
+
+
+def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
+    """The configured address, else the running local head, else a new one (if `start`)."""
+    if cfg.address:
+        return cfg.address
+    state = read_state()
+    if state and _alive(state["address"]):
+        return str(state["address"])
+    return start_local_head(cfg.num_cpus) if start else None
+
+
+def connect(cfg: ClusterConfig) -> str:
+    """Attach this process to the cluster (idempotent); returns the address used."""
+    import ray
+
+    _ray_env()
+    address = cluster_address(cfg)
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+    return address or ""
+
+
+def stop_local_head() -> bool:
+    state = read_state()
+    if state is None:
+        return False
+    subprocess.run([_ray_cli(), "stop", "--force"], env=_ray_env(), capture_output=True)
+    STATE_FILE.unlink(missing_ok=True)
+    return True
+
+
+def status(cfg: ClusterConfig) -> dict[str, Any]:
+    """Address, liveness and the named actors of the namespace."""
+    address = cluster_address(cfg, start=False)
+    if address is None or not _alive(address):
+        return {"address": address, "alive": False, "actors": []}
+    import ray
+    from ray.util.state import list_actors
+
+    _ray_env()
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+    actors = [
+        {"name": a.name, "state": a.state, "class": a.class_name}
+        for a in list_actors(filters=[("ray_namespace", "=", cfg.namespace)])
+        if a.name
+    ]
+    return {"address": address, "alive": True, "actors": actors}

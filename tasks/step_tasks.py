@@ -1,0 +1,140 @@
+"""The Prefect tasks of one rollout step. Each is thin: it calls into an actor and returns
+the small record (URIs, metrics) that the actor wrote to the run directory.
+
+A task whose record already exists for (run, rollout_id, task) is skipped and returns that
+record, so re-running a failed step resumes at the task that failed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flows.actors import RunActors
+from flows.config import RollflowConfig
+from storage.run_layout import RunLayout
+
+
+@dataclass
+class StepContext:
+    """What every task of a step needs: the config, where the run lives, the actors."""
+
+    cfg: RollflowConfig
+    layout: RunLayout
+    actors: RunActors
+
+
+def run_once(
+    layout: RunLayout, rollout_id: int, name: str, work: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    record = layout.task_record(rollout_id, name)
+    if record is not None:
+        return {**record, "skipped": True}
+    start = time.perf_counter()
+    record = work()
+    record["seconds"] = time.perf_counter() - start
+    layout.save_task_record(rollout_id, name, record)
+    return {**record, "skipped": False}
+
+
+# Transient faults (an engine or actor briefly unreachable) are retried; the record check
+# makes a retry after a partial success safe.
+TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 2}
+
+
+@task(name="sample_prompts", **TASK_OPTIONS)
+def sample_prompts(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+    return run_once(
+        ctx.layout, rollout_id, "sample_prompts",
+        lambda: ray.get(ctx.actors.rollout.sample_prompts.remote(rollout_id)),
+    )
+
+
+@task(name="generate", **TASK_OPTIONS)
+def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+    return run_once(
+        ctx.layout, rollout_id, "generate",
+        lambda: ray.get(ctx.actors.rollout.generate.remote(rollout_id)),
+    )
+
+
+@task(name="filter", **TASK_OPTIONS)
+def filter_groups(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+    return run_once(
+        ctx.layout, rollout_id, "filter",
+        lambda: ray.get(ctx.actors.rollout.filter.remote(rollout_id)),
+    )
+
+
+@task(name="reward", **TASK_OPTIONS)
+def reward(ctx: StepContext, rollout_id: int, kept_groups: list[int]) -> dict[str, Any]:
+    return run_once(
+        ctx.layout, rollout_id, "reward",
+        lambda: ray.get(ctx.actors.rollout.reward.remote(rollout_id, kept_groups)),
+    )
+
+
+@task(name="train", **TASK_OPTIONS)
+def train(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+    return run_once(
+        ctx.layout, rollout_id, "train",
+        lambda: ray.get(ctx.actors.trainer.train.remote(rollout_id)),
+    )
+
+
+def sync_engine_weights(actors: RunActors) -> dict[str, Any]:
+    """Push the trainer's weights to every engine that is not at its version. The state
+    dict travels trainer -> Ray object store -> engines; the driver only holds the ref."""
+    version = ray.get(actors.trainer.version.remote())
+    engine_versions = ray.get([e.weight_version.remote() for e in actors.engines])
+    stale = [e for e, v in zip(actors.engines, engine_versions, strict=True) if v != version]
+    if stale:
+        weights_ref = actors.trainer.weights.remote()
+        ray.get([e.update_weights_from_tensor.remote(weights_ref, version) for e in stale])
+    return {"weight_version": version, "engines_updated": len(stale)}
+
+
+@task(name="broadcast_weights", **TASK_OPTIONS)
+def broadcast_weights(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+    # Not recorded: it is cheap and must always leave the engines at the trainer's version.
+    start = time.perf_counter()
+    record = sync_engine_weights(ctx.actors)
+    return {**record, "seconds": time.perf_counter() - start}
+
+
+def should_checkpoint(cfg: RollflowConfig, rollout_id: int) -> bool:
+    interval = cfg.train.save_interval
+    last = rollout_id == cfg.rollout.num_rollout - 1
+    return last or (interval is not None and (rollout_id + 1) % interval == 0)
+
+
+@task(name="commit", **TASK_OPTIONS)
+def commit(ctx: StepContext, rollout_id: int, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Metrics, a periodic checkpoint, then the COMMITTED marker (always last)."""
+    start = time.perf_counter()
+    metrics: dict[str, Any] = {"rollout_id": rollout_id}
+    for name, rec in records.items():
+        for key, value in rec.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                metrics[key if "/" in key else f"{name}/{key}"] = value
+        metrics[f"time/{name}"] = rec.get("seconds", 0.0)
+    if should_checkpoint(ctx.cfg, rollout_id):
+        metrics["checkpoint"] = ray.get(ctx.actors.trainer.save_checkpoint.remote(rollout_id))
+    metrics["time/commit"] = time.perf_counter() - start
+    ctx.layout.store.write_json(metrics, f"steps/{rollout_id:06d}", "metrics.json")
+    ctx.layout.mark_committed(rollout_id)
+    return metrics
+
+
+@task(name="evaluate", **TASK_OPTIONS)
+def evaluate(ctx: StepContext, weight_version: int) -> dict[str, float]:
+    existing = ctx.layout.evals().get(weight_version)
+    if existing is not None:
+        return existing
+    return dict(ray.get(ctx.actors.rollout.evaluate.remote(weight_version)))

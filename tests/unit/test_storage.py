@@ -1,0 +1,97 @@
+"""Sample <-> Arrow round trip, batch IO and atomic object-store writes."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+
+from storage.arrow_schema import samples_to_table, table_to_samples
+from storage.batch_io import read_samples, read_table, write_samples
+from storage.object_store import ObjectStore
+from storage.run_layout import RunLayout
+from storage.sample import Sample, Status
+
+
+def make_samples() -> list[Sample]:
+    return [
+        Sample(
+            index=0, group_index=0, prompt="Grüße 👋 2+2=", tokens=[1, 2, 3, 4], response="4",
+            response_length=1, label="4", reward=1.0, loss_mask=[1],
+            rollout_log_probs=[-0.5], status=Status.COMPLETED, weight_version=3,
+            metadata={"a": [1, 2], "nested": {"x": "ü"}},
+        ),
+        Sample(
+            index=1, group_index=0,
+            prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            tokens=[5, 6], response="", response_length=0, label=None,
+            reward={"acc": 1.0, "format": 0.25}, loss_mask=[], rollout_log_probs=[],
+            status=Status.ABORTED, weight_version=0, metadata={},
+        ),
+        Sample(
+            index=2, group_index=1, prompt="x", tokens=[7, 8, 9], response="ab",
+            response_length=2, reward=None, loss_mask=[1, 0], rollout_log_probs=[-1.25, 0.0],
+            status=Status.TRUNCATED,
+        ),
+    ]
+
+
+def test_arrow_round_trip_is_exact():
+    samples = make_samples()
+    back = table_to_samples(samples_to_table(samples))
+    assert back == samples
+    assert isinstance(back[1].prompt, list) and back[1].reward == {"acc": 1.0, "format": 0.25}
+
+
+def test_arrow_columns_are_typed():
+    table = samples_to_table(make_samples())
+    assert table.schema.field("tokens").type == pa.list_(pa.int32())
+    assert table.schema.field("rollout_log_probs").type == pa.list_(pa.float32())
+    assert table.column("reward").to_pylist() == [1.0, None, None]
+
+
+def test_mismatched_loss_mask_is_rejected():
+    bad = make_samples()[0]
+    bad.loss_mask = [1, 1]
+    with pytest.raises(ValueError, match="loss_mask has 2 entries"):
+        samples_to_table([bad])
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4", None])
+def test_batch_io_round_trip(tmp_path, compression):
+    store = ObjectStore(str(tmp_path))
+    samples = make_samples()
+    uri = write_samples(store, samples, "steps", "b.arrow", compression=compression)
+    assert os.path.exists(uri)
+    assert read_samples(store, "steps", "b.arrow") == samples
+    assert read_table(store, "steps", "b.arrow").num_rows == 3
+
+
+def test_uncompressed_batch_reads_zero_copy(tmp_path):
+    store = ObjectStore(str(tmp_path))
+    write_samples(store, make_samples(), "b.arrow", compression=None)
+    table = read_table(store, "b.arrow")
+    tokens = table.column("tokens").chunk(0).values
+    # Memory-mapped buffers are not owned by the Python heap.
+    assert not tokens.buffers()[1].is_mutable
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path):
+    store = ObjectStore(str(tmp_path))
+    store.write_json({"a": 1}, "x", "y.json")
+    store.write_json({"a": 2}, "x", "y.json")
+    assert store.read_json("x", "y.json") == {"a": 2}
+    assert store.list("x") == ["y.json"]
+
+
+def test_run_layout_commits_in_order(tmp_path):
+    layout = RunLayout.open(str(tmp_path), "run")
+    assert layout.next_rollout_id() == 0
+    layout.mark_committed(0)
+    layout.mark_committed(1)
+    layout.save_task_record(2, "generate", {"uri": "u"})
+    assert layout.committed_steps() == [0, 1]
+    assert layout.next_rollout_id() == 2
+    assert layout.task_record(2, "generate") == {"uri": "u"}
+    assert layout.task_record(2, "train") is None
