@@ -1,8 +1,8 @@
 """slime's RolloutDataSourceWithBuffer, with the buffer's contents saved on every step.
 
 Groups come from the buffer first (through the buffer filter; partial rollouts and
-recycled groups wait there), then from the dataset, epoch by epoch, shuffled per epoch with a seed derived from
-`seed + epoch`. Each group is `n_samples_per_prompt` deep copies of one prompt with
+recycled groups wait there), then from the dataset, epoch by epoch, shuffled per epoch with a
+seed derived from (seed, epoch). Each group is `n_samples_per_prompt` deep copies of one prompt with
 consecutive global sample indices. The state (epoch, offset, counters, buffer) is saved per
 rollout_id so a resumed run draws exactly the same groups as an uninterrupted one.
 """
