@@ -46,6 +46,7 @@ class TrainActor:
         )
         self.backend = TRAIN_BACKENDS[cfg.train.backend](cfg)
         self.replayed_steps: list[int] = []
+        self._trained_indices: list[int] = []
 
     def version(self) -> int:
         return int(self.backend.version)
@@ -55,8 +56,15 @@ class TrainActor:
         samples = read_samples(self.layout.store, step_dir(rollout_id), "train.arrow")
         start = time.perf_counter()
         metrics = dict(self.backend.train(samples, rollout_id))
+        if not metrics.get("skipped"):
+            self._trained_indices.extend(s.index for s in samples)
         metrics["train/seconds"] = time.perf_counter() - start
         return metrics
+
+    def trained_indices(self) -> list[int]:
+        """Sample indices this actor trained on since it started, in order (replays
+        included): the evidence that no sample was trained twice or skipped."""
+        return list(self._trained_indices)
 
     def weights(self) -> dict[str, Any]:
         """State dict for the engines; returned through Ray's object store."""

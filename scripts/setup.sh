@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install rollflow into it; safe to run again (it only installs what changed).
+# torch 2.13.0 goes in first: a bare `torch` requirement would pull GBs of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.rollflow-installed
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev,router]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,36 @@
+"""Config builders shared by the flow and e2e tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows.config import RollflowConfig
+from flows.config_loader import apply_overrides, config_from_dict
+
+
+def arithmetic_config(
+    *,
+    run_name: str,
+    runs_root: str,
+    data: dict[str, str],
+    model_dir: str,
+    ray_address: str,
+    backend: str = "mock",
+    overrides: list[str] | None = None,
+) -> RollflowConfig:
+    """Two-digit addition with small steps; `backend` picks mock or embedded+torch."""
+    trainer = "mock" if backend == "mock" else "torch"
+    raw: dict[str, Any] = {
+        "cluster": {"address": ray_address, "namespace": "rollflow-tests", "actor_num_threads": 1},
+        "data": {"prompt_data": data["train"], "seed": 3},
+        "rollout": {
+            "num_rollout": 2, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
+            "max_response_len": 4, "rm_type": "exact_match",
+        },
+        "engine": {"backend": backend, "model_path": model_dir},
+        "train": {"backend": trainer, "model_path": model_dir, "lr": 1e-4},
+        "storage": {"uri": runs_root, "run_name": run_name},
+        "eval": {"before_train": False},
+        "logging": {"progress": False},
+    }
+    return config_from_dict(apply_overrides(raw, overrides or []))

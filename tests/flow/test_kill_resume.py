@@ -1,0 +1,78 @@
+"""Kill the driver after a step commits, run it again: it resumes at the next step, redoes
+no committed step, and trains exactly the samples an uninterrupted run trains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import ray
+
+from flows.actors import actor_name
+from flows.config_loader import dump_config
+from storage.batch_io import read_samples
+from storage.run_layout import RunLayout
+from tests.conftest import REPO_ROOT
+from tests.flow.configs import arithmetic_config
+
+
+def trained_indices(layout: RunLayout) -> list[int]:
+    return [s.index for k in layout.committed_steps()
+            for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
+
+
+def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", "--config", config_path],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_killed_driver_resumes_after_last_committed_step(
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    def config(run_name):
+        return arithmetic_config(
+            run_name=run_name, runs_root=str(tmp_path / "runs"), data=arithmetic_data,
+            model_dir=tiny_model_dir, ray_address=ray_address,
+            overrides=["rollout.num_rollout=5"],
+        )
+
+    from flows.train import train
+
+    reference = config(f"ref-{uuid.uuid4().hex[:6]}")
+    train(reference)
+    expected = trained_indices(RunLayout.open(reference.storage.uri, reference.storage.run_name))
+
+    cfg = config(f"kill-{uuid.uuid4().hex[:6]}")
+    path = tmp_path / "kill.yaml"
+    path.write_text(dump_config(cfg))
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+
+    driver = start_driver(str(path), prefect_api)
+    deadline = time.time() + 180
+    while not layout.is_committed(1):
+        assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
+        assert time.time() < deadline, "step 1 never committed"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    committed_before = layout.committed_steps()
+    assert committed_before[:2] == [0, 1] and len(committed_before) < 5
+    step1 = os.path.join(layout.uri, "steps/000001/rollout.arrow")
+    mtime = os.stat(step1).st_mtime_ns
+
+    rerun = start_driver(str(path), prefect_api)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    assert f'"resumed_at": {len(committed_before)}' in out
+    assert layout.committed_steps() == [0, 1, 2, 3, 4]
+    assert os.stat(step1).st_mtime_ns == mtime
+    assert trained_indices(layout) == expected
+    trainer = ray.get_actor(actor_name(cfg.storage.run_name, "trainer"), namespace=cfg.cluster.namespace)
+    assert ray.get(trainer.trained_indices.remote()) == expected
