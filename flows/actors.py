@@ -46,7 +46,10 @@ class RunActors:
 def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
     run = cfg.storage.run_name
     engines = [
-        _named(EngineActor, actor_name(run, f"engine-{i}"), cfg, cfg.engine, i)
+        _named(
+            EngineActor, actor_name(run, f"engine-{i}"), cfg, cfg.engine, i,
+            cfg.cluster.actor_num_threads,
+        )
         for i in range(cfg.engine.num_engines)
     ]
     rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)

@@ -2,13 +2,13 @@
 
 ```
  groups ──► semaphore (concurrency x engines) ──► SGLang /generate (round-robin engine)
-                                                          │  one request per sample
+                                                          │  one batched request per group
    rewards (async rm) ◄── group finished ◄────────────────┘
         │
         ▼
    finished groups (sorted by index)
 ```
-Each request carries `sampling_seed = rollout.seed + sample.index`, so a sample's response
+Each sample carries `sampling_seed = rollout.seed + sample.index`, so a sample's response
 depends only on its index and the weights, never on batch composition; that is what makes a
 resumed run regenerate exactly what an uninterrupted run would have.
 """
@@ -42,13 +42,13 @@ class GenerateOutputLike(Protocol):
 
 
 class EngineClient(Protocol):
-    async def generate(
+    async def generate_batch(
         self,
-        input_ids: list[int],
-        sampling_params: dict[str, Any],
-        rid: str | None = None,
+        input_ids: list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]],
+        rids: list[str] | None = None,
         return_logprob: bool = True,
-    ) -> GenerateOutputLike: ...
+    ) -> Sequence[GenerateOutputLike]: ...
 
 
 @dataclass
@@ -117,23 +117,24 @@ class GenerationLoop:
         self._next_client = itertools.cycle(self.clients)
         self._semaphore = asyncio.Semaphore(cfg.concurrency * len(self.clients))
 
-    async def generate_sample(self, sample: Sample, client: EngineClient) -> Sample:
-        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
-            return sample  # finished in an earlier (partial) pass
-        params = sampling_params_for(self.cfg, sample)
-        if params["max_new_tokens"] <= 0:
-            sample.status = Status.TRUNCATED
-            return sample
-        async with self._semaphore:
-            out = await client.generate(
-                input_ids=sample.tokens, sampling_params=params, rid=f"sample-{sample.index}"
-            )
-        apply_output(sample, out)
-        return sample
-
     async def generate_group(self, group: Group) -> Group:
-        client = next(self._next_client)  # a group stays on one engine (prefix cache)
-        await asyncio.gather(*(self.generate_sample(s, client) for s in group))
+        """One batched /generate call per group: the group shares a prompt, so it stays on
+        one engine (prefix cache) and costs one HTTP round trip instead of n."""
+        todo = [s for s in group if s.status not in (Status.COMPLETED, Status.TRUNCATED)]
+        params = [sampling_params_for(self.cfg, s) for s in todo]
+        for s, p in zip(todo, params, strict=True):
+            if p["max_new_tokens"] <= 0:
+                s.status = Status.TRUNCATED
+        live = [(s, p) for s, p in zip(todo, params, strict=True) if p["max_new_tokens"] > 0]
+        if live:
+            client = next(self._next_client)
+            async with self._semaphore:
+                outs = await client.generate_batch(
+                    [s.tokens for s, _ in live], [p for _, p in live],
+                    rids=[f"sample-{s.index}" for s, _ in live],
+                )
+            for (s, _), out in zip(live, outs, strict=True):
+                apply_output(s, out)
         if self.reward_fn is not None or any("rm_type" in s.metadata for s in group):
             rewards = await asyncio.gather(
                 *(compute_reward(self.hook_args, s, self.reward_fn) for s in group)

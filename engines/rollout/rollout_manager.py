@@ -130,7 +130,9 @@ class RolloutManager:
         if self.rollout_fn is not None:
             groups = self.rollout_fn(self.cfg, rollout_id, step_source, False)
         else:
-            groups, stats = asyncio.run(self._generate(step_source))
+            groups, stats = asyncio.run(
+                run_generation(self.cfg, self.engine_urls, self.reward_fn, step_source)
+            )
             metrics.update(stats.as_metrics())
         uri = write_samples(
             self.layout.store, flatten(groups), step_dir(rollout_id), "rollout.arrow",
@@ -138,11 +140,6 @@ class RolloutManager:
         )
         self.data_source.save(self.layout, rollout_id, self._compression())
         return {"uri": uri, "groups": len(groups), **metrics}
-
-    async def _generate(self, source: StepDataSource) -> tuple[list[Group], Any]:
-        clients = [SGLangClient(url) for url in self.engine_urls]
-        loop = GenerationLoop(self.cfg.rollout, clients, self.reward_fn, hook_args=self.cfg)
-        return await loop.run(source.get_samples(self.cfg.rollout.submit_batch_size))
 
     def filter(self, rollout_id: int) -> dict[str, Any]:
         """Keep whole groups that finished; aborted groups wait in the buffer; trim to
@@ -190,15 +187,30 @@ class RolloutManager:
         }
 
     def evaluate(self, weight_version: int) -> dict[str, float]:
-        metrics = asyncio.run(
-            evaluate_datasets(
-                self.cfg.eval.datasets,
-                [SGLangClient(url) for url in self.engine_urls],
-                self.tokenizer,
-                self.cfg.rollout,
-                self.reward_fn,
-                self.cfg,
-            )
-        )
+        metrics = asyncio.run(run_evaluation(self.cfg, self.engine_urls, self.tokenizer, self.reward_fn))
         self.layout.save_eval(weight_version, metrics)
         return metrics
+
+
+# Module-level on purpose: an `async def` method would turn the Ray actor into an async actor.
+async def run_generation(
+    cfg: RollflowConfig, urls: list[str], reward_fn: Any, source: StepDataSource
+) -> tuple[list[Group], Any]:
+    clients = [SGLangClient(url) for url in urls]
+    try:
+        loop = GenerationLoop(cfg.rollout, clients, reward_fn, hook_args=cfg)
+        return await loop.run(source.get_samples(cfg.rollout.submit_batch_size))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+
+async def run_evaluation(
+    cfg: RollflowConfig, urls: list[str], tokenizer: Any, reward_fn: Any
+) -> dict[str, float]:
+    clients = [SGLangClient(url) for url in urls]
+    try:
+        return await evaluate_datasets(
+            cfg.eval.datasets, clients, tokenizer, cfg.rollout, reward_fn, cfg
+        )
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))

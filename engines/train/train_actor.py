@@ -21,14 +21,15 @@ def _torch_backend(cfg: RollflowConfig) -> Any:
     from engines.train.torch_backend import TorchTrainBackend
 
     return TorchTrainBackend(
-        cfg.train, cfg.algorithm, cfg.rollout.temperature, cfg.cluster.actor_num_threads
+        cfg.train, cfg.algorithm, cfg.rollout.temperature, cfg.cluster.actor_num_threads,
+        reward_key=cfg.rollout.reward_key,
     )
 
 
 def _mock_backend(cfg: RollflowConfig) -> Any:
     from engines.train.mock_backend import MockTrainBackend
 
-    return MockTrainBackend(cfg.train, cfg.algorithm)
+    return MockTrainBackend(cfg.train, cfg.algorithm, cfg.rollout.temperature)
 
 
 TRAIN_BACKENDS: dict[str, Callable[[RollflowConfig], Any]] = {

@@ -1,0 +1,147 @@
+"""From a list of `Sample`s to padded tensors, and from logits to response log-probs.
+
+Layout. Sequences are right-padded to `[batch, seq_len]`. Every per-token quantity the
+algorithms use lives in *response space* `[batch, max_response_len]`: slot `t` is response
+token `t` of that sample, which a causal LM predicts from the logits at absolute position
+`prompt_len + t - 1`. `logit_index` holds that position for every slot, so one gather turns
+full-sequence logits into response-aligned logits, and the result lines up one-to-one with
+`Sample.loss_mask` and `Sample.rollout_log_probs`.
+
+Right padding is safe without position-id tricks: with a causal mask, pad tokens at the end
+never influence the real tokens before them.
+
+Micro-batches are bounded by *padded* tokens (batch * longest sequence), the number that
+actually drives activation memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from storage.sample import Sample
+
+
+def log_probs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) at `targets`; `[..., V]` x `[...]` -> `[...]`.
+
+    The engine samples from the tempered distribution, so the trainer must score tokens
+    under the same temperature for the importance ratio to be right. Temperature 0 (greedy)
+    has no tempered distribution and is treated as 1.
+    """
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature the log-probs are computed at (0 means greedy -> 1)."""
+    return temperature if temperature > 0 else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedBatch:
+    """Right-padded model inputs plus response-space indices and masks for `len(samples)`
+    samples. Shapes: `[B, L]` for inputs, `[B, R]` for response space."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    logit_index: Tensor
+    targets: Tensor
+    response_mask: Tensor
+    loss_mask: Tensor
+    response_lengths: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum().item())
+
+
+def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:
+    """Pad `samples` to one batch; every sample needs a non-empty prompt (the first response
+    token is predicted from the last prompt position)."""
+    if not samples:
+        raise ValueError("cannot build a batch from zero samples")
+    seq_len = max(len(s.tokens) for s in samples)
+    resp_len = max(max(s.response_length for s in samples), 1)
+    b = len(samples)
+    input_ids = torch.full((b, seq_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, seq_len), dtype=torch.long)
+    logit_index = torch.zeros((b, resp_len), dtype=torch.long)
+    targets = torch.zeros((b, resp_len), dtype=torch.long)
+    response_mask = torch.zeros((b, resp_len), dtype=torch.float32)
+    loss_mask = torch.zeros((b, resp_len), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n, r, p = len(s.tokens), s.response_length, s.prompt_length
+        if p < 1:
+            raise ValueError(f"sample {s.index}: needs at least one prompt token")
+        if len(s.loss_mask) != r:
+            raise ValueError(f"sample {s.index}: loss_mask has {len(s.loss_mask)} != {r} entries")
+        input_ids[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        if r == 0:
+            continue
+        logit_index[i, :r] = torch.arange(p - 1, p - 1 + r)
+        targets[i, :r] = torch.tensor(s.response_tokens, dtype=torch.long)
+        response_mask[i, :r] = 1.0
+        loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    return PaddedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        logit_index=logit_index,
+        targets=targets,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        response_lengths=tuple(s.response_length for s in samples),
+    )
+
+
+def gather_response_logits(logits: Tensor, logit_index: Tensor) -> Tensor:
+    """`[B, L, V]` full-sequence logits -> `[B, R, V]` logits that predict each response slot."""
+    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(-1)
+    return logits[rows, logit_index]
+
+
+def pad_response_values(values: Sequence[Tensor], width: int, fill: float = 0.0) -> Tensor:
+    """Stack per-sample 1-D response tensors (ragged) into `[B, width]` float32."""
+    out = torch.full((len(values), width), fill, dtype=torch.float32)
+    for i, v in enumerate(values):
+        out[i, : v.numel()] = v.float()
+    return out
+
+
+def unpad_response_values(x: Tensor, response_lengths: Sequence[int]) -> list[list[float]]:
+    """Inverse of `pad_response_values`: one Python list per sample, response tokens only."""
+    rows = x.detach().cpu().tolist()
+    return [row[:n] for row, n in zip(rows, response_lengths, strict=True)]
+
+
+def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Pack sample indices into micro-batches whose padded size (count * longest) stays
+    within `max_tokens`; a single sample longer than the budget gets its own micro-batch.
+
+    Samples are taken longest first, so similar lengths share a batch and padding is small;
+    the returned indices refer to positions in `lengths`. Any packing gives the same
+    gradients (the loss is a sum of micro-batch terms), so only speed depends on this.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        # Descending order: the first sample of a batch is its longest.
+        if current and (len(current) + 1) * longest > max_tokens:
+            batches.append(current)
+            current = []
+        if not current:
+            longest = lengths[i]
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches

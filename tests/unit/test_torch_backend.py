@@ -1,0 +1,239 @@
+"""Batching helpers and the torch / mock train backends on the session's tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.train.batching import (
+    build_padded_batch,
+    log_probs_from_logits,
+    split_micro_batches,
+)
+from engines.train.metrics import TrainBackend
+from engines.train.mock_backend import MockTrainBackend, index_checksum
+from engines.train.torch_backend import TorchTrainBackend
+from flows.config import AlgorithmConfig, TrainConfig
+from storage.sample import Sample
+
+VOCAB_LOW, VOCAB_HIGH = 4, 70  # real characters of the char tokenizer
+
+
+def make_samples(n: int, group_size: int = 4, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p_len, r_len = (int(x) for x in torch.randint(2, 8, (2,), generator=g))
+        tokens = torch.randint(VOCAB_LOW, VOCAB_HIGH, (p_len + r_len,), generator=g).tolist()
+        mask = [1] * r_len
+        mask[0] = 0 if r_len > 2 else 1  # a tool token now and then
+        out.append(
+            Sample(
+                index=100 + i,
+                group_index=i // group_size,
+                tokens=tokens,
+                response_length=r_len,
+                loss_mask=mask,
+                reward=float((i * 7) % 3 == 0),
+            )
+        )
+    return out
+
+
+def make_backend(
+    model_dir: str,
+    algo: dict[str, Any] | None = None,
+    temperature: float = 1.0,
+    **train_kw: Any,
+) -> TorchTrainBackend:
+    cfg = TrainConfig.model_validate({"model_path": model_dir, "lr": 1e-3, "seed": 7, **train_kw})
+    return TorchTrainBackend(
+        cfg, AlgorithmConfig.model_validate(algo or {}), temperature, num_threads=1
+    )
+
+
+# -- batching -------------------------------------------------------------------------------
+def test_log_probs_from_logits_by_hand() -> None:
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    target = torch.tensor([1])
+    # softmax(0, ln 3) = (1/4, 3/4)
+    assert log_probs_from_logits(logits, target, 1.0).item() == pytest.approx(math.log(0.75))
+    assert log_probs_from_logits(logits, target, 0.0).item() == pytest.approx(math.log(0.75))
+    # T = 2: logits (0, ln 3 / 2) -> p = sqrt 3 / (1 + sqrt 3)
+    s3 = math.sqrt(3.0)
+    assert log_probs_from_logits(logits, target, 2.0).item() == pytest.approx(
+        math.log(s3 / (1 + s3))
+    )
+
+
+def test_padded_batch_aligns_response_tokens_with_their_logits() -> None:
+    a = Sample(index=0, group_index=0, tokens=[5, 6, 7, 8, 9], response_length=2, loss_mask=[1, 0])
+    b = Sample(index=1, group_index=0, tokens=[10, 11, 12], response_length=1, loss_mask=[1])
+    batch = build_padded_batch([a, b], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # a: prompt 3 tokens, response token 0 (=8) is predicted at position 2, token 1 (=9) at 3
+    assert batch.logit_index[0].tolist() == [2, 3]
+    assert batch.targets[0].tolist() == [8, 9]
+    assert batch.logit_index[1, 0].item() == 1 and batch.targets[1, 0].item() == 12
+    assert batch.response_mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    assert batch.loss_mask.tolist() == [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_split_micro_batches_respects_padded_budget() -> None:
+    lengths = [10, 3, 7, 2]
+    # longest first: 10 alone (2 * 10 > 14); 7 + 3 -> 2 * 7 = 14; adding 2 -> 3 * 7 = 21 > 14
+    assert split_micro_batches(lengths, 14) == [[0], [2, 1], [3]]
+    assert split_micro_batches([20, 1], 5) == [[0], [1]]  # oversize sample alone
+    batches = split_micro_batches([5, 9, 2, 2, 8, 4, 7], 18)
+    assert sorted(i for mb in batches for i in mb) == list(range(7))
+    for mb in batches:
+        assert len(mb) * max([5, 9, 2, 2, 8, 4, 7][i] for i in mb) <= 18
+
+
+# -- torch backend ----------------------------------------------------------------------------
+def test_compute_log_probs_matches_a_manual_forward(tiny_model_dir: str) -> None:
+    backend = make_backend(tiny_model_dir, temperature=0.7, max_tokens_per_micro_batch=40)
+    samples = make_samples(6)
+    got = backend.compute_log_probs(samples)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for s, lps in zip(samples, got, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0]
+        logp = torch.log_softmax(logits / 0.7, dim=-1)
+        p = s.prompt_length
+        want = [logp[p + t - 1, s.tokens[p + t]].item() for t in range(s.response_length)]
+        assert len(lps) == s.response_length
+        assert lps == pytest.approx(want, abs=1e-5)
+
+
+def test_train_advances_version_and_is_idempotent(tiny_model_dir: str) -> None:
+    backend = make_backend(tiny_model_dir)
+    samples = make_samples(8)
+    assert backend.version == 0
+    metrics = backend.train(samples, rollout_id=0)
+    assert backend.version == 1
+    assert metrics["num_samples"] == 8 and metrics["num_optimizer_steps"] == 1
+    assert metrics["weight_version"] == 1 and metrics["skipped"] == 0.0
+    rewards = torch.tensor([s.reward for s in samples])
+    assert metrics["reward_mean"] == pytest.approx(rewards.mean().item())
+    assert metrics["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # group-centred
+    # on-policy first step: ratio is exactly 1
+    assert metrics["clipfrac"] == 0.0 and metrics["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    before = backend.state_dict_for_engine()
+    assert backend.train(samples, rollout_id=0) == {"skipped": 1.0}
+    after = backend.state_dict_for_engine()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert backend.version == 1
+    backend.train(samples, rollout_id=1)
+    assert backend.version == 2
+
+
+def test_sft_loss_decreases_on_a_fixed_batch(tiny_model_dir: str) -> None:
+    backend = make_backend(tiny_model_dir, algo={"loss_type": "sft_loss"})
+    samples = make_samples(8)
+    for s in samples:
+        s.reward = None  # SFT needs no reward
+    losses = [backend.train(samples, rollout_id=k)["loss"] for k in range(6)]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+def test_micro_batching_gives_the_same_update(tiny_model_dir: str) -> None:
+    samples = make_samples(12, group_size=4)
+    algo = {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01}
+    big = make_backend(tiny_model_dir, lr=1e-4, clip_grad=100.0, algo=algo)
+    small = make_backend(
+        tiny_model_dir, lr=1e-4, clip_grad=100.0, algo=algo, max_tokens_per_micro_batch=16
+    )
+    m_big = big.train(samples, 0)
+    m_small = small.train(samples, 0)
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert m_small[key] == pytest.approx(m_big[key], abs=1e-5), key
+    params_big = dict(big.model.named_parameters())
+    for name, p in small.model.named_parameters():
+        g_small = small.optimizer.state[p]["exp_avg"]  # (1 - beta1) * grad after one step
+        g_big = big.optimizer.state[params_big[name]]["exp_avg"]
+        torch.testing.assert_close(g_small, g_big, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(p.detach(), params_big[name].detach(), atol=1e-5, rtol=0)
+
+
+def test_checkpoint_resume_continues_exactly(tiny_model_dir: str, tmp_path: Path) -> None:
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    train_kw: dict[str, Any] = {"global_batch_size": 4, "num_epochs_per_rollout": 2}
+    algo = {"entropy_coef": 0.01}
+    first, second = make_samples(8, seed=1), make_samples(8, seed=2)
+    uninterrupted = make_backend(tiny_model_dir, algo, **train_kw)
+    uninterrupted.train(first, 0)
+    uninterrupted.save_checkpoint(ckpt)
+    expected = uninterrupted.train(second, 1)
+
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        assert json.load(f)["version"] == 1
+    for name in ("config.json", "optimizer.pt", "rng.pt", "tokenizer.json"):
+        assert os.path.exists(os.path.join(ckpt, name)), name
+    resumed = make_backend(tiny_model_dir, algo, **train_kw)
+    resumed.load_checkpoint(ckpt)
+    assert resumed.version == 1
+    got = resumed.train(second, 1)
+    assert got["num_optimizer_steps"] == 4
+    for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    a, b = uninterrupted.state_dict_for_engine(), resumed.state_dict_for_engine()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # starting from `train.load` restores the same state
+    from_load = TorchTrainBackend(
+        TrainConfig.model_validate(
+            {"model_path": tiny_model_dir, "load": ckpt, "lr": 1e-3, "seed": 7, **train_kw}
+        ),
+        AlgorithmConfig.model_validate(algo),
+        num_threads=1,
+    )
+    assert from_load.version == 1
+    assert from_load.train(second, 1)["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+
+
+def test_use_rollout_logprobs_and_state_dict_for_engine(tiny_model_dir: str) -> None:
+    backend = make_backend(tiny_model_dir, algo={"use_rollout_logprobs": True})
+    samples = make_samples(8)
+    for s, lps in zip(samples, backend.compute_log_probs(samples), strict=True):
+        s.rollout_log_probs = [x + 0.5 for x in lps]  # engine scored the tokens 0.5 higher
+    metrics = backend.train(samples, 0)
+    # ppo_kl = old - new = +0.5 on every masked token (before the update)
+    assert metrics["approx_kl"] == pytest.approx(0.5, abs=1e-4)
+    state = backend.state_dict_for_engine()
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert set(state) == set(fresh.state_dict())
+    fresh.load_state_dict(state)
+    name = next(iter(state))
+    state[name].add_(1.0)  # a copy: the policy is untouched
+    assert not torch.equal(state[name], backend.model.state_dict()[name])
+
+
+# -- mock backend ---------------------------------------------------------------------------
+def test_mock_backend_records_trains_and_checkpoints(tmp_path: Path) -> None:
+    mock = MockTrainBackend(fail_at_rollout=1)
+    assert isinstance(mock, TrainBackend)
+    samples = make_samples(4)
+    m0 = mock.train(samples, 0)
+    assert m0["num_samples"] == 4 and m0["weight_version"] == 1
+    assert m0["reward_mean"] == pytest.approx(sum(s.scalar_reward() for s in samples) / 4)
+    assert m0["index_checksum"] == index_checksum([s.index for s in samples])
+    assert mock.train(samples, 0) == {"skipped": 1.0}
+    with pytest.raises(RuntimeError, match="injected"):
+        mock.train(samples[:2], 1)
+    mock.train(samples[:2], 1)  # the retry succeeds
+    assert mock.trained_indices() == [100, 101, 102, 103, 100, 101]
+    assert mock.compute_log_probs(samples[:1]) == [[-1 / 3] * samples[0].response_length]
+    mock.save_checkpoint(str(tmp_path))
+    other = MockTrainBackend()
+    other.load_checkpoint(str(tmp_path))
+    assert other.version == 2 and other.trained_by_rollout() == mock.trained_by_rollout()
+    assert other.state_dict_for_engine()["mock.version"].item() == 2.0
