@@ -35,12 +35,12 @@ def run_once(
 ) -> dict[str, Any]:
     record = layout.task_record(rollout_id, name)
     if record is not None:
-        return {**record, "skipped": True}
+        return {**record, "from_storage": True}
     start = time.perf_counter()
     record = work()
     record["seconds"] = time.perf_counter() - start
     layout.save_task_record(rollout_id, name, record)
-    return {**record, "skipped": False}
+    return {**record, "from_storage": False}
 
 
 # Transient faults (an engine or actor briefly unreachable) are retried; the record check

@@ -39,6 +39,9 @@ class TrainMetrics:
     train_tokens_per_s: float
     weight_version: float
     skipped: float = 0.0
+    rollout_logprob_abs_diff: float = float("nan")
+    """Mean |old log-prob - engine log-prob| over response tokens: ~0 when the engine runs
+    the trainer's weights and numerics (slime's train/rollout mismatch metric)."""
 
     def to_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}

@@ -355,4 +355,19 @@ def _summarise(
         num_optimizer_steps=float(len(steps)),
         train_tokens_per_s=tokens_per_s,
         weight_version=float(version),
+        rollout_logprob_abs_diff=rollout_logprob_abs_diff(samples, prep.old_log_probs),
     )
+
+
+def rollout_logprob_abs_diff(
+    samples: list[Sample], old_log_probs: list[Tensor | None] | None
+) -> float:
+    """Token-mean |trainer - engine| log-prob over samples that carry engine log-probs."""
+    total, count = 0.0, 0
+    for s, old in zip(samples, old_log_probs or [], strict=False):
+        if old is None or len(s.rollout_log_probs) != s.response_length or not s.response_length:
+            continue
+        engine = torch.tensor(s.rollout_log_probs, dtype=old.dtype)
+        total += float((old.detach() - engine).abs().sum())
+        count += s.response_length
+    return total / count if count else float("nan")

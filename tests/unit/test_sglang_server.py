@@ -1,0 +1,240 @@
+"""The SGLang HTTP surface, end to end: EngineActor's uvicorn server driven by SGLangClient."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.rollout.embedded_generator import GenRequest, GenResult, SamplingParams, ShouldAbort
+from engines.rollout.engine_actor import EngineActor, build_generator
+from engines.rollout.mock_generator import MockGenerator
+from engines.rollout.sglang_client import SGLangClient, SGLangError
+from engines.rollout.sglang_server import BatchScheduler
+from examples.arithmetic.build_model import save_tiny_model
+from flows.config import EngineConfig
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("srv") / "tiny"))
+
+
+@pytest.fixture()
+def engine(model_dir: str) -> Iterator[EngineActor]:
+    threads = torch.get_num_threads()
+    actor = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, num_threads=1)
+    yield actor
+    actor.shutdown()
+    torch.set_num_threads(threads)
+
+
+def prompt_ids(engine: EngineActor, text: str) -> list[int]:
+    return engine.generator.tokenize(text)
+
+
+def test_generate_single_and_batch_round_trip(engine: EngineActor) -> None:
+    prompts = [prompt_ids(engine, t) for t in ["1+2=", "what is 12*3?", "x"]]
+    direct = engine.generator.generate(
+        [GenRequest(str(i), p, SamplingParams(**GREEDY)) for i, p in enumerate(prompts)],  # type: ignore[arg-type]
+        lambda rid: False,
+    )
+
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            single = await client.generate(prompts[0], GREEDY, rid="one")
+            batch = await client.generate_batch(prompts, GREEDY, rids=["a", "b", "c"])
+            no_lp = await client.generate(prompts[1], GREEDY, return_logprob=False)
+        assert single.output_ids == direct[0].output_ids and single.text == direct[0].text
+        assert single.log_probs == pytest.approx(direct[0].output_logprobs, abs=1e-6)
+        assert single.finish_reason == {"type": "length", "length": 8}
+        assert single.weight_version == 0
+        assert [b.output_ids for b in batch] == [d.output_ids for d in direct]
+        assert no_lp.log_probs == [] and no_lp.output_ids == direct[1].output_ids
+
+    asyncio.run(main())
+
+
+def test_raw_response_has_sglang_shape(engine: EngineActor) -> None:
+    body = {"text": "1+1=", "sampling_params": GREEDY, "return_logprob": True, "rid": "shape"}
+    out = httpx.post(f"{engine.url()}/generate", json=body, timeout=30).json()
+    meta = out["meta_info"]
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert meta["id"] == "shape" and meta["completion_tokens"] == 8
+    assert meta["prompt_tokens"] == len(prompt_ids(engine, "1+1="))
+    assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(t[2] is None and t[0] < 0 for t in meta["output_token_logprobs"])
+    batch = httpx.post(
+        f"{engine.url()}/generate", json={**body, "text": ["1", "2"], "rid": None}, timeout=30
+    ).json()
+    assert isinstance(batch, list) and len(batch) == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 2.0}}, "top_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop": 3}}, "stop"),
+        ({"input_ids": [], "sampling_params": {}}, "input_ids"),
+        ({"input_ids": [1, 10**6]}, "input_ids"),
+        ({"sampling_params": {}}, "input_ids"),
+        ({"input_ids": [[1], [2]], "rid": ["only-one"]}, "rid"),
+        ({"input_ids": [1], "stream": True}, "stream"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field(
+    engine: EngineActor, body: dict[str, Any], field: str
+) -> None:
+    response = httpx.post(f"{engine.url()}/generate", json=body, timeout=30)
+    assert response.status_code == 400
+    assert field in response.json()["error"]["message"]
+
+
+def test_invalid_json_is_400(engine: EngineActor) -> None:
+    response = httpx.post(f"{engine.url()}/generate", content=b"{nope", timeout=30)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_client_raises_with_server_message(engine: EngineActor) -> None:
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            with pytest.raises(SGLangError, match="top_k") as err:
+                await client.generate([1, 2], {"top_k": 0})
+        assert err.value.status_code == 400
+
+    asyncio.run(main())
+
+
+def test_abort_over_http_returns_partial_output(engine: EngineActor) -> None:
+    """A long batch is running; aborting one rid, then all, ends each with partial output."""
+    params = {"max_new_tokens": 120, "ignore_eos": True, "sampling_seed": 0}
+    prompts = [prompt_ids(engine, "1+2=")] * 64
+    rids = [f"long-{i}" for i in range(len(prompts))]
+
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            task = asyncio.create_task(client.generate_batch(prompts, params, rids=rids))
+            while await client.flush_cache():
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            await client.abort(rids[0])
+            await asyncio.sleep(0.05)
+            await client.abort_all()
+            outs = await task
+        for out in outs:
+            assert out.finish_reason["type"] == "abort"
+            assert len(out.output_ids) < 120 and len(out.log_probs) == len(out.output_ids)
+        assert 0 < len(outs[0].output_ids) < len(outs[1].output_ids)
+        assert await client_is_idle(engine)
+
+    asyncio.run(main())
+
+
+async def client_is_idle(engine: EngineActor) -> bool:
+    async with SGLangClient(engine.url()) as client:
+        return await client.flush_cache()
+
+
+def await_flush(engine: EngineActor) -> bool:
+    return httpx.post(f"{engine.url()}/flush_cache", timeout=30).status_code == 200
+
+
+def test_control_endpoints(engine: EngineActor) -> None:
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            assert await client.health()
+            assert await client.health_generate()
+            assert await client.flush_cache()
+            info = await client.model_info()
+            assert info["is_generation"] is True and info["weight_version"] == 0
+            await client.abort("no-such-request")
+
+    asyncio.run(main())
+    assert httpx.get(f"{engine.url()}/flush_cache", timeout=30).status_code == 200
+
+
+def test_update_weights_from_tensor_and_disk(engine: EngineActor, tmp_path: Path) -> None:
+    prompt = prompt_ids(engine, "3*3=")
+    state = {
+        k: v + 0.05 * torch.randn_like(v) for k, v in engine.generator.model.state_dict().items()
+    }
+
+    async def generate() -> Any:
+        async with SGLangClient(engine.url()) as client:
+            return await client.generate(prompt, GREEDY)
+
+    before = asyncio.run(generate())
+    assert engine.update_weights_from_tensor(state, 1) == 1 == engine.weight_version()
+    after = asyncio.run(generate())
+    assert after.weight_version == 1 and after.log_probs != before.log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(engine.config.model_path)
+    model.save_pretrained(tmp_path / "v2")
+
+    async def from_disk() -> dict[str, Any]:
+        async with SGLangClient(engine.url()) as client:
+            bad = httpx.post(f"{engine.url()}/update_weights_from_disk", json={}, timeout=30)
+            assert bad.status_code == 400 and "model_path" in bad.json()["error"]["message"]
+            with pytest.raises(SGLangError):
+                await client.update_weights_from_disk(str(tmp_path / "missing"), 9)
+            return await client.update_weights_from_disk(str(tmp_path / "v2"), 2)
+
+    assert asyncio.run(from_disk())["success"] is True
+    restored = asyncio.run(generate())
+    assert restored.weight_version == 2 and restored.output_ids == before.output_ids
+    assert restored.log_probs == pytest.approx(before.log_probs, abs=1e-6)
+
+
+def test_mock_backend_serves_the_same_protocol(model_dir: str) -> None:
+    actor = EngineActor(EngineConfig(backend="mock", model_path=model_dir), 1)
+    try:
+
+        async def main() -> None:
+            async with SGLangClient(actor.url()) as client:
+                out = await client.generate([5, 6], {"max_new_tokens": 4, "ignore_eos": True})
+                assert len(out.output_ids) == 4 and out.finish_reason["type"] == "length"
+                assert await client.health_generate()
+
+        asyncio.run(main())
+        assert actor.update_weights_from_tensor({}, 5) == 5
+    finally:
+        actor.shutdown()
+    with pytest.raises(ValueError, match="sglang"):
+        build_generator(EngineConfig(backend="sglang", urls=["http://x"]), 0)
+
+
+class CountingGenerator(MockGenerator):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=32, eos_token_id=0)
+        self.batch_sizes: list[int] = []
+
+    def generate(self, requests: list[GenRequest], should_abort: ShouldAbort) -> list[GenResult]:
+        self.batch_sizes.append(len(requests))
+        return super().generate(requests, should_abort)
+
+
+def test_scheduler_batches_concurrent_requests() -> None:
+    gen = CountingGenerator()
+    scheduler = BatchScheduler(gen, max_batch_size=16, batch_wait_s=0.02)
+    scheduler.start()
+    try:
+        reqs = [GenRequest(f"q{i}", [1, 2, i], SamplingParams(max_new_tokens=3)) for i in range(40)]
+        futures = [f for r in reqs for f in scheduler.submit([r])]
+        results = [f.result(timeout=10) for f in futures]
+        with pytest.raises(ValueError, match="Duplicate"):
+            scheduler.submit([reqs[0], reqs[0]])
+    finally:
+        scheduler.stop()
+    assert [r.rid for r in results] == [r.rid for r in reqs]
+    assert sum(gen.batch_sizes) == 40 and max(gen.batch_sizes) == 16 and len(gen.batch_sizes) <= 4
