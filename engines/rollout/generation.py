@@ -130,7 +130,8 @@ class GenerationLoop:
             client = next(self._next_client)
             async with self._semaphore:
                 outs = await client.generate_batch(
-                    [s.tokens for s, _ in live], [p for _, p in live],
+                    [s.tokens for s, _ in live],
+                    [p for _, p in live],
                     rids=[f"sample-{s.index}" for s, _ in live],
                 )
             for (s, _), out in zip(live, outs, strict=True):

@@ -57,7 +57,9 @@ class RolloutManager:
     def __init__(self, cfg: RollflowConfig) -> None:
         self.cfg = cfg
         self.layout = RunLayout.open(
-            cfg.storage.uri, cfg.storage.run_name, cfg.storage.endpoint_url,
+            cfg.storage.uri,
+            cfg.storage.run_name,
+            cfg.storage.endpoint_url,
             cfg.storage.storage_options,
         )
         self.tokenizer = self._load_tokenizer()
@@ -116,7 +118,10 @@ class RolloutManager:
         self._restore_source(rollout_id)
         groups = self.data_source.get_samples(self.cfg.rollout.submit_batch_size, rollout_id)
         uri = write_samples(
-            self.layout.store, flatten(groups), step_dir(rollout_id), "prompts.arrow",
+            self.layout.store,
+            flatten(groups),
+            step_dir(rollout_id),
+            "prompts.arrow",
             compression=self._compression(),
         )
         self.data_source.save(self.layout, rollout_id, self._compression())
@@ -124,7 +129,9 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> dict[str, Any]:
         self.data_source.load(self.layout, rollout_id)
-        drawn = groups_in_order(read_samples(self.layout.store, step_dir(rollout_id), "prompts.arrow"))
+        drawn = groups_in_order(
+            read_samples(self.layout.store, step_dir(rollout_id), "prompts.arrow")
+        )
         step_source = StepDataSource(drawn, self.data_source, rollout_id)
         metrics: dict[str, Any] = {}
         if self.rollout_fn is not None:
@@ -135,7 +142,10 @@ class RolloutManager:
             )
             metrics.update(stats.as_metrics())
         uri = write_samples(
-            self.layout.store, flatten(groups), step_dir(rollout_id), "rollout.arrow",
+            self.layout.store,
+            flatten(groups),
+            step_dir(rollout_id),
+            "rollout.arrow",
             compression=self._compression(),
         )
         self.data_source.save(self.layout, rollout_id, self._compression())
@@ -144,7 +154,9 @@ class RolloutManager:
     def filter(self, rollout_id: int) -> dict[str, Any]:
         """Keep whole groups that finished; aborted groups wait in the buffer; trim to
         rollout_batch_size (the surplus returns to the buffer, whole)."""
-        groups = groups_in_order(read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow"))
+        groups = groups_in_order(
+            read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow")
+        )
         finished = [g for g in groups if all(s.status != Status.ABORTED for s in g)]
         failed = [g for g in finished if any(s.status == Status.FAILED for s in g)]
         finished = [g for g in finished if g not in failed]
@@ -174,7 +186,10 @@ class RolloutManager:
             s.reward = s.scalar_reward(self.cfg.rollout.reward_key)
             rewards.append(s.reward)
         uri = write_samples(
-            self.layout.store, train, step_dir(rollout_id), "train.arrow",
+            self.layout.store,
+            train,
+            step_dir(rollout_id),
+            "train.arrow",
             compression=self._compression(),
         )
         n = max(len(rewards), 1)
@@ -187,7 +202,9 @@ class RolloutManager:
         }
 
     def evaluate(self, weight_version: int) -> dict[str, float]:
-        metrics = asyncio.run(run_evaluation(self.cfg, self.engine_urls, self.tokenizer, self.reward_fn))
+        metrics = asyncio.run(
+            run_evaluation(self.cfg, self.engine_urls, self.tokenizer, self.reward_fn)
+        )
         self.layout.save_eval(weight_version, metrics)
         return metrics
 

@@ -20,14 +20,18 @@ def _tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def sft_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> list[Group]:
+def sft_rollout(
+    args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
+) -> list[Group]:
     """Groups whose response is `label` + EOS, every response token trained (loss mask 1)."""
     tokenizer = _tokenizer(args.train.model_path or args.train.load)
     groups = data_source.get_samples(args.rollout.rollout_batch_size)
     for group in groups:
         for s in group:
             if s.label is None:
-                raise ValueError(f"SFT sample {s.index} (line {s.metadata.get('source_line')}) has no label")
+                raise ValueError(
+                    f"SFT sample {s.index} (line {s.metadata.get('source_line')}) has no label"
+                )
             response_ids = tokenizer.encode(s.label, add_special_tokens=False)
             response_ids.append(tokenizer.eos_token_id)
             s.tokens = list(s.tokens) + response_ids

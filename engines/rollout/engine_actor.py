@@ -1,0 +1,132 @@
+"""One rollout engine: a generator behind its own SGLang-compatible HTTP server.
+
+The actor is a plain class (wrapped with `ray.remote` where it is created) so tests drive it
+in-process. Rollouts reach it only over HTTP (`url()`), exactly like a real SGLang server;
+the actor methods are the control plane: weights arrive through Ray's object store as a
+state dict (`update_weights_from_tensor`) and the engine reports the version it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import torch
+import uvicorn
+
+from engines.rollout.embedded_generator import EmbeddedGenerator, Generator
+from engines.rollout.mock_generator import MockGenerator
+from engines.rollout.sglang_server import BatchScheduler, create_app
+from flows.config import EngineConfig
+
+GeneratorFactory = Callable[[EngineConfig, int, int | None], Generator]
+_MOCK_VOCAB, _MOCK_EOS = 256, 0
+_KEEP_ALIVE_S = 60
+
+
+def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Generator:
+    if not config.model_path:
+        raise ValueError("engine.model_path is required by the embedded engine")
+    return EmbeddedGenerator(
+        config.model_path,
+        dtype=config.dtype,
+        max_batch_size=config.max_batch_size,
+        num_threads=num_threads,
+        seed=index,
+    )
+
+
+def _mock(config: EngineConfig, index: int, num_threads: int | None) -> Generator:
+    """Vocab and eos from the model's config.json when there is one, else a byte vocab."""
+    path = config.model_path
+    cfg_file = os.path.join(path, "config.json") if path else ""
+    if not os.path.exists(cfg_file):
+        return MockGenerator(_MOCK_VOCAB, _MOCK_EOS, None)
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    eos = cfg.get("eos_token_id", _MOCK_EOS)
+    return MockGenerator(int(cfg["vocab_size"]), eos[0] if isinstance(eos, list) else eos, path)
+
+
+GENERATOR_BACKENDS: dict[str, GeneratorFactory] = {"embedded": _embedded, "mock": _mock}
+
+
+def build_generator(config: EngineConfig, index: int, num_threads: int | None = None) -> Generator:
+    factory = GENERATOR_BACKENDS.get(config.backend)
+    if factory is None:
+        raise ValueError(
+            f"engine.backend {config.backend!r} has no in-process engine "
+            f"(in-process backends: {sorted(GENERATOR_BACKENDS)}); "
+            "'sglang' engines are external servers listed in engine.urls"
+        )
+    return factory(config, index, num_threads)
+
+
+class EngineActor:
+    """Generator + batch scheduler + uvicorn on a free port, in background threads."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int = 0,
+        num_threads: int | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.generator = build_generator(config, engine_index, num_threads)
+        self.scheduler = BatchScheduler(self.generator, max_batch_size=config.max_batch_size)
+        app = create_app(self.generator, self.scheduler)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((config.host, 0))
+        self._port = self._socket.getsockname()[1]
+        # uvicorn installs signal handlers only on the main thread, so a server thread
+        # leaves the actor's (or pytest's) SIGINT/SIGTERM handling alone.
+        uv_config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_keep_alive=_KEEP_ALIVE_S
+        )
+        self._server = uvicorn.Server(uv_config)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._socket]},
+            name=f"engine-{engine_index}-http",
+            daemon=True,
+        )
+        self._thread.start()
+        self._wait_healthy(startup_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"engine {self.engine_index}: HTTP server exited at startup")
+            try:
+                if httpx.get(f"{self.url()}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        raise TimeoutError(f"engine {self.engine_index}: no /health answer in {timeout_s}s")
+
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self._port}"
+
+    def weight_version(self) -> int:
+        return self.generator.weight_version
+
+    def update_weights_from_tensor(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        """Load the trainer's state dict (waits for the running batch); returns the version."""
+        self.generator.update_weights(state_dict, version)
+        return self.generator.weight_version
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10.0)
+        self.scheduler.stop()
+        self._socket.close()
