@@ -5,7 +5,8 @@ Like slime's train.py, the loop fits on a screen; the work lives in tasks and ac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 import ray
 from prefect import flow
@@ -42,10 +43,10 @@ def train(config: RollflowConfig) -> dict[str, Any]:
     if evaluate_now and config.eval.before_train:
         t.evaluate(ctx, start)
     total = config.rollout.num_rollout
-    progress_id = create_progress_artifact(
+    progress_id = cast(UUID, create_progress_artifact(
         100.0 * start / total, key=f"{config.storage.run_name.lower()}-steps".replace("_", "-"),
         description="rollout steps committed",
-    )
+    ))
     bar = _progress_bar(config, start)
     for rollout_id in range(start, total):
         metrics = rollout_step(config, rollout_id)

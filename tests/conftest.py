@@ -38,6 +38,7 @@ def ray_address() -> Iterator[str]:
     import ray
 
     ctx = ray.init(
+        address="local",  # never join a cluster left running by `rollflow` itself
         num_cpus=4, namespace="rollflow-tests", include_dashboard=False, log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
     )

@@ -34,11 +34,16 @@ FINISH_TO_STATUS = {
 
 
 class GenerateOutputLike(Protocol):
-    output_ids: list[int]
-    text: str
-    log_probs: list[float]
-    finish_reason: dict[str, Any]
-    weight_version: int
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def log_probs(self) -> list[float]: ...
+    @property
+    def finish_reason(self) -> dict[str, Any]: ...
+    @property
+    def weight_version(self) -> int: ...
 
 
 class EngineClient(Protocol):

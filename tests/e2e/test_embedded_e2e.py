@@ -25,8 +25,10 @@ def test_two_steps_embedded_engine_and_torch_trainer(
         data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
         backend="embedded",
         # A large lr so that an engine still on the old weights would show a clear mismatch.
-        overrides=["train.lr=0.01", "eval.datasets=[{name: test, path: %s, max_prompts: 8}]"
-                   % arithmetic_data["test"], "eval.before_train=true"],
+        overrides=[
+            "train.lr=0.01", "eval.before_train=true",
+            f"eval.datasets=[{{name: test, path: {arithmetic_data['test']}, max_prompts: 8}}]",
+        ],
     )
     result = train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)

@@ -169,6 +169,9 @@ def test_stop_strings_are_matched_and_trimmed(gen: EmbeddedGenerator) -> None:
     assert res[1].finish_reason == {"type": "stop", "matched": stop}
     assert res[1].text == text[: text.find(stop)]
     assert res[1].output_ids == full[1].output_ids[:end]
+    for i in (0, 2, 3):
+        if stop not in full[i].text:
+            assert res[i].output_ids == full[i].output_ids
     kept = gen.generate(requests(gen, PROMPTS[1:2], no_stop_trim=True, **kw))[0]
     assert kept.text == text[:end]
 
@@ -188,6 +191,9 @@ def test_abort_returns_partial_output(gen: EmbeddedGenerator) -> None:
     assert len(res[0].output_ids) == 10
     unaborted = gen.generate(reqs)
     assert unaborted[1].output_ids[:3] == res[1].output_ids
+    for i in (0, 2):
+        assert unaborted[i].output_ids == res[i].output_ids
+        assert unaborted[i].output_logprobs == pytest.approx(res[i].output_logprobs, abs=1e-5)
 
 
 def test_update_weights_changes_outputs_and_version(gen: EmbeddedGenerator) -> None:
@@ -200,9 +206,10 @@ def test_update_weights_changes_outputs_and_version(gen: EmbeddedGenerator) -> N
     assert gen.weight_version == 3 and gen.model_info()["weight_version"] == 3
     assert all(r.weight_version == 3 for r in after)
     assert [r.output_logprobs for r in after] != [r.output_logprobs for r in before]
-    with pytest.raises(RuntimeError):
-        gen.update_weights({"lm_head.weight": state["lm_head.weight"]}, version=4)
+    with pytest.raises(ValueError, match="missing"):
+        gen.update_weights({"lm_head.weight": torch.zeros_like(state["lm_head.weight"])}, 4)
     assert gen.weight_version == 3
+    assert torch.equal(gen.model.state_dict()["lm_head.weight"], state["lm_head.weight"])
     info = gen.model_info()
     assert info["is_generation"] is True and info["model_path"] == gen.model_path
 

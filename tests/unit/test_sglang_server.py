@@ -43,9 +43,9 @@ def prompt_ids(engine: EngineActor, text: str) -> list[int]:
 
 def test_generate_single_and_batch_round_trip(engine: EngineActor) -> None:
     prompts = [prompt_ids(engine, t) for t in ["1+2=", "what is 12*3?", "x"]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     direct = engine.generator.generate(
-        [GenRequest(str(i), p, SamplingParams(**GREEDY)) for i, p in enumerate(prompts)],  # type: ignore[arg-type]
-        lambda rid: False,
+        [GenRequest(str(i), p, params) for i, p in enumerate(prompts)], lambda rid: False
     )
 
     async def main() -> None:

@@ -1,0 +1,140 @@
+"""Per-step cost of the orchestration: Prefect flow runs + Ray actors vs plain Python.
+
+The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) runs three ways:
+  plain   - the stage objects in this process, called in a loop (no Prefect, no Ray)
+  ray     - the same calls on the run's detached Ray actors (no Prefect)
+  prefect - the real `train` flow: one `rollout_step` flow run per step, tasks calling actors
+The differences are what Ray and Prefect cost per step. Usage:
+  python -m bench.orchestration --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def make_config(root: str, run_name: str, steps: int, address: str | None) -> Any:
+    from examples.arithmetic.build_model import save_tiny_model
+    from examples.arithmetic.make_data import write_datasets
+    from flows.config_loader import config_from_dict
+
+    data = write_datasets(os.path.join(root, "data"), n_train=400, n_test=20, n_sft=10)
+    model = save_tiny_model(os.path.join(root, "model"), num_layers=1, hidden_size=32)
+    return config_from_dict({
+        "cluster": {"address": address, "namespace": "rollflow-bench"},
+        "data": {"prompt_data": data["train"]},
+        "rollout": {"num_rollout": steps, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
+                    "max_response_len": 4, "rm_type": "exact_match"},
+        "engine": {"backend": "mock", "model_path": model},
+        "train": {"backend": "mock", "model_path": model},
+        "storage": {"uri": os.path.join(root, "runs"), "run_name": run_name},
+        "logging": {"progress": False, "plot": False},
+    })
+
+
+def step_calls(rollout: Any, trainer: Any, engines: list[Any], call: Callable) -> Callable[[int], None]:
+    """One rollout step as direct calls; `call(method, *args)` runs it locally or on Ray."""
+
+    def step(k: int) -> None:
+        call(rollout.sample_prompts, k)
+        call(rollout.generate, k)
+        kept = call(rollout.filter, k)["kept_groups"]
+        call(rollout.reward, k, kept)
+        call(trainer.train, k)
+        weights = call(trainer.weights)
+        for e in engines:
+            call(e.update_weights_from_tensor, weights, k + 1)
+
+    return step
+
+
+def time_steps(step: Callable[[int], None], n: int) -> list[float]:
+    out = []
+    for k in range(n):
+        t = time.perf_counter()
+        step(k)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_plain(cfg: Any) -> list[float]:
+    from engines.rollout.engine_actor import EngineActor
+    from engines.rollout.rollout_manager import RolloutManager
+    from engines.train.train_actor import TrainActor
+
+    engine = EngineActor(cfg.engine, 0)
+    rollout, trainer = RolloutManager(cfg), TrainActor(cfg)
+    rollout.set_engines([engine.url()])
+    try:
+        return time_steps(step_calls(rollout, trainer, [engine], lambda m, *a: m(*a)), cfg.rollout.num_rollout)
+    finally:
+        engine.shutdown()
+
+
+def bench_ray(cfg: Any) -> list[float]:
+    import ray
+
+    from flows.actors import get_or_create_actors, kill_run_actors
+    from flows.cluster import connect
+
+    connect(cfg.cluster)
+    actors = get_or_create_actors(cfg)
+    try:
+        call = lambda m, *a: ray.get(m.remote(*a))  # noqa: E731
+        return time_steps(step_calls(actors.rollout, actors.trainer, actors.engines, call),
+                          cfg.rollout.num_rollout)
+    finally:
+        kill_run_actors(cfg)
+
+
+def bench_prefect(cfg: Any) -> list[float]:
+    from flows.actors import get_or_create_actors, kill_run_actors
+    from flows.cluster import connect
+    from flows.rollout_step import rollout_step
+
+    connect(cfg.cluster)
+    get_or_create_actors(cfg)
+    rollout_step(cfg, 0)  # warm-up: the Prefect server's first flow run pays for start-up
+    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"run_name": cfg.storage.run_name + "-2"})})
+    get_or_create_actors(cfg)
+    try:
+        return time_steps(lambda k: rollout_step(cfg, k), cfg.rollout.num_rollout)
+    finally:
+        kill_run_actors(cfg)
+
+
+def summary(name: str, times: list[float]) -> str:
+    return (f"{name:8s} median {1000 * statistics.median(times):7.1f} ms/step   "
+            f"mean {1000 * statistics.mean(times):7.1f} ms/step   (n={len(times)})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--address", default=None, help="Ray address (default: local head)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        results = {
+            "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
+            "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
+            "prefect": bench_prefect(make_config(root, "prefect", args.steps, args.address)),
+        }
+    for name, times in results.items():
+        print(summary(name, times))
+    plain, ray_, prefect = (statistics.median(results[k]) for k in ("plain", "ray", "prefect"))
+    print(f"Ray actors add      {1000 * (ray_ - plain):7.1f} ms/step")
+    print(f"Prefect flow adds   {1000 * (prefect - ray_):7.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
