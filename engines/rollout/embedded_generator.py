@@ -1,17 +1,15 @@
 """A transformers model that decodes like SGLang: batched, KV-cached, with per-token log-probs.
 
-The embedded engine exists so the SGLang client, the router and the abort/partial-rollout
-path run for real on a CPU machine. Its log-probs must equal what the trainer recomputes
-(a plain full-sequence forward), so prompts are left-padded with an explicit attention mask
-*and* position ids, and log-probs are taken from the untruncated distribution in float32,
-as SGLang reports them.
+The embedded engine lets the SGLang client, the router and the abort/partial-rollout path run
+for real on CPU. Its log-probs must equal what the trainer recomputes (a plain full-sequence
+forward), so prompts are left-padded with an explicit attention mask *and* position ids, and
+log-probs come from the untruncated distribution in float32, as SGLang reports them.
 
 Sampling draws one uniform number per (request, step) from a counter-based hash of
 (sampling_seed, step) and inverts the CDF: no per-row torch.Generator in the hot loop, and a
 seeded request samples the same tokens whatever else shares its batch.
 
-The request/result records and the `Generator` protocol live here because this is the
-reference implementation; the mock and the HTTP server import them.
+The request/result records and the `Generator` protocol live in this, the reference backend.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ class SamplingParams:
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (disabled) or >= 1"),
+            ("sampling_seed", -(2**63) <= (self.sampling_seed or 0) < 2**63, "must fit int64"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -153,22 +152,26 @@ def sample_tokens(
     greedy = temperature <= 0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        vocab = logits.shape[-1]
-        u = seeded_uniform(seeds, step)[:, None]
-        if bool((top_p < 1.0).any() or (top_k < vocab).any()):
-            sorted_logp, order = logp.sort(dim=-1, descending=True)
-            probs = sorted_logp.exp()
-            ranks = torch.arange(vocab)[None, :]
-            keep = (ranks < top_k[:, None]) & ((probs.cumsum(-1) - probs) <= top_p[:, None])
-            cdf = (probs * keep).cumsum(-1)
-            idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
-            sampled = order.gather(1, idx)[:, 0]
-        else:
-            cdf = logp.exp().cumsum(-1)
-            sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
-            sampled = sampled[:, 0]
-        tokens = torch.where(greedy, tokens, sampled)
+    if bool(greedy.all()):
+        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    vocab = logits.shape[-1]
+    order: torch.Tensor | None = None
+    if bool((top_p < 1.0).any() or (top_k < vocab).any()):
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_logp.exp()
+        keep = (torch.arange(vocab)[None, :] < top_k[:, None]) & (
+            (probs.cumsum(-1) - probs) <= top_p[:, None]
+        )
+        probs = probs * keep
+    else:
+        probs = logp.exp()
+    cdf = probs.cumsum(-1)
+    u = seeded_uniform(seeds, step)[:, None]
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    # float32 rounding can put u * total on the last cdf step; never pick a zero-prob token.
+    pick = torch.where(probs.gather(1, pick) > 0, pick, probs.argmax(-1, keepdim=True))
+    sampled = (pick if order is None else order.gather(1, pick))[:, 0]
+    tokens = torch.where(greedy, tokens, sampled)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
@@ -204,14 +207,16 @@ class EmbeddedGenerator:
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model_path = model_path
+        self.model_path = self.tokenizer_path = model_path
         self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         self.model.eval().requires_grad_(False)
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.model.config.vocab_size)
-        self.eos_ids = self._eos_ids()
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = {i for i in [self.tokenizer.eos_token_id, *gen_eos] if i is not None}
         self._pad_id = self.tokenizer.pad_token_id or 0
         self._rng = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
@@ -227,13 +232,24 @@ class EmbeddedGenerator:
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "weight_version": self._version,
         }
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy a full state dict in place (strict); waits for the running batch."""
+        """Copy a full state dict in place, after the running batch. Keys and shapes are
+        checked first: `load_state_dict` raises only after copying what matched."""
+        current = self.model.state_dict()
+        missing, unexpected = current.keys() - state_dict.keys(), state_dict.keys() - current.keys()
+        reshaped = [
+            k for k in current.keys() & state_dict.keys() if state_dict[k].shape != current[k].shape
+        ]
+        if missing or unexpected or reshaped:
+            raise ValueError(
+                f"state dict does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}, wrong shape {sorted(reshaped)[:5]}"
+            )
         with self._lock, torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
             self._version = version
@@ -253,12 +269,6 @@ class EmbeddedGenerator:
                 results.extend(self._generate_batch(chunk, should_abort))
         return results
 
-    def _eos_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id}
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-        return {i for i in ids if i is not None}
-
     def _new_batch(self, requests: list[GenRequest]) -> _Batch:
         params = [r.params for r in requests]
         budgets = [
@@ -269,12 +279,8 @@ class EmbeddedGenerator:
             list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids)) for p in params
         ]
         stop_width = max(1, max(len(s) for s in stops))
-        seeds = [
-            p.sampling_seed
-            if p.sampling_seed is not None
-            else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-            for p in params
-        ]
+        fresh = iter(torch.randint(0, 2**62, (len(params),), generator=self._rng).tolist())
+        seeds = [next(fresh) if p.sampling_seed is None else p.sampling_seed for p in params]
         n, steps = len(requests), max(1, max(budgets))
         return _Batch(
             requests=requests,
@@ -301,14 +307,13 @@ class EmbeddedGenerator:
             self._decode(batch, torch.tensor(rows, dtype=torch.long), should_abort)
         return self._results(batch)
 
-    def _decode(self, batch: _Batch, rows: torch.Tensor, should_abort: ShouldAbort) -> None:
+    def _decode(self, b: _Batch, rows: torch.Tensor, should_abort: ShouldAbort) -> None:
         """Prefill the live rows, then decode until every row has a finish reason.
 
         `rows` maps batch positions to request indices; finished rows ride along masked
         until they are a quarter of the batch, then the batch (and KV cache) is compacted.
         """
-        requests, b = batch.requests, batch
-        prompts = [torch.tensor(requests[i].input_ids, dtype=torch.long) for i in rows.tolist()]
+        prompts = [torch.tensor(b.requests[i].input_ids) for i in rows.tolist()]
         ids = torch.nn.utils.rnn.pad_sequence(
             prompts, batch_first=True, padding_value=self._pad_id, padding_side="left"
         )
@@ -347,7 +352,7 @@ class EmbeddedGenerator:
                 matched = self._match_stop(b, i, step) if i in b.stop_window else None
                 if matched is not None:
                     b.reasons[i] = {"type": "stop", "matched": matched}
-                elif should_abort(requests[i].rid):
+                elif should_abort(b.requests[i].rid):
                     b.reasons[i] = {"type": "abort", "message": "Abort before decoding finished."}
                 else:
                     continue

@@ -39,7 +39,6 @@ _NEUTRAL_PARAMS: dict[str, Any] = {
     "n": 1,
     "spaces_between_special_tokens": True,
 }
-_NULL_OK_PARAMS = {"regex", "json_schema", "ebnf", "logit_bias", "custom_params", "stream_interval"}
 _HEALTH_TIMEOUT_S = 20.0
 
 
@@ -51,15 +50,8 @@ class _Pending:
 
 def aborted_result(request: GenRequest, weight_version: int) -> GenResult:
     """What an aborted request that never reached the generator returns (as in SGLang)."""
-    return GenResult(
-        rid=request.rid,
-        output_ids=[],
-        output_logprobs=[],
-        text="",
-        finish_reason={"type": "abort", "message": "Abort before prefill."},
-        prompt_tokens=len(request.input_ids),
-        weight_version=weight_version,
-    )
+    reason = {"type": "abort", "message": "Abort before prefill."}
+    return GenResult(request.rid, [], [], "", reason, len(request.input_ids), weight_version)
 
 
 class BatchScheduler:
@@ -184,21 +176,24 @@ def error_response(message: str, status: int = 400) -> JSONResponse:
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
     """Broadcast a per-request field of a batch request, as GenerateReqInput does."""
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
-        return value
-    return [value] * n
+    if isinstance(value, list) and len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
+    return value if isinstance(value, list) else [value] * n
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    )
 
 
 def _typed(d: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     value = d.get(name)
     if value is None:
         return default
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
+        return float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"sampling_params.{name} must be {kind.__name__}, got {value!r}")
     return value
 
@@ -211,17 +206,14 @@ def parse_sampling_params(d: Any) -> SamplingParams:
         raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
     known = set(SamplingParams.__dataclass_fields__)
     for key, value in d.items():
-        neutral = _NEUTRAL_PARAMS.get(key, value if key in _NULL_OK_PARAMS else object())
-        if key not in known and value is not None and value != neutral:
+        if key not in known and value is not None and value != _NEUTRAL_PARAMS.get(key, value):
             raise ValueError(f"sampling_params.{key}={value!r} is not supported by this engine")
     stop = d.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"sampling_params.stop must be a string or list of strings: {stop!r}")
     stop_ids = d.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in stop_ids
-    ):
+    if not _is_int_list(stop_ids):
         raise ValueError(f"sampling_params.stop_token_ids must be a list of ints: {stop_ids!r}")
     return SamplingParams(
         max_new_tokens=_typed(d, "max_new_tokens", int, 128),
@@ -239,7 +231,8 @@ def parse_sampling_params(d: Any) -> SamplingParams:
 
 def _prompts(body: dict[str, Any], generator: Generator) -> tuple[list[list[int]], bool]:
     """The batch's token ids and whether the request was a batch (list) request."""
-    text, input_ids = body.get("text"), body.get("input_ids")
+    text: Any = body.get("text")
+    input_ids: Any = body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise ValueError("exactly one of text or input_ids must be given")
     if text is not None:
@@ -249,22 +242,21 @@ def _prompts(body: dict[str, Any], generator: Generator) -> tuple[list[list[int]
             return [generator.tokenize(t) for t in text], True
         raise ValueError("text must be a string or a non-empty list of strings")
     is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-    prompts = input_ids if is_batch else [input_ids]
+    prompts: list[Any] = input_ids if is_batch else [input_ids]
     vocab = generator.vocab_size
     for ids in prompts:
-        if not isinstance(ids, list) or not ids:
+        if not ids or not _is_int_list(ids):
             raise ValueError("input_ids must be a non-empty list of ints or a list of such lists")
-        bad = next((i for i in ids if not isinstance(i, int) or isinstance(i, bool)), None)
-        bad = bad if bad is not None else next((i for i in ids if not 0 <= i < vocab), None)
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise ValueError(f"input_ids contains {bad!r}, not a token id in [0, {vocab})")
     return prompts, is_batch
 
 
-def parse_generate(body: Any, generator: Generator) -> tuple[list[GenRequest], list[bool], bool]:
+def parse_generate(
+    body: dict[str, Any], generator: Generator
+) -> tuple[list[GenRequest], list[bool], bool]:
     """A `/generate` body to requests, per-request return_logprob, and whether it was a batch."""
-    if not isinstance(body, dict):
-        raise ValueError("request body must be a JSON object")
     if body.get("stream"):
         raise ValueError("stream is not supported by this engine")
     prompts, is_batch = _prompts(body, generator)
@@ -302,14 +294,15 @@ def to_response(result: GenResult, return_logprob: bool, latency: float) -> dict
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
-    if not raw:
-        return {}
     try:
-        return json.loads(raw)
+        body = json.loads(raw) if raw else {}
     except json.JSONDecodeError as err:
         raise ValueError(f"request body is not valid JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    return body
 
 
 def create_app(generator: Generator, scheduler: BatchScheduler) -> FastAPI:
@@ -343,8 +336,6 @@ def create_app(generator: Generator, scheduler: BatchScheduler) -> FastAPI:
     async def abort_request(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            if not isinstance(body, dict):
-                raise ValueError("request body must be a JSON object")
         except ValueError as err:
             return error_response(str(err))
         rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
@@ -380,7 +371,6 @@ def create_app(generator: Generator, scheduler: BatchScheduler) -> FastAPI:
     async def model_info() -> dict[str, Any]:
         return {"preferred_sampling_params": None, **generator.model_info()}
 
-    @app.get("/get_weight_version")
     @app.get("/weight_version")
     async def weight_version() -> dict[str, Any]:
         return {"weight_version": generator.weight_version}
@@ -389,7 +379,7 @@ def create_app(generator: Generator, scheduler: BatchScheduler) -> FastAPI:
     async def update_weights_from_disk(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            model_path = body.get("model_path") if isinstance(body, dict) else None
+            model_path = body.get("model_path")
             if not isinstance(model_path, str) or not model_path:
                 raise ValueError("model_path must be a non-empty string")
             version = body.get("weight_version")
