@@ -26,6 +26,11 @@ class ClusterConfig(Section):
     actor_num_threads: int | None = Field(
         None, description="torch threads per actor (None: all cores of the machine)."
     )
+    keep_actors: bool = Field(
+        False,
+        description="Keep the run's actors after the train flow succeeds (a failed run always "
+        "keeps them, so a rerun attaches to warm engines and trainer).",
+    )
 
 
 class DataConfig(Section):

@@ -12,7 +12,7 @@ import ray
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from flows.actors import get_or_create_actors
+from flows.actors import get_or_create_actors, kill_run_actors
 from flows.cluster import connect
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
@@ -60,4 +60,6 @@ def train(config: RollflowConfig) -> dict[str, Any]:
     if evaluate_now:
         t.evaluate(ctx, total)
     report = publish_run_report(layout, make_plot=config.logging.plot)
+    if not config.cluster.keep_actors:
+        kill_run_actors(config)
     return {"run_dir": layout.uri, "resumed_at": start, "restored": restored, **report}

@@ -26,7 +26,7 @@ def test_two_steps_embedded_engine_and_torch_trainer(
         backend="embedded",
         # A large lr so that an engine still on the old weights would show a clear mismatch.
         overrides=[
-            "train.lr=0.01", "eval.before_train=true",
+            "train.lr=0.01", "eval.before_train=true", "cluster.keep_actors=true",
             f"eval.datasets=[{{name: test, path: {arithmetic_data['test']}, max_prompts: 8}}]",
         ],
     )

@@ -40,7 +40,7 @@ def test_killed_driver_resumes_after_last_committed_step(
         return arithmetic_config(
             run_name=run_name, runs_root=str(tmp_path / "runs"), data=arithmetic_data,
             model_dir=tiny_model_dir, ray_address=ray_address,
-            overrides=["rollout.num_rollout=5"],
+            overrides=["rollout.num_rollout=5", "cluster.keep_actors=true"],
         )
 
     from flows.train import train

@@ -46,7 +46,7 @@ def read_flow_runs(names):
 def test_two_rollout_steps_with_mock_engines(mock_config):
     from flows.train import train
 
-    cfg = mock_config()
+    cfg = mock_config(overrides=["cluster.keep_actors=true"])
     result = train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     assert result["resumed_at"] == 0
@@ -78,16 +78,25 @@ def test_two_rollout_steps_with_mock_engines(mock_config):
         assert tasks[r.name] == sorted(TASKS)
 
 
-def test_rerun_continues_without_redoing_committed_steps(mock_config):
+def test_actors_are_released_after_a_successful_run(mock_config):
     from flows.train import train
 
     cfg = mock_config()
+    train(cfg)
+    with pytest.raises(ValueError):
+        actor(cfg, "trainer")
+
+
+def test_rerun_continues_without_redoing_committed_steps(mock_config):
+    from flows.train import train
+
+    cfg = mock_config(overrides=["cluster.keep_actors=true"])
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     step0 = os.path.join(layout.uri, "steps/000000/rollout.arrow")
     mtime = os.stat(step0).st_mtime_ns
 
-    longer = mock_config(cfg.storage.run_name, ["rollout.num_rollout=3"])
+    longer = mock_config(cfg.storage.run_name, ["rollout.num_rollout=3", "cluster.keep_actors=true"])
     result = train(longer)
     assert result["resumed_at"] == 2
     assert layout.committed_steps() == [0, 1, 2]
@@ -100,10 +109,11 @@ def test_trainer_rebuilt_from_checkpoint_and_replay(mock_config):
     from flows.actors import kill_run_actors
     from flows.train import train
 
-    cfg = mock_config(overrides=["train.save_interval=1"])
+    cfg = mock_config(overrides=["train.save_interval=1", "cluster.keep_actors=true"])
     train(cfg)
-    kill_run_actors(cfg)
-    longer = mock_config(cfg.storage.run_name, ["rollout.num_rollout=3", "train.save_interval=1"])
+    assert kill_run_actors(cfg) == 3  # rollout, trainer, engine-0
+    longer = mock_config(cfg.storage.run_name, [
+        "rollout.num_rollout=3", "train.save_interval=1", "cluster.keep_actors=true"])
     result = train(longer)
     assert result["restored"]["rebuilt"] is True
     # LATEST points at step 1, so nothing needs replaying: weights come from the checkpoint.
