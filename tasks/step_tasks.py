@@ -16,7 +16,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.actors import RunActors
+from flows.actors import RunActors, get_or_create_actors
 from flows.config import RollflowConfig
 from storage.run_layout import RunLayout
 
@@ -28,6 +28,12 @@ class StepContext:
     cfg: RollflowConfig
     layout: RunLayout
     actors: RunActors
+
+    def reattach(self) -> RunActors:
+        """Fresh handles (recreating any actor that died), so a retried task works even
+        after the failure that made it retry killed an engine or the trainer."""
+        self.actors = get_or_create_actors(self.cfg)
+        return self.actors
 
 
 def run_once(
@@ -58,10 +64,12 @@ def sample_prompts(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
 
 @task(name="generate", **TASK_OPTIONS)
 def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
-    return run_once(
-        ctx.layout, rollout_id, "generate",
-        lambda: ray.get(ctx.actors.rollout.generate.remote(rollout_id)),
-    )
+    def work() -> dict[str, Any]:
+        actors = ctx.reattach()
+        sync_engine_weights(actors)  # a restarted engine comes back with initial weights
+        return dict(ray.get(actors.rollout.generate.remote(rollout_id)))
+
+    return run_once(ctx.layout, rollout_id, "generate", work)
 
 
 @task(name="filter", **TASK_OPTIONS)
@@ -82,10 +90,17 @@ def reward(ctx: StepContext, rollout_id: int, kept_groups: list[int]) -> dict[st
 
 @task(name="train", **TASK_OPTIONS)
 def train(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
-    return run_once(
-        ctx.layout, rollout_id, "train",
-        lambda: ray.get(ctx.actors.trainer.train.remote(rollout_id)),
-    )
+    """Always asks the trainer (its weight version, not the record, is the truth): a trainer
+    that lost its state re-trains this step from train.arrow after replaying earlier ones."""
+    trainer = ctx.reattach().trainer
+    start = time.perf_counter()
+    metrics = dict(ray.get(trainer.train_step.remote(rollout_id)))
+    record = ctx.layout.task_record(rollout_id, "train")
+    if record is not None:
+        return {**record, "from_storage": True}
+    record = {**metrics, "seconds": time.perf_counter() - start}
+    ctx.layout.save_task_record(rollout_id, "train", record)
+    return {**record, "from_storage": False}
 
 
 def sync_engine_weights(actors: RunActors) -> dict[str, Any]:
@@ -104,7 +119,7 @@ def sync_engine_weights(actors: RunActors) -> dict[str, Any]:
 def broadcast_weights(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     # Not recorded: it is cheap and must always leave the engines at the trainer's version.
     start = time.perf_counter()
-    record = sync_engine_weights(ctx.actors)
+    record = sync_engine_weights(ctx.reattach())
     return {**record, "seconds": time.perf_counter() - start}
 
 
@@ -125,7 +140,9 @@ def commit(ctx: StepContext, rollout_id: int, records: dict[str, dict[str, Any]]
                 metrics[key if "/" in key else f"{name}/{key}"] = value
         metrics[f"time/{name}"] = rec.get("seconds", 0.0)
     if should_checkpoint(ctx.cfg, rollout_id):
-        metrics["checkpoint"] = ray.get(ctx.actors.trainer.save_checkpoint.remote(rollout_id))
+        trainer = ctx.reattach().trainer
+        ray.get(trainer.ensure_version.remote(rollout_id + 1))
+        metrics["checkpoint"] = ray.get(trainer.save_checkpoint.remote(rollout_id))
     metrics["time/commit"] = time.perf_counter() - start
     ctx.layout.store.write_json(metrics, f"steps/{rollout_id:06d}", "metrics.json")
     ctx.layout.mark_committed(rollout_id)

@@ -48,6 +48,7 @@ class TrainActor:
         self.backend = TRAIN_BACKENDS[cfg.train.backend](cfg)
         self.replayed_steps: list[int] = []
         self._trained_indices: list[int] = []
+        self._last_trained: int | None = None
 
     def version(self) -> int:
         return int(self.backend.version)
@@ -59,6 +60,7 @@ class TrainActor:
         metrics = dict(self.backend.train(samples, rollout_id))
         if not metrics.get("skipped"):
             self._trained_indices.extend(s.index for s in samples)
+            self._last_trained = rollout_id
         metrics["train/seconds"] = time.perf_counter() - start
         return metrics
 
@@ -85,18 +87,24 @@ class TrainActor:
         with tempfile.TemporaryDirectory() as tmp:
             self.backend.load_checkpoint(self.layout.store.get_dir(tmp, *parts))
 
-    def _train_done(self, rollout_id: int) -> bool:
-        return self.layout.task_record(rollout_id, "train") is not None
+    def train_step(self, rollout_id: int) -> dict[str, float]:
+        """The train stage of step `rollout_id`, idempotent by weight version: trains only if
+        the policy is not already past this step, after restoring the version before it."""
+        self.ensure_version(rollout_id)
+        if self.version() == rollout_id + 1:
+            return {"skipped": 1.0}
+        return self.train(rollout_id)
 
     def ensure_version(self, target: int) -> dict[str, Any]:
-        """Bring the policy to weight version `target` (= next step to run).
+        """Bring the policy to weight version `target` (the weights step `target` trains).
 
-        Version `target + 1` is also fine when step `target` already finished training but
-        did not commit (the train task is then skipped). Anything else means this actor's
-        state does not belong to the run on storage: rebuild from checkpoint + replay.
+        Version `target + 1` is also fine when this actor itself just trained step `target`.
+        Anything else means this actor's state does not belong to the run on storage (it was
+        restarted, or never saw these steps): rebuild from checkpoint + replay of the saved
+        train batches, which reproduces the same weights.
         """
         v = self.version()
-        if v == target or (v == target + 1 and self._train_done(target)):
+        if v == target or (v == target + 1 and self._last_trained == target):
             return {"rebuilt": False, "version": v, "replayed": []}
         self.backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
         latest = self.layout.latest_checkpoint()
