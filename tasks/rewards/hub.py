@@ -1,0 +1,154 @@
+"""Which reward function scores which sample (slime's `async_rm` / `batched_async_rm`).
+
+```
+ rollout.custom_rm_path ─┐  (group_rm: one call per group, `async (args, samples) -> list`)
+ rollout.rm_type ────────┼──► default ──┐
+ sample.metadata.rm_type ─────────────── ├─► reward (float or dict; reward_key picks one later)
+                                        ┘
+ "boxed_<rule>": score only the last \\boxed{...} of the response with <rule>
+```
+Built-ins live in `RULES` (pure `(response, label) -> reward`) plus `remote_rm`, which needs
+`rollout.rm_url`. Names are resolved once and cached; an unknown name fails with the config
+key (or sample) that named it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engines.hooks import load_hook
+from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
+from flows.config import RolloutConfig
+from storage.sample import Sample
+from tasks.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
+from tasks.rewards.remote import RemoteRewardModel
+from tasks.rewards.text_rules import exact_match_score, f1_score, last_number_score
+
+RuleFn = Callable[[str, str | None], Reward]
+
+RULES: dict[str, RuleFn] = {
+    "math": math_score,
+    "deepscaler": deepscaler_score,
+    "dapo": dapo_score,
+    "f1": f1_score,
+    "exact_match": exact_match_score,
+    "last_number": last_number_score,
+}
+BOXED_PREFIX = "boxed_"
+REMOTE = "remote_rm"
+
+
+class RewardConfigError(ValueError):
+    pass
+
+
+def rule_reward(rule: RuleFn, boxed: bool = False) -> RewardFn:
+    """A rule as a reward function; `boxed` first cuts the response down to its last box
+    (no box: the empty string, which no rule rewards)."""
+
+    async def reward(args: Any, sample: Sample, /) -> Reward:
+        response = (last_boxed(sample.response) or "") if boxed else sample.response
+        return rule(response, sample.label)
+
+    reward.__qualname__ = f"{BOXED_PREFIX if boxed else ''}{getattr(rule, '__name__', 'rule')}"
+    return reward
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {name: rule_reward(fn) for name, fn in RULES.items()}
+
+
+def builtin_reward(name: str, where: str, remote: RemoteRewardModel | None = None) -> RewardFn:
+    """The built-in called `name` (`boxed_` prefix allowed); `where` names the config key or
+    sample in errors."""
+    boxed = name.startswith(BOXED_PREFIX)
+    base = name[len(BOXED_PREFIX) :] if boxed else name
+    if base == REMOTE:
+        if boxed:
+            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
+        if remote is None:
+            raise RewardConfigError(f"{where}: remote_rm needs rollout.rm_url")
+        return remote.score
+    if base not in RULES:
+        raise RewardConfigError(
+            f"{where}: unknown reward {name!r}; built-ins: {sorted([*RULES, REMOTE])} "
+            f"(rules also as {BOXED_PREFIX}<rule>)"
+        )
+    return REWARD_FUNCTIONS[base] if not boxed else rule_reward(RULES[base], boxed=True)
+
+
+class RewardHub:
+    """Scores samples and groups for one run; built from the rollout section only."""
+
+    def __init__(
+        self,
+        default: RewardFn | None = None,
+        group_fn: GroupRewardFn | None = None,
+        remote: RemoteRewardModel | None = None,
+    ) -> None:
+        self.default = default
+        self.group_fn = group_fn
+        self.remote = remote
+        self._by_type: dict[str, RewardFn] = {}
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig) -> RewardHub:
+        remote = (
+            RemoteRewardModel(
+                cfg.rm_url, cfg.rm_timeout_s, cfg.rm_max_retries, cfg.rm_backoff_s
+            )
+            if cfg.rm_url
+            else None
+        )
+        if cfg.group_rm and not cfg.custom_rm_path:
+            raise RewardConfigError(
+                "rollout.group_rm: needs rollout.custom_rm_path, a batched reward function "
+                "`async (args, samples) -> list[reward]`"
+            )
+        if cfg.custom_rm_path:
+            protocol = GroupRewardFn if cfg.group_rm else RewardFn
+            fn = load_hook(cfg.custom_rm_path, "rollout.custom_rm_path", protocol)
+            return cls(None if cfg.group_rm else fn, fn if cfg.group_rm else None, remote)
+        default = builtin_reward(cfg.rm_type, "rollout.rm_type", remote) if cfg.rm_type else None
+        return cls(default, None, remote)
+
+    @property
+    def configured(self) -> bool:
+        """False when the run names no reward (samples may still carry metadata.rm_type)."""
+        return self.default is not None or self.group_fn is not None
+
+    def for_sample(self, sample: Sample) -> RewardFn:
+        rm_type = sample.metadata.get("rm_type")
+        if rm_type:
+            if rm_type not in self._by_type:
+                where = f"sample {sample.index} (line {sample.metadata.get('source_line')}) metadata.rm_type"
+                self._by_type[rm_type] = builtin_reward(str(rm_type), where, self.remote)
+            return self._by_type[rm_type]
+        if self.default is None:
+            raise RewardConfigError(
+                f"sample {sample.index}: no reward function (set rollout.rm_type, "
+                f"rollout.custom_rm_path or metadata.rm_type)"
+            )
+        return self.default
+
+    async def score(self, args: Any, sample: Sample) -> Reward:
+        return await self.for_sample(sample)(args, sample)
+
+    async def score_group(self, args: Any, samples: Sequence[Sample]) -> list[Reward]:
+        """One reward per sample, in order: a single call of the group reward model when
+        `group_rm` is on, else the per-sample functions concurrently."""
+        if self.group_fn is not None:
+            rewards = list(await self.group_fn(args, list(samples)))
+            if len(rewards) != len(samples):
+                raise RewardConfigError(
+                    f"rollout.custom_rm_path: group reward returned {len(rewards)} rewards "
+                    f"for {len(samples)} samples"
+                )
+            return rewards
+        return list(await asyncio.gather(*(self.score(args, s) for s in samples)))
+
+    async def assign(self, args: Any, samples: Sequence[Sample]) -> None:
+        """Score and store `sample.reward` for every sample."""
+        for s, r in zip(samples, await self.score_group(args, samples), strict=True):
+            s.reward = r

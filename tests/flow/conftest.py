@@ -1,0 +1,53 @@
+"""A moto S3 server on 127.0.0.1 for the S3 flow tests (session-wide).
+
+Credentials reach the Ray actors through the config (`storage.storage_options`), not through
+environment variables: actors run in worker processes that were started before this fixture,
+so only what travels with the config is guaranteed to arrive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from flows.cluster import free_port
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    storage_options: dict[str, Any]
+
+    def bucket(self, name: str) -> str:
+        """Create bucket `name` and return its s3:// URI."""
+        import boto3
+
+        client = boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        )
+        client.create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    from moto.server import ThreadedMotoServer
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(key, "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield S3Server(
+            endpoint_url=f"http://127.0.0.1:{port}",
+            storage_options={"key": "testing", "secret": "testing"},
+        )
+    finally:
+        server.stop()
