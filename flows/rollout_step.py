@@ -1,6 +1,9 @@
 """One rollout step = one Prefect flow run named `rollout-{rollout_id}`.
 
 sample_prompts -> generate -> filter -> reward -> train -> broadcast_weights -> commit
+
+In async mode (`rollout.off_policy_async`) gates between them let the flow runs of two
+consecutive steps overlap; see tasks/step_gates.py for the picture.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from flows.actors import get_or_create_actors
 from flows.cluster import connect
 from flows.config import RollflowConfig
 from storage.run_layout import RunLayout
+from tasks import step_gates as gates
 from tasks import step_tasks as t
 
 
@@ -28,12 +32,27 @@ def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
     layout = open_layout(config)
     if layout.is_committed(rollout_id):
         return layout.step_metrics(rollout_id)
-    ctx = t.StepContext(config, layout, get_or_create_actors(config))
+    layout.clear_failure(rollout_id)
+    try:
+        return _run_stages(t.StepContext(config, layout, get_or_create_actors(config)), rollout_id)
+    except BaseException as e:
+        layout.mark_failed(rollout_id, repr(e))
+        raise
+
+
+def _run_stages(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
+    pipelined = ctx.cfg.rollout.off_policy_async
     records: dict[str, dict[str, Any]] = {}
     records["sample_prompts"] = t.sample_prompts(ctx, rollout_id)
+    if pipelined:
+        gates.wait_for_weights(ctx.layout, ctx.cfg, rollout_id)
     records["generate"] = t.generate(ctx, rollout_id)
     records["filter"] = t.filter_groups(ctx, rollout_id)
     records["reward"] = t.reward(ctx, rollout_id, records["filter"]["kept_groups"])
+    if pipelined:
+        gates.wait_for_previous_commit(ctx.layout, rollout_id)
     records["train"] = t.train(ctx, rollout_id)
+    if pipelined:
+        gates.wait_for_next_generate(ctx.layout, ctx.cfg, rollout_id)
     records["broadcast_weights"] = t.broadcast_weights(ctx, rollout_id)
     return t.commit(ctx, rollout_id, records)

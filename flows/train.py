@@ -5,6 +5,11 @@ Like slime's train.py, the loop fits on a screen; the work lives in tasks and ac
 
 from __future__ import annotations
 
+import contextvars
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, cast
 from uuid import UUID
 
@@ -18,6 +23,7 @@ from flows.config import RollflowConfig
 from flows.config_loader import dump_config
 from flows.reporting import publish_run_report
 from flows.rollout_step import open_layout, rollout_step
+from storage.run_layout import RunLayout
 from tasks import step_tasks as t
 
 
@@ -26,6 +32,38 @@ def _progress_bar(cfg: RollflowConfig, start: int) -> Any:
 
     total = cfg.rollout.num_rollout
     return tqdm(total=total, initial=start, desc="rollout steps", disable=not cfg.logging.progress)
+
+
+StepDone = Callable[[int, dict[str, Any]], None]
+
+
+def run_sequential(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
+    for rollout_id in range(start, config.rollout.num_rollout):
+        done(rollout_id, rollout_step(config, rollout_id))
+
+
+def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
+    """One-step off-policy: the flow run of step k+1 starts once step k's rollout stages are
+    done, so its generation overlaps step k's training (gates in tasks/step_gates.py keep
+    the order of weights). Each flow run runs in its own thread, as a child of this flow."""
+    total = config.rollout.num_rollout
+    in_flight: dict[int, Future[dict[str, Any]]] = {}
+    reported = start
+    with ThreadPoolExecutor(max_workers=3 + config.rollout.max_staleness) as pool:
+        for rollout_id in range(start, total):
+            context = contextvars.copy_context()
+            future = pool.submit(context.run, rollout_step, config, rollout_id)
+            in_flight[rollout_id] = future
+            rollout_done = partial(layout.task_record, rollout_id, "reward")
+            while rollout_done() is None and not future.done():
+                time.sleep(0.02)
+            if future.done() and future.exception() is not None:
+                break
+            while reported in in_flight and in_flight[reported].done():
+                done(reported, in_flight[reported].result())
+                reported += 1
+        for rollout_id in range(reported, start + len(in_flight)):
+            done(rollout_id, in_flight[rollout_id].result())  # re-raises the first failure
 
 
 @flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False)
@@ -48,14 +86,18 @@ def train(config: RollflowConfig) -> dict[str, Any]:
         description="rollout steps committed",
     ))
     bar = _progress_bar(config, start)
-    for rollout_id in range(start, total):
-        metrics = rollout_step(config, rollout_id)
+
+    def step_done(rollout_id: int, metrics: dict[str, Any]) -> None:
         bar.update(1)
         bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
         update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
         interval = config.eval.eval_interval
-        if evaluate_now and interval and (rollout_id + 1) % interval == 0:
+        if evaluate_now and interval and (rollout_id + 1) % interval == 0 and not pipelined:
             t.evaluate(ctx, rollout_id + 1)
+
+    pipelined = config.rollout.off_policy_async
+    run_steps = run_pipelined if pipelined else run_sequential
+    run_steps(config, layout, start, step_done)
     bar.close()
     if evaluate_now:
         t.evaluate(ctx, total)

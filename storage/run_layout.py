@@ -69,6 +69,17 @@ class RunLayout:
     def mark_committed(self, rollout_id: int) -> None:
         self.store.write_json({"committed_at": time.time()}, step_dir(rollout_id), "COMMITTED")
 
+    def mark_failed(self, rollout_id: int, error: str) -> None:
+        """Tells other flow runs waiting on this step to stop waiting (async mode)."""
+        self.store.write_json({"failed_at": time.time(), "error": error}, step_dir(rollout_id), "FAILED")
+
+    def failure(self, rollout_id: int) -> dict[str, Any] | None:
+        parts = (step_dir(rollout_id), "FAILED")
+        return self.store.read_json(*parts) if self.store.exists(*parts) else None
+
+    def clear_failure(self, rollout_id: int) -> None:
+        self.store.delete(step_dir(rollout_id), "FAILED")
+
     # -- per-task outputs (the resume keys: run, rollout_id, task) -------------------------
     def task_record(self, rollout_id: int, task: str) -> dict[str, Any] | None:
         parts = (step_dir(rollout_id), "tasks", f"{task}.json")

@@ -42,9 +42,9 @@ def run_once(
     record = layout.task_record(rollout_id, name)
     if record is not None:
         return {**record, "from_storage": True}
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     record = work()
-    record["seconds"] = time.perf_counter() - start
+    record.update(seconds=time.perf_counter() - start, started_at=started_at, finished_at=time.time())
     layout.save_task_record(rollout_id, name, record)
     return {**record, "from_storage": False}
 
@@ -52,6 +52,12 @@ def run_once(
 # Transient faults (an engine or actor briefly unreachable) are retried; the record check
 # makes a retry after a partial success safe.
 TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 2}
+
+
+def required_weight_version(cfg: RollflowConfig, rollout_id: int) -> int:
+    """Oldest policy allowed to generate step `rollout_id` (its own version when synchronous)."""
+    staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
+    return max(0, rollout_id - staleness)
 
 
 @task(name="sample_prompts", **TASK_OPTIONS)
@@ -66,7 +72,8 @@ def sample_prompts(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
 def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         actors = ctx.reattach()
-        sync_engine_weights(actors)  # a restarted engine comes back with initial weights
+        # A restarted engine comes back with the initial weights: bring it up to date.
+        sync_engine_weights(actors, min_version=required_weight_version(ctx.cfg, rollout_id))
         return dict(ray.get(actors.rollout.generate.remote(rollout_id)))
 
     return run_once(ctx.layout, rollout_id, "generate", work)
@@ -93,21 +100,28 @@ def train(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     """Always asks the trainer (its weight version, not the record, is the truth): a trainer
     that lost its state re-trains this step from train.arrow after replaying earlier ones."""
     trainer = ctx.reattach().trainer
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     metrics = dict(ray.get(trainer.train_step.remote(rollout_id)))
     record = ctx.layout.task_record(rollout_id, "train")
     if record is not None:
         return {**record, "from_storage": True}
-    record = {**metrics, "seconds": time.perf_counter() - start}
+    record = {**metrics, "seconds": time.perf_counter() - start, "started_at": started_at,
+              "finished_at": time.time()}
     ctx.layout.save_task_record(rollout_id, "train", record)
     return {**record, "from_storage": False}
 
 
-def sync_engine_weights(actors: RunActors) -> dict[str, Any]:
+def sync_engine_weights(actors: RunActors, min_version: int | None = None) -> dict[str, Any]:
     """Push the trainer's weights to every engine that is not at its version. The state
-    dict travels trainer -> Ray object store -> engines; the driver only holds the ref."""
-    version = ray.get(actors.trainer.version.remote())
+    dict travels trainer -> Ray object store -> engines; the driver only holds the ref.
+
+    With `min_version`, engines already at or past it are left alone without asking the
+    trainer (which, in async mode, may be busy training the previous step).
+    """
     engine_versions = ray.get([e.weight_version.remote() for e in actors.engines])
+    if min_version is not None and min(engine_versions) >= min_version:
+        return {"weight_version": min(engine_versions), "engines_updated": 0}
+    version = ray.get(actors.trainer.version.remote())
     stale = [e for e, v in zip(actors.engines, engine_versions, strict=True) if v != version]
     if stale:
         weights_ref = actors.trainer.weights.remote()
@@ -136,6 +150,8 @@ def commit(ctx: StepContext, rollout_id: int, records: dict[str, dict[str, Any]]
     metrics: dict[str, Any] = {"rollout_id": rollout_id}
     for name, rec in records.items():
         for key, value in rec.items():
+            if key in ("started_at", "finished_at"):
+                continue
             if isinstance(value, int | float) and not isinstance(value, bool):
                 metrics[key if "/" in key else f"{name}/{key}"] = value
         metrics[f"time/{name}"] = rec.get("seconds", 0.0)

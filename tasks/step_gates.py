@@ -1,0 +1,78 @@
+"""Gates between the flow runs of consecutive steps in one-step off-policy (async) mode.
+
+```
+ step k-1:  ... train ─ broadcast ─ commit
+                             ▲           │ (weights v_k in the engines)
+ step k:    sample ─ generate ───────────┼────── filter ─ reward ─ train ─ broadcast ─ commit
+                      (waits: commit k-1-s)                (waits:      (waits: generate
+                                                            commit k-1)   of step k+1)
+ step k+1:                                  sample ─ generate  (overlaps train of step k)
+```
+Each gate waits on what the other flow run wrote to storage (records, COMMITTED), so the flow
+runs stay independent and restartable; a step that fails writes FAILED, which releases every
+gate waiting on it with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import RollflowConfig
+from storage.run_layout import RunLayout
+from tasks.step_tasks import required_weight_version
+
+
+class UpstreamStepFailed(RuntimeError):
+    pass
+
+
+def wait_until(
+    layout: RunLayout, ready: Callable[[], bool], upstream: int, what: str,
+    timeout_s: float = 3600.0, poll_s: float = 0.02,
+) -> float:
+    """Block until `ready()`; returns seconds waited. Fails fast if `upstream` failed."""
+    start = time.perf_counter()
+    while not ready():
+        if layout.failure(upstream) is not None:
+            raise UpstreamStepFailed(f"step {upstream} failed; {what} will not happen")
+        if time.perf_counter() - start > timeout_s:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(poll_s)
+    return time.perf_counter() - start
+
+
+def weights_ready_step(cfg: RollflowConfig, rollout_id: int) -> int:
+    """The step whose commit puts weights fresh enough for generating `rollout_id`."""
+    return required_weight_version(cfg, rollout_id) - 1
+
+
+@task(name="wait_for_weights", cache_policy=NO_CACHE)
+def wait_for_weights(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
+    step = weights_ready_step(cfg, rollout_id)
+    if step < 0:
+        return 0.0
+    return wait_until(layout, lambda: layout.is_committed(step), step, f"commit of step {step}")
+
+
+@task(name="wait_for_previous_commit", cache_policy=NO_CACHE)
+def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
+    prev = rollout_id - 1
+    if prev < 0:
+        return 0.0
+    return wait_until(layout, lambda: layout.is_committed(prev), prev, f"commit of step {prev}")
+
+
+@task(name="wait_for_next_generate", cache_policy=NO_CACHE)
+def wait_for_next_generate(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
+    """Weights change only between generations (slime waits for the next rollout too)."""
+    nxt = rollout_id + 1
+    if nxt >= cfg.rollout.num_rollout:
+        return 0.0
+    return wait_until(
+        layout, lambda: layout.task_record(nxt, "generate") is not None, nxt,
+        f"generation of step {nxt}",
+    )
