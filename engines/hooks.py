@@ -1,7 +1,8 @@
 """User hooks by import string ("pkg.mod:fn" or "pkg.mod.fn"), checked at start-up.
 
-A hook that does not import, or whose signature cannot take the documented arguments, fails
-immediately with the config key that named it, not at step 37.
+A hook that does not import, or whose signature does not fit its protocol
+(`engines.rollout.protocols`), fails immediately with the config key that named it, not at
+step 37. `validate_hooks(cfg)` checks every hook a config names in one go.
 """
 
 from __future__ import annotations
@@ -11,12 +12,52 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from engines.rollout import protocols as p
+
 
 class HookError(ValueError):
     pass
 
 
-def load_function(path: str, config_key: str = "hook") -> Callable[..., Any]:
+# Config key -> the protocol its hook must satisfy. Keys whose field a config lacks are skipped.
+HOOKS: dict[str, type] = {
+    "rollout.function_path": p.RolloutFn,
+    "rollout.custom_generate_function_path": p.GenerateFn,
+    "rollout.custom_rm_path": p.RewardFn,
+    "rollout.dynamic_sampling_filter_path": p.DynamicFilterFn,
+    "rollout.over_sampling_filter_path": p.OverSamplingFilterFn,
+    "rollout.buffer_filter_path": p.BufferFilterFn,
+    "rollout.sample_filter_path": p.SampleFilterFn,
+    "algorithm.custom_loss_function_path": p.CustomLossFn,
+    "algorithm.custom_advantage_function_path": p.CustomAdvantageFn,
+}
+
+
+# Keys that also accept a built-in by bare name: where that key's registry lives (imported
+# lazily, since the registries import this module).
+BUILTIN_REGISTRIES: dict[str, str] = {
+    "rollout.dynamic_sampling_filter_path": "tasks.filter_hub:DYNAMIC_FILTERS",
+    "rollout.over_sampling_filter_path": "tasks.filter_hub:OVER_SAMPLING_FILTERS",
+}
+
+
+def builtin(config_key: str, name: str) -> Callable[..., Any] | None:
+    """The built-in called `name` for `config_key`, None if `name` is an import string."""
+    if "." in name or ":" in name:
+        return None
+    registry: dict[str, Callable[..., Any]] = (
+        import_object(BUILTIN_REGISTRIES[config_key]) if config_key in BUILTIN_REGISTRIES else {}
+    )
+    if name not in registry:
+        raise HookError(
+            f"{config_key}: {name!r} is neither an import string like 'pkg.mod:fn' nor a "
+            f"built-in (built-ins: {sorted(registry)})"
+        )
+    return registry[name]
+
+
+def import_object(path: str, config_key: str = "hook") -> Any:
+    """`pkg.mod:name` or `pkg.mod.name` -> the object (None if the module lacks it)."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
@@ -26,10 +67,18 @@ def load_function(path: str, config_key: str = "hook") -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise HookError(f"{config_key}: cannot import {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
+    return getattr(module, attr, None)
+
+
+def load_function(path: str, config_key: str = "hook") -> Callable[..., Any]:
+    fn = import_object(path, config_key)
     if fn is None or not callable(fn):
-        raise HookError(f"{config_key}: {module_name!r} has no callable {attr!r}")
-    return fn
+        raise HookError(f"{config_key}: {path!r} does not name a callable in its module")
+    return fn  # type: ignore[no-any-return]
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", None) or fn)
 
 
 def check_arity(fn: Callable[..., Any], n_args: int, config_key: str) -> None:
@@ -38,16 +87,75 @@ def check_arity(fn: Callable[..., Any], n_args: int, config_key: str) -> None:
         inspect.signature(fn).bind(*([None] * n_args))
     except TypeError as e:
         raise HookError(
-            f"{config_key}: {getattr(fn, '__qualname__', fn)} cannot take {n_args} "
-            f"positional arguments: {e}"
+            f"{config_key}: {_name(fn)} cannot take {n_args} positional arguments: {e}"
         ) from None
 
 
+def is_async(fn: Callable[..., Any]) -> bool:
+    """`async def` functions, and objects or partials whose call is one."""
+    target = getattr(fn, "func", fn)  # functools.partial
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        getattr(target, "__call__", None)  # noqa: B004 - callable objects, not callability
+    )
+
+
+def protocol_arity(protocol: type) -> int:
+    """Positional arguments a call site of `protocol` passes (all of them, defaults too)."""
+    params = list(inspect.signature(protocol.__call__).parameters.values())[1:]  # type: ignore[operator]
+    return sum(x.kind in (x.POSITIONAL_ONLY, x.POSITIONAL_OR_KEYWORD) for x in params)
+
+
+def check_protocol(fn: Callable[..., Any], protocol: type, config_key: str) -> None:
+    """Raise a `HookError` naming `config_key` unless `fn` fits `protocol`."""
+    check_arity(fn, protocol_arity(protocol), config_key)
+    wants_async = inspect.iscoroutinefunction(protocol.__call__)  # type: ignore[operator]
+    if wants_async and not is_async(fn):
+        raise HookError(
+            f"{config_key}: {_name(fn)} must be an `async def` function ({protocol.__name__})"
+        )
+    if not wants_async and is_async(fn):
+        raise HookError(
+            f"{config_key}: {_name(fn)} must be a plain `def`, not `async def` "
+            f"({protocol.__name__})"
+        )
+
+
 def load_hook(
-    path: str, config_key: str, n_args: int, must_be_async: bool = False
-) -> Callable[..., Any]:
+    path: str, config_key: str, spec: type | int, must_be_async: bool = False
+) -> Any:
+    """Import `path` and check it: against a protocol (preferred) or a bare arity."""
     fn = load_function(path, config_key)
-    check_arity(fn, n_args, config_key)
-    if must_be_async and not inspect.iscoroutinefunction(fn):
-        raise HookError(f"{config_key}: {path!r} must be an `async def` function")
+    if isinstance(spec, int):
+        check_arity(fn, spec, config_key)
+        if must_be_async and not is_async(fn):
+            raise HookError(f"{config_key}: {path!r} must be an `async def` function")
+    else:
+        check_protocol(fn, spec, config_key)
     return fn
+
+
+def configured_hooks(cfg: Any) -> dict[str, tuple[str, type]]:
+    """Config key -> (import string, protocol) for every hook `cfg` sets."""
+    found: dict[str, tuple[str, type]] = {}
+    for key, protocol in HOOKS.items():
+        section, _, field = key.partition(".")
+        path = getattr(getattr(cfg, section, None), field, None)
+        if not path:
+            continue
+        if key == "rollout.custom_rm_path" and getattr(cfg.rollout, "group_rm", False):
+            protocol = p.GroupRewardFn
+        found[key] = (str(path), protocol)
+    return found
+
+
+def validate_hooks(cfg: Any) -> dict[str, Callable[..., Any]]:
+    """Load and check every hook the config names (call at start-up); key -> function."""
+    loaded: dict[str, Callable[..., Any]] = {}
+    for key, (path, protocol) in configured_hooks(cfg).items():
+        fn = builtin(key, path)
+        if fn is None:
+            fn = load_hook(path, key, protocol)
+        else:
+            check_protocol(fn, protocol, key)
+        loaded[key] = fn
+    return loaded

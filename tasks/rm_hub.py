@@ -31,11 +31,18 @@ __all__ = [
     "RewardFn",
     "RewardHub",
     "compute_reward",
+    "exact_match",
     "exact_match_score",
+    "last_number",
     "last_number_score",
     "normalize_answer",
     "resolve_reward_fn",
 ]
+
+
+# The built-ins as plain functions, for hooks that wrap one (e.g. tests/flow/faults.py).
+exact_match: RewardFn = REWARD_FUNCTIONS["exact_match"]
+last_number: RewardFn = REWARD_FUNCTIONS["last_number"]
 
 
 def resolve_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> RewardFn | None:

@@ -1,4 +1,11 @@
-"""Held-out evaluation through the same engines and reward functions as training."""
+"""Held-out evaluation through the same engines and reward functions as training.
+
+Each named dataset has its own sampling params, reward and `n_samples_per_eval_prompt`
+(fields left unset fall back to the rollout section), and is reported as
+`eval/{name}` (mean reward: accuracy for 0/1 rewards), `eval/{name}/truncated_ratio`, and
+with several samples per prompt `eval/{name}/pass@{n}` (share of prompts with any sample
+rewarded > 0).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,20 @@ from typing import Any
 
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.generation import EngineClient, GenerationLoop
+from engines.rollout.protocols import RewardFn
 from flows.config import EvalDataset, RolloutConfig
 from storage.sample import Group, Status
-from tasks.rm_hub import RewardFn
+from tasks.rm_hub import resolve_reward_fn
 
 
 def eval_groups(ds: EvalDataset, tokenizer: Any) -> list[Group]:
-    spec = DatasetSpec(path=ds.path, input_key=ds.input_key, label_key=ds.label_key)
+    spec = DatasetSpec(
+        path=ds.path,
+        input_key=ds.input_key,
+        label_key=ds.label_key,
+        metadata_key=ds.metadata_key,
+        apply_chat_template=ds.apply_chat_template,
+    )
     prompts = load_prompt_samples(spec, tokenizer)[: ds.max_prompts]
     groups: list[Group] = []
     index = 0
@@ -22,10 +36,47 @@ def eval_groups(ds: EvalDataset, tokenizer: Any) -> list[Group]:
         for _ in range(ds.n_samples_per_eval_prompt):
             s = p.clone()
             s.index, s.group_index = index, gi
+            s.metadata["eval_dataset"] = ds.name
             index += 1
             group.append(s)
         groups.append(group)
     return groups
+
+
+def eval_rollout_config(ds: EvalDataset, rollout_cfg: RolloutConfig) -> RolloutConfig:
+    """The rollout section with this dataset's sampling params laid over it."""
+    overrides: dict[str, Any] = {
+        "temperature": ds.temperature,
+        "top_p": ds.top_p,
+        "top_k": ds.top_k,
+        "max_response_len": ds.max_response_len,
+        "stop": ds.stop,
+        "stop_token_ids": ds.stop_token_ids,
+        "n_samples_per_prompt": ds.n_samples_per_eval_prompt,
+    }
+    return rollout_cfg.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+
+
+def eval_reward_fn(ds: EvalDataset, default: RewardFn | None) -> RewardFn | None:
+    if ds.custom_rm_path or ds.rm_type:
+        return resolve_reward_fn(ds.rm_type, ds.custom_rm_path)
+    return default
+
+
+def dataset_metrics(name: str, groups: list[Group], reward_key: str | None) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    n = max(len(samples), 1)
+    metrics = {
+        f"eval/{name}": sum(s.scalar_reward(reward_key) for s in samples) / n,
+        f"eval/{name}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n,
+        f"eval/{name}/samples": float(len(samples)),
+        f"eval/{name}/response_len_mean": sum(s.response_length for s in samples) / n,
+    }
+    k = len(groups[0]) if groups else 1
+    if k > 1:
+        solved = sum(any(s.scalar_reward(reward_key) > 0 for s in g) for g in groups)
+        metrics[f"eval/{name}/pass@{k}"] = solved / max(len(groups), 1)
+    return metrics
 
 
 async def evaluate_datasets(
@@ -36,23 +87,12 @@ async def evaluate_datasets(
     reward_fn: RewardFn | None,
     hook_args: Any,
 ) -> dict[str, float]:
-    """`eval/{name}` (mean reward, i.e. accuracy for 0/1 rewards) and its truncated ratio."""
     metrics: dict[str, float] = {}
     for ds in datasets:
-        cfg = rollout_cfg.model_copy(
-            update={
-                "temperature": ds.temperature,
-                "max_response_len": ds.max_response_len or rollout_cfg.max_response_len,
-            }
+        loop = GenerationLoop(
+            eval_rollout_config(ds, rollout_cfg), clients, eval_reward_fn(ds, reward_fn), hook_args
         )
-        loop = GenerationLoop(cfg, clients, reward_fn, hook_args)
         groups, stats = await loop.run(eval_groups(ds, tokenizer))
-        samples = [s for g in groups for s in g]
-        rewards = [s.scalar_reward(rollout_cfg.reward_key) for s in samples]
-        metrics[f"eval/{ds.name}"] = sum(rewards) / max(len(rewards), 1)
-        metrics[f"eval/{ds.name}/truncated_ratio"] = sum(
-            s.status == Status.TRUNCATED for s in samples
-        ) / max(len(samples), 1)
-        metrics[f"eval/{ds.name}/samples"] = float(len(samples))
+        metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))
         metrics[f"eval/{ds.name}/seconds"] = stats.seconds
     return metrics

@@ -1,8 +1,13 @@
-"""SFT as a rollout function, the way slime does SFT: no generation, the label is the response.
+"""SFT as a rollout function, the way slime does SFT: no generation, the data is the response.
 
 Plugged in with `rollout.function_path: engines.rollout.sft_rollout:sft_rollout` and
 `algorithm.loss_type: sft_loss`; the rest of the step (storage, train, commit) is unchanged,
-so an SFT warm start is just a few ordinary rollflow steps.
+so an SFT warm start is just a few ordinary rollflow steps. Two kinds of rows:
+
+* prompt + label: the response is `label` + EOS, every response token trained.
+* a conversation (chat messages in `data.input_key`, no label): rendered with the chat
+  template (`engines.rollout.loss_mask`); the response starts at the first assistant token
+  and only assistant turns are trained (user/tool turns in between get loss mask 0).
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from storage.sample import Group, Status
+from engines.prompt_dataset import iter_rows
+from engines.rollout.loss_mask import chat_loss_mask
+from storage.sample import Group, Sample, Status
 
 
 @lru_cache(maxsize=4)
@@ -20,25 +27,69 @@ def _tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+@lru_cache(maxsize=2)
+def _conversations(path: str, input_key: str) -> dict[int, list[dict[str, Any]]]:
+    """Raw chat rows by file line: the prompt loader keeps chat prompts only as rendered
+    text (with a generation prompt), which cannot be split back into turns."""
+    return {line: row[input_key] for line, row in iter_rows(path) if isinstance(row.get(input_key), list)}
+
+
+def _messages(args: Any, s: Sample) -> list[dict[str, Any]] | None:
+    if isinstance(s.prompt, list):
+        return s.prompt
+    line = s.metadata.get("source_line")
+    if line is None:
+        return None
+    return _conversations(args.data.prompt_data, args.data.input_key).get(int(line))
+
+
+def _finish(s: Sample, tokens: list[int], response_length: int, loss_mask: list[int], text: str) -> None:
+    s.tokens = tokens
+    s.response = text
+    s.response_length = response_length
+    s.loss_mask = loss_mask
+    s.rollout_log_probs = []
+    s.reward = 0.0
+    s.status = Status.COMPLETED
+    s.check()
+
+
+def sft_prompt_label(tokenizer: Any, s: Sample) -> None:
+    """Response = label + EOS after the (already tokenised) prompt."""
+    assert s.label is not None
+    response_ids = tokenizer.encode(s.label, add_special_tokens=False) + [tokenizer.eos_token_id]
+    _finish(s, list(s.tokens) + response_ids, len(response_ids), [1] * len(response_ids), s.label)
+
+
+def sft_conversation(tokenizer: Any, s: Sample, messages: list[dict[str, Any]]) -> None:
+    """Whole conversation; the prompt is everything before the first assistant token."""
+    conv = chat_loss_mask(tokenizer, messages)
+    start = conv.response_start
+    if start == len(conv.token_ids):
+        raise ValueError(
+            f"SFT sample {s.index} (line {s.metadata.get('source_line')}): the conversation "
+            "has no assistant turn to train on"
+        )
+    response = conv.token_ids[start:]
+    _finish(s, conv.token_ids, len(response), conv.loss_mask[start:], tokenizer.decode(response))
+
+
 def sft_rollout(
     args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
 ) -> list[Group]:
-    """Groups whose response is `label` + EOS, every response token trained (loss mask 1)."""
+    """`rollout_batch_size` groups of SFT samples (a `RolloutFn`)."""
     tokenizer = _tokenizer(args.train.model_path or args.train.load)
     groups = data_source.get_samples(args.rollout.rollout_batch_size)
     for group in groups:
         for s in group:
-            if s.label is None:
+            if s.label is not None:
+                sft_prompt_label(tokenizer, s)
+                continue
+            messages = _messages(args, s)
+            if messages is None:
                 raise ValueError(
-                    f"SFT sample {s.index} (line {s.metadata.get('source_line')}) has no label"
+                    f"SFT sample {s.index} (line {s.metadata.get('source_line')}) has neither "
+                    "a label nor a chat conversation"
                 )
-            response_ids = tokenizer.encode(s.label, add_special_tokens=False)
-            response_ids.append(tokenizer.eos_token_id)
-            s.tokens = list(s.tokens) + response_ids
-            s.response = s.label
-            s.response_length = len(response_ids)
-            s.loss_mask = [1] * len(response_ids)
-            s.rollout_log_probs = []
-            s.reward = 0.0
-            s.status = Status.COMPLETED
+            sft_conversation(tokenizer, s, messages)
     return groups

@@ -1,0 +1,121 @@
+"""GRPO steps on a randomly initialised Qwen2-shaped ~0.5B model, torch vs megatron backend.
+
+    python -m bench.megatron_grpo --backend torch
+    python -m bench.megatron_grpo --backend megatron
+    torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --tp 2
+
+Prints one JSON line per run: training tokens/s (prompt + response tokens of the batch per
+`train()` second, steps after the first), MFU and step-0 `ppo_kl` (reported as `approx_kl`;
+on-policy it must be ~0). MFU counts the model FLOPs of the train() call, i.e. the old
+log-prob forward (2N + 4·L·h·s per token) plus forward+backward (6N + 12·L·h·s), with N the
+non-embedding matmul parameters plus the LM head, against `--peak-tflops` per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+from typing import Any
+
+import torch
+
+from flows.config import AlgorithmConfig, TrainConfig
+from storage.sample import Sample
+
+QWEN2_05B = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+
+def make_model(path: str) -> int:
+    """Save a random Qwen2-0.5B-shaped model (bf16); returns its parameter count."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16)  # type: ignore[arg-type]
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_samples(n_groups: int, group: int, prompt_len: int, resp_len: int) -> list[Sample]:
+    rng = random.Random(0)
+    vocab = int(QWEN2_05B["vocab_size"])
+    samples = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        for j in range(group):
+            r = rng.randint(resp_len // 2, resp_len)
+            samples.append(Sample(
+                index=g * group + j, group_index=g, tokens=prompt + [rng.randrange(vocab) for _ in range(r)],
+                response_length=r, loss_mask=[1] * r, reward=float(rng.random() > 0.5),
+            ))
+    return samples
+
+
+def flops_per_token(seq: float) -> float:
+    c = QWEN2_05B
+    h, layers, f, v = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    kv = h * int(c["num_key_value_heads"]) // int(c["num_attention_heads"])
+    n = layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v
+    attn = layers * h * seq  # causal: half of the 2·L·h·s score + value matmuls
+    return (2 * n + 2 * attn) + (6 * n + 6 * attn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", choices=["torch", "megatron"], required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=768)
+    ap.add_argument("--micro-tokens", type=int, default=16384)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU")
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "qwen2-05b-random"))
+    args = ap.parse_args()
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if rank == 0 and not os.path.exists(os.path.join(args.model_dir, "config.json")):
+        make_model(args.model_dir)
+    if world > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.distributed.init_process_group("nccl")
+        torch.distributed.barrier()
+    train_cfg = TrainConfig(model_path=args.model_dir, lr=1e-6, dtype="bfloat16",
+                            max_tokens_per_micro_batch=args.micro_tokens, seed=1)
+    algo = AlgorithmConfig()
+    backend: Any
+    if args.backend == "torch":
+        from engines.train.torch_backend import TorchTrainBackend
+
+        backend = TorchTrainBackend(train_cfg, algo)  # train.device="auto": this GPU
+    else:
+        from engines.train.megatron import MegatronTrainBackend
+
+        backend = MegatronTrainBackend(train_cfg, algo, tensor_parallel=args.tp)
+    samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len)
+    tokens = sum(len(s.tokens) for s in samples)
+    mean_seq = tokens / len(samples)
+    runs = [backend.train(samples, step) for step in range(args.steps)]
+    timed = runs[1:] or runs
+    tok_s = sum(r["train_tokens_per_s"] for r in timed) / len(timed)
+    mfu = tok_s * flops_per_token(mean_seq) / (args.peak_tflops * 1e12 * world)
+    if rank == 0:
+        print(json.dumps({
+            "backend": args.backend, "tp": args.tp, "gpus": world, "samples": len(samples),
+            "tokens_per_step": tokens, "tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
+            "step0_ppo_kl": runs[0]["approx_kl"], "step0_clipfrac": runs[0]["clipfrac"],
+            "losses": [round(r["loss"], 5) for r in runs],
+            "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

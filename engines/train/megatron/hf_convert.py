@@ -1,0 +1,254 @@
+"""HF <-> megatron-core weight conversion for the Llama / Qwen2 family (pure torch).
+
+Megatron fuses what HF keeps apart, and orders the fused rows so that a tensor-parallel
+split along dim 0 gives each rank whole heads / whole halves:
+
+* `linear_qkv` = per KV group g: [q heads of g (heads_per_group * d rows); k_g (d); v_g (d)],
+  groups one after another. HF keeps `q_proj`, `k_proj`, `v_proj` (and their biases).
+* `linear_fc1` = [gate; up] *per TP rank*: rank r holds [gate_r; up_r], so the full (TP=1)
+  tensor is [gate; up] and a TP shard is built from the gate and up shards separately.
+
+The functions below work on *full* (unsharded, all layers) state dicts; `shard_tp` /
+`merge_tp` and `select_stage` / `merge_stages` cut and reassemble them for TP and PP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The architecture numbers both sides agree on (read from an HF config)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> ModelShape:
+        """Qwen2 always has q/k/v biases; Llama has them when `attention_bias` is set."""
+        model_type = getattr(cfg, "model_type", "")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"megatron backend supports llama/qwen2 configs, got {model_type!r}")
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return cls(
+            num_layers=int(cfg.num_hidden_layers),
+            hidden_size=int(cfg.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            ffn_hidden_size=int(cfg.intermediate_size),
+            vocab_size=int(cfg.vocab_size),
+            qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=float(theta),
+            max_position_embeddings=int(cfg.max_position_embeddings),
+        )
+
+
+# -- QKV and gate/up ---------------------------------------------------------------------------
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: ModelShape) -> Tensor:
+    """HF q/k/v (weights `[out, in]` or biases `[out]`) -> megatron's grouped `linear_qkv`."""
+    g, d = shape.num_kv_heads, shape.head_dim
+    tail = q.shape[1:]
+    parts = (
+        q.reshape(g, shape.heads_per_group * d, *tail),
+        k.reshape(g, d, *tail),
+        v.reshape(g, d, *tail),
+    )
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: Tensor, shape: ModelShape) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `fuse_qkv`."""
+    g, d, hpg = shape.num_kv_heads, shape.head_dim, shape.heads_per_group
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g, (hpg + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [hpg * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+# -- full state dicts ----------------------------------------------------------------------
+_SIMPLE_LAYER = {  # megatron suffix -> HF suffix, copied as is
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_to_mcore(hf: Mapping[str, Tensor], shape: ModelShape) -> dict[str, Tensor]:
+    """Full HF state dict -> full megatron `GPTModel` state dict (TP=1, PP=1)."""
+    out: dict[str, Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
+    for i in range(shape.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mc_name, hf_name in _SIMPLE_LAYER.items():
+            out[dst + mc_name] = hf[src + hf_name]
+        attn = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], shape
+        )
+        if shape.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], shape
+            )
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0
+        )
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not shape.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    return out
+
+
+def mcore_to_hf(mc: Mapping[str, Tensor], shape: ModelShape) -> dict[str, Tensor]:
+    """Inverse of `hf_to_mcore`; a tied model also gets `lm_head.weight` (= embeddings), as
+    HF's own `state_dict()` reports it."""
+    embed = mc["embedding.word_embeddings.weight"]
+    out: dict[str, Tensor] = {"model.embed_tokens.weight": embed}
+    for i in range(shape.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for mc_name, hf_name in _SIMPLE_LAYER.items():
+            out[dst + hf_name] = mc[src + mc_name]
+        q, k, v = split_qkv(mc[src + "self_attention.linear_qkv.weight"], shape)
+        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k})
+        out[dst + "self_attn.v_proj.weight"] = v
+        if shape.qkv_bias:
+            qb, kb, vb = split_qkv(mc[src + "self_attention.linear_qkv.bias"], shape)
+            out.update({dst + "self_attn.q_proj.bias": qb, dst + "self_attn.k_proj.bias": kb})
+            out[dst + "self_attn.v_proj.bias"] = vb
+        gate, up = torch.chunk(mc[src + "mlp.linear_fc1.weight"], 2, dim=0)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+    out["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = embed if shape.tie_word_embeddings else mc["output_layer.weight"]
+    return out
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+def _tp_dim(name: str) -> int | None:
+    """Split dim of a megatron parameter: 0 column-parallel, 1 row-parallel, None replicated."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight")):
+        return 0
+    if name.endswith(("output_layer.weight", "linear_fc1.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def check_tp(shape: ModelShape, tp: int) -> None:
+    """Clear errors for shapes that a TP degree cannot split evenly."""
+    for what, n in (
+        ("num_key_value_heads", shape.num_kv_heads),
+        ("num_attention_heads", shape.num_heads),
+        ("intermediate_size", shape.ffn_hidden_size),
+        ("vocab_size", shape.vocab_size),
+    ):
+        if n % tp:
+            raise ValueError(f"model config {what}={n} is not divisible by tensor parallel {tp}")
+
+
+def shard_tp(full: Mapping[str, Tensor], rank: int, size: int) -> dict[str, Tensor]:
+    """This TP rank's slice of a full megatron state dict (any PP stage's subset)."""
+    out = {}
+    for name, t in full.items():
+        dim = _tp_dim(name)
+        if dim is None or size == 1:
+            out[name] = t
+        elif name.endswith("linear_fc1.weight"):
+            gate, up = torch.chunk(t, 2, dim=0)
+            out[name] = torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]], dim=0)
+        else:
+            out[name] = t.chunk(size, dim=dim)[rank]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def merge_tp(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Inverse of `shard_tp`: the per-rank dicts of one PP stage, in TP-rank order."""
+    out = {}
+    for name, first in shards[0].items():
+        dim = _tp_dim(name)
+        parts = [s[name] for s in shards]
+        if dim is None or len(shards) == 1:
+            out[name] = first
+        elif name.endswith("linear_fc1.weight"):
+            halves = [torch.chunk(p, 2, dim=0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            out[name] = torch.cat(parts, dim=dim)
+    return out
+
+
+# -- pipeline parallelism ------------------------------------------------------------------------
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """Global layer indices of one PP stage (even split, as megatron's default)."""
+    if num_layers % pp_size:
+        raise ValueError(f"num_hidden_layers={num_layers} is not divisible by pipeline {pp_size}")
+    per = num_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def select_stage(
+    full: Mapping[str, Tensor], layers: range, pre_process: bool, post_process: bool
+) -> dict[str, Tensor]:
+    """The parameters of one PP stage, layers renumbered from 0 as megatron stores them."""
+    out = {}
+    for name, t in full.items():
+        m = _LAYER.match(name)
+        if m:
+            i = int(m.group(1))
+            if i in layers:
+                out[f"decoder.layers.{i - layers.start}.{m.group(2)}"] = t
+        elif name.startswith("embedding."):
+            if pre_process:
+                out[name] = t
+        elif post_process:
+            out[name] = t
+    return out
+
+
+def merge_stages(stages: Sequence[tuple[int, Mapping[str, Tensor]]]) -> dict[str, Tensor]:
+    """Inverse of `select_stage`: `(first global layer, stage dict)` pairs.
+
+    A tied output layer that megatron also keeps on the last stage (`output_layer.weight`
+    absent, or a copy of the embeddings) is dropped by `mcore_to_hf` anyway.
+    """
+    out: dict[str, Tensor] = {}
+    for start, sd in stages:
+        for name, t in sd.items():
+            m = _LAYER.match(name)
+            out[f"decoder.layers.{int(m.group(1)) + start}.{m.group(2)}" if m else name] = t
+    return out
+
+
+def hf_layer_index(name: str) -> int | None:
+    """The layer index of an HF parameter name, or None for embeddings / head / norm."""
+    m = _HF_LAYER.match(name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,128 @@
+"""Build a megatron-core `GPTModel` for a Llama / Qwen2 HF config, with no TE and no apex.
+
+The layer spec is megatron's *local* spec (plain `ColumnParallelLinear`/`RowParallelLinear`,
+torch RMSNorm) with its core attention swapped for `SDPACoreAttention`: the local
+`DotProductAttention` materialises `[b, heads, s, s]` scores, while
+`torch.nn.functional.scaled_dot_product_attention` runs flash / memory-efficient kernels.
+
+Sequences are right-padded and attention is causal, so pad tokens at the end never reach a
+real token and no padding mask is needed (same argument as `engines/train/batching.py`).
+Megatron is imported inside the functions: this module is safe to import without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engines.train.megatron.hf_convert import ModelShape
+
+
+def _sdpa_attention_class() -> type:
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        """Drop-in for megatron's core attention: `[s, b, heads, d]` q/k/v -> `[s, b, h*d]`."""
+
+        def __init__(
+            self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+            attention_dropout: float | None = None, softmax_scale: float | None = None,
+            **_: Any,
+        ) -> None:
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+        def forward(
+            self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+            attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+            packed_seq_params: Any = None, **_: Any,
+        ) -> Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise NotImplementedError("SDPACoreAttention: no packed sequences / attn bias")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    return SDPACoreAttention
+
+
+def layer_spec(sdpa: bool = True) -> Any:
+    """megatron's local GPT layer spec (RMSNorm), optionally with SDPA core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if sdpa:
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    return spec
+
+
+def transformer_config(
+    shape: ModelShape, tp: int, pp: int, dtype: torch.dtype, cpu_init: bool = False
+) -> Any:
+    """A `TransformerConfig` matching HF Llama/Qwen2 numerics (no fusions needing apex/TE).
+
+    `calculate_per_token_loss=True` makes megatron *sum* (not average) gradients over DP
+    ranks and micro-batches: our losses are already divided by the global step denominator.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense model; allgather rejects varlen
+        calculate_per_token_loss=True,
+        use_cpu_initialization=cpu_init,
+    )
+
+
+def build_gpt_model(shape: ModelShape, config: Any, sdpa: bool = True) -> Any:
+    """This rank's `GPTModel` (its PP stage, its TP shard), on the current CUDA device."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(sdpa),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+    return model

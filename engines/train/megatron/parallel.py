@@ -1,0 +1,141 @@
+"""Process groups, vocab-parallel log-probs / entropy, and gathering full weights.
+
+Every rank of a torchrun job builds one `MegatronTrainBackend`; with no torchrun (a single
+process) `init_parallel` starts a one-rank NCCL group itself. Megatron is imported lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engines.train.megatron.hf_convert import merge_stages, merge_tp, stage_layers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_parallel(tp: int, pp: int, seed: int) -> None:
+    """torch.distributed (NCCL) + megatron's TP/PP/DP groups + its CUDA RNG tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    if dist.get_world_size() % (tp * pp):
+        raise ValueError(f"world size {dist.get_world_size()} is not divisible by tp*pp={tp * pp}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tp, pp)
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        raise ValueError("megatron is already initialised with a different tp/pp")
+    model_parallel_cuda_manual_seed(seed)
+
+
+def vocab_parallel_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) from vocab-sharded logits `[..., V/tp]` through megatron's
+    `vocab_parallel_cross_entropy`, which overwrites its fp32 input: it gets a clone."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return -vocab_parallel_cross_entropy(logits.float().clone(), targets)
+
+
+def vocab_parallel_entropy(logits: Tensor) -> Tensor:
+    """Entropy of softmax over the full vocab from vocab-sharded logits (autograd-aware)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    logits = logits.float()
+    peak = logits.detach().max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    z = logits - peak
+    e = z.exp()
+    sums = torch.stack([e.sum(-1), (e * z).sum(-1)], dim=0)
+    if tp > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        sums = all_reduce(sums, group=group)
+    return sums[0].log() - sums[1] / sums[0]
+
+
+def _local_params(model: Any) -> dict[str, Tensor]:
+    """Parameters of this rank's (unwrapped) model, detached to CPU; no `_extra_state`."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state")}
+
+
+def gather_full_state(model: Any, num_layers: int) -> dict[str, Tensor]:
+    """The full megatron state dict (all TP shards, all PP stages) on every rank, on CPU."""
+    from megatron.core import parallel_state as ps
+
+    local = _local_params(model)
+    tp = ps.get_tensor_model_parallel_world_size()
+    shards: list[Any] = [None] * tp
+    if tp > 1:
+        dist.all_gather_object(shards, local, group=ps.get_tensor_model_parallel_group())
+    else:
+        shards = [local]
+    stage = merge_tp(shards)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    start = stage_layers(num_layers, ps.get_pipeline_model_parallel_rank(), pp).start
+    stages: list[Any] = [None] * pp
+    if pp > 1:
+        dist.all_gather_object(stages, (start, stage), group=ps.get_pipeline_model_parallel_group())
+    else:
+        stages = [(start, stage)]
+    return merge_stages(stages)
+
+
+def copy_into(model: Any, weights: Mapping[str, Tensor]) -> None:
+    """Copy this rank's shard into the model's parameters, checking names and shapes."""
+    params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing = sorted(set(params) - set(weights))
+    extra = sorted(set(weights) - set(params))
+    if missing or extra:
+        raise ValueError(f"weight mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = weights[name]
+            if src.shape != p.shape:
+                raise ValueError(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(p.shape)}")
+            p.copy_(src.to(p.dtype))
+
+
+def broadcast_from_last_stage(obj: Any) -> Any:
+    """Pick the last PP stage's value of `obj` on every stage of its pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+def all_gather_dp(obj: Any) -> list[Any]:
+    """`obj` of every DP rank, in DP-rank order."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_data_parallel_world_size()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=ps.get_data_parallel_group())
+    return out

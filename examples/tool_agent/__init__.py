@@ -1,0 +1,1 @@
+"""Multi-turn tool calling: a calculator agent as a custom generate function."""

@@ -1,0 +1,114 @@
+"""The megatron backend against HF and the torch backend on identical weights (1 GPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flows.config import AlgorithmConfig, TrainConfig
+from storage.sample import Sample
+
+pytestmark = pytest.mark.gpu
+
+
+def _samples(n_groups: int = 4, group: int = 4, vocab: int = 256, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 9))]
+        for j in range(group):
+            resp = [rng.randrange(1, vocab) for _ in range(rng.randint(2, 12))]
+            mask = [1] * len(resp)
+            mask[0] = 0 if j == 1 else 1  # a masked token somewhere
+            out.append(Sample(
+                index=g * group + j, group_index=g, tokens=prompt + resp,
+                response_length=len(resp), loss_mask=mask, reward=float(rng.random() > 0.5),
+            ))
+    return out
+
+
+def _cfgs(
+    path: str, dtype: str = "float32", gbs: int | None = 8, **algo: object
+) -> tuple[TrainConfig, AlgorithmConfig]:
+    train = TrainConfig(model_path=path, lr=1e-3, dtype=dtype, global_batch_size=gbs,
+                        max_tokens_per_micro_batch=64, seed=7)
+    return train, AlgorithmConfig(**algo)
+
+
+def test_megatron_logits_match_hf(qwen2_tiny_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engines.train.megatron import MegatronTrainBackend
+
+    backend = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir))
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_tiny_dir, dtype=torch.float32).cuda()
+    ids = torch.randint(0, 256, (2, 17), device="cuda")
+    pos = torch.arange(17, device="cuda").expand_as(ids)
+    with torch.no_grad():
+        ours = backend.model(input_ids=ids, position_ids=pos, attention_mask=None)
+        ref = hf(input_ids=ids).logits
+    assert (ours.float() - ref).abs().max().item() < 1e-4
+    # HF -> megatron -> HF gives back the exact weights (QKV and gate/up fused and split).
+    exported = backend.state_dict_for_engine()
+    for name, value in hf.state_dict().items():
+        assert torch.equal(exported[name], value.cpu()), name
+
+
+def test_torch_and_megatron_losses_agree(qwen2_tiny_dir: str) -> None:
+    from engines.train.megatron import MegatronTrainBackend
+    from engines.train.torch_backend import TorchTrainBackend
+
+    samples = _samples()
+    for algo in ({}, {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
+                 {"calculate_per_token_loss": True}):
+        mg = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir, **algo))
+        tb = TorchTrainBackend(*_cfgs(qwen2_tiny_dir, **algo))
+        lp_m, lp_t = mg.compute_log_probs(samples), tb.compute_log_probs(samples)
+        for a, b in zip(lp_m, lp_t, strict=True):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+        for step in range(2):  # step 1 runs on weights both backends updated once
+            m, t = mg.train(samples, step), tb.train(samples, step)
+            for key in ("loss", "pg_loss", "kl_loss", "entropy", "approx_kl", "clipfrac"):
+                assert m[key] == pytest.approx(t[key], abs=2e-4), (algo, step, key, m[key], t[key])
+            assert m["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-3), (algo, step)
+        assert m["approx_kl"] == pytest.approx(t["approx_kl"], abs=1e-5)
+
+
+def test_step0_ppo_kl_is_zero_in_bf16(qwen2_tiny_dir: str) -> None:
+    from engines.train.megatron import MegatronTrainBackend
+
+    # One optimizer step (the whole batch), many micro-batches: every token is on-policy.
+    backend = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir, dtype="bfloat16", gbs=None))
+    metrics = backend.train(_samples(seed=3), 0)
+    assert abs(metrics["approx_kl"]) < 1e-6
+    assert metrics["clipfrac"] == 0.0
+    assert metrics["weight_version"] == 1.0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known bug: after dist_checkpointing load the next step's loss differs ~0.8% "
+    "(-0.010192 vs -0.010272 on H200): weights restore but Adam state does not fully"))
+def test_checkpoint_round_trip(qwen2_tiny_dir: str, tmp_path: pytest.TempPathFactory) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engines.train.megatron import MegatronTrainBackend
+
+    samples = _samples(seed=5)
+    a = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir))
+    a.train(samples, 0)
+    a.save_checkpoint(str(tmp_path))
+    expected = a.train(samples, 1)  # the uninterrupted run's next step
+    b = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir))
+    b.load_checkpoint(str(tmp_path))
+    assert b.version == 1
+    resumed = b.train(samples, 1)
+    for key in ("loss", "pg_loss", "grad_norm", "approx_kl"):
+        assert resumed[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    b2 = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir))
+    b2.load_checkpoint(str(tmp_path))
+    exported = b2.state_dict_for_engine()
+    for name, value in hf.items():
+        assert torch.allclose(exported[name], value), name

@@ -1,0 +1,150 @@
+"""Plugin contracts (after slime's tests/plugin_contracts): every built-in fits the protocol
+of the config key it can be named by, and a hook with a bad path or a wrong signature fails
+at start-up with that key in the message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engines.algorithms.losses import actor_loss
+from engines.algorithms.registry import ADVANTAGE_ESTIMATORS
+from engines.data_source import pop_first
+from engines.hooks import HOOKS, HookError, check_protocol, load_hook, validate_hooks
+from engines.rollout import protocols as p
+from engines.rollout.sft_rollout import sft_rollout
+from examples.tool_agent.agent import generate as tool_agent_generate
+from flows.config import RollflowConfig
+from tasks.filter_hub import DYNAMIC_FILTERS, OVER_SAMPLING_FILTERS
+from tasks.rewards import REWARD_FUNCTIONS, RemoteRewardModel, builtin_reward
+
+BUILTINS: list[tuple[str, Any, type]] = [
+    ("sft_rollout", sft_rollout, p.RolloutFn),
+    ("tool_agent.generate", tool_agent_generate, p.GenerateFn),
+    ("remote_rm", RemoteRewardModel("http://x").score, p.RewardFn),
+    ("boxed_math", builtin_reward("boxed_math", "t"), p.RewardFn),
+    ("pop_first", pop_first, p.BufferFilterFn),
+    ("actor_loss", actor_loss, p.CustomLossFn),
+    *[(n, f, p.RewardFn) for n, f in REWARD_FUNCTIONS.items()],
+    *[(n, f, p.DynamicFilterFn) for n, f in DYNAMIC_FILTERS.items()],
+    *[(n, f, p.OverSamplingFilterFn) for n, f in OVER_SAMPLING_FILTERS.items()],
+    *[(n, f, p.CustomAdvantageFn) for n, f in ADVANTAGE_ESTIMATORS.items()],
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "protocol"), BUILTINS, ids=[b[0] for b in BUILTINS])
+def test_builtin_satisfies_its_protocol(name: str, fn: Any, protocol: type) -> None:
+    check_protocol(fn, protocol, f"builtin {name}")
+
+
+# One user hook per protocol with the right shape, and one with a wrong shape each.
+def rollout_ok(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> list:
+    return []
+
+
+async def generate_ok(args: Any, sample: Any, sampling_params: dict) -> Any:
+    return sample
+
+
+async def reward_ok(args: Any, sample: Any) -> float:
+    return 0.0
+
+
+async def group_reward_ok(args: Any, samples: list) -> list[float]:
+    return [0.0] * len(samples)
+
+
+def two_args_ok(args: Any, x: Any) -> Any:
+    return x
+
+
+def three_args_ok(args: Any, x: Any, denominator: float) -> Any:
+    return x
+
+
+def buffer_ok(args: Any, rollout_id: int, buffer: list, num_samples: int) -> list:
+    return buffer[:num_samples]
+
+
+def one_arg(args: Any) -> None:
+    return None
+
+
+def sync_any(*args: Any) -> None:
+    return None
+
+
+async def async_any(*args: Any) -> None:
+    return None
+
+
+GOOD: dict[type, str] = {
+    p.RolloutFn: "rollout_ok",
+    p.GenerateFn: "generate_ok",
+    p.RewardFn: "reward_ok",
+    p.GroupRewardFn: "group_reward_ok",
+    p.DynamicFilterFn: "two_args_ok",
+    p.OverSamplingFilterFn: "two_args_ok",
+    p.BufferFilterFn: "buffer_ok",
+    p.SampleFilterFn: "two_args_ok",
+    p.CustomLossFn: "three_args_ok",
+    p.CustomAdvantageFn: "two_args_ok",
+}
+KEYS = [(k, proto) for k, proto in HOOKS.items()] + [("rollout.custom_rm_path", p.GroupRewardFn)]
+
+
+@pytest.mark.parametrize(("key", "protocol"), KEYS, ids=[f"{k}-{v.__name__}" for k, v in KEYS])
+def test_user_hooks_are_checked_with_the_key_named(key: str, protocol: type) -> None:
+    mod = __name__
+    assert load_hook(f"{mod}:{GOOD[protocol]}", key, protocol) is globals()[GOOD[protocol]]
+    assert load_hook(f"{mod}.{GOOD[protocol]}", key, protocol) is globals()[GOOD[protocol]]
+    with pytest.raises(HookError, match=rf"^{key}: cannot import 'no_such_pkg.mod'"):
+        load_hook("no_such_pkg.mod:fn", key, protocol)
+    with pytest.raises(HookError, match=rf"^{key}: .*missing_fn.* does not name a callable"):
+        load_hook(f"{mod}:missing_fn", key, protocol)
+    with pytest.raises(HookError, match=rf"^{key}: one_arg cannot take \d positional arguments"):
+        load_hook(f"{mod}:one_arg", key, protocol)
+    wants_async = protocol in (p.GenerateFn, p.RewardFn, p.GroupRewardFn)
+    wrong_kind = "sync_any" if wants_async else "async_any"
+    with pytest.raises(HookError, match=rf"^{key}: {wrong_kind} must be"):
+        load_hook(f"{mod}:{wrong_kind}", key, protocol)
+
+
+def config(**rollout: Any) -> RollflowConfig:
+    return RollflowConfig.model_validate(
+        {
+            "data": {"prompt_data": "x.jsonl"},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 1, **rollout},
+            "engine": {"backend": "mock"},
+            "train": {"backend": "mock"},
+        }
+    )
+
+
+def test_validate_hooks_checks_every_configured_key_at_startup() -> None:
+    mod = __name__
+    loaded = validate_hooks(
+        config(
+            function_path=f"{mod}:rollout_ok",
+            custom_generate_function_path=f"{mod}:generate_ok",
+            custom_rm_path=f"{mod}:group_reward_ok",
+            group_rm=True,
+            dynamic_sampling_filter_path="check_reward_nonzero_std",  # a built-in by name
+            buffer_filter_path="engines.data_source.pop_first",
+        )
+    )
+    assert set(loaded) == {
+        "rollout.function_path",
+        "rollout.custom_generate_function_path",
+        "rollout.custom_rm_path",
+        "rollout.dynamic_sampling_filter_path",
+        "rollout.buffer_filter_path",
+    }
+    assert loaded["rollout.dynamic_sampling_filter_path"] is DYNAMIC_FILTERS["check_reward_nonzero_std"]
+    with pytest.raises(HookError, match="^rollout.custom_rm_path: reward_ok cannot take|^rollout.custom_rm_path: two_args_ok must be"):
+        validate_hooks(config(custom_rm_path=f"{mod}:two_args_ok", group_rm=True))
+    with pytest.raises(HookError, match=r"^rollout.over_sampling_filter_path: 'sort_by_std' is neither"):
+        validate_hooks(config(over_sampling_filter_path="sort_by_std"))
+    with pytest.raises(HookError, match="^rollout.custom_generate_function_path: reward_ok cannot take"):
+        validate_hooks(config(custom_generate_function_path=f"{mod}:reward_ok"))

@@ -1,0 +1,231 @@
+"""The reward hub: rule rewards with math-verify, boxed_, per-sample rm_type, custom and group
+reward hooks, and remote_rm against a real local HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from engines.hooks import HookError
+from flows.config import RolloutConfig
+from storage.sample import Sample
+from tasks.rewards import (
+    RemoteRewardError,
+    RewardConfigError,
+    RewardHub,
+    dapo_score,
+    deepscaler_score,
+    f1_score,
+    last_boxed,
+    math_score,
+)
+from tasks.rm_hub import compute_reward, resolve_reward_fn
+
+
+def cfg(**kw: Any) -> RolloutConfig:
+    return RolloutConfig(num_rollout=1, rollout_batch_size=1, **kw)
+
+
+def sample(response: str, label: str | None, i: int = 0, **meta: Any) -> Sample:
+    return Sample(index=i, group_index=0, prompt="q", response=response, label=label, metadata=meta)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_last_boxed_balances_braces_and_takes_the_last() -> None:
+    assert last_boxed(r"first \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert last_boxed(r"\fbox{x^{2}}") == "x^{2}"
+    assert last_boxed(r"so $\boxed 7$") == "7"
+    assert last_boxed(r"\boxed{unclosed") is None
+    assert last_boxed("no box") is None
+
+
+def test_math_uses_symbolic_equivalence() -> None:
+    assert math_score(r"The answer is \boxed{\frac{1}{2}}", "0.5") == 1.0
+    assert math_score(r"\boxed{\frac{2}{4}}", r"\frac{1}{2}") == 1.0
+    assert math_score(r"\boxed{0.51}", "0.5") == 0.0
+    assert math_score("42", "42") == 1.0  # no box: the whole response is the answer
+    assert math_score(r"\boxed{3}", r"solution ... \boxed{3}") == 1.0  # boxed label
+    assert math_score(r"\boxed{3}", None) == 0.0
+
+
+def test_deepscaler_needs_closed_thinking_and_a_box() -> None:
+    assert deepscaler_score(r"<think>\boxed{2}</think> so \boxed{4}", "4") == 1.0
+    assert deepscaler_score(r"<think>\boxed{4}</think> so \boxed{2}", "4") == 0.0
+    assert deepscaler_score(r"\boxed{4}", "4") == 0.0  # never closed its thinking
+    assert deepscaler_score(r"<think>x</think> 4", "4") == 0.0  # no box
+
+
+def test_dapo_scores_plus_minus_one_on_the_answer_line() -> None:
+    assert dapo_score("work...\nAnswer: 12", "12") == {"score": 1.0, "acc": 1.0}
+    assert dapo_score("Answer: 11\nAnswer: 12", "12")["score"] == 1.0  # the last one counts
+    assert dapo_score("Answer: 13", "12") == {"score": -1.0, "acc": 0.0}
+    assert dapo_score("12", "12")["score"] == -1.0  # no Answer: line
+
+
+def test_f1_is_squad_token_f1() -> None:
+    assert f1_score("The Eiffel Tower!", "eiffel tower") == 1.0
+    # pred tokens {paris, france, city}, gold {paris}: P = 1/3, R = 1 -> F1 = 0.5
+    assert f1_score("Paris, France city", "Paris") == pytest.approx(0.5)
+    assert f1_score("yes it is", "no") == 0.0
+    assert f1_score("", "x") == 0.0
+
+
+def test_hub_dispatch_rm_type_boxed_and_metadata_override() -> None:
+    hub = RewardHub.from_config(cfg(rm_type="boxed_exact_match"))
+    assert run(hub.score(None, sample(r"think 9 \boxed{ 12 }", "12"))) == 1.0
+    assert run(hub.score(None, sample("12", "12"))) == 0.0  # no box -> ""
+    override = sample("the cat sat", "cat sat", rm_type="f1")
+    # pred {cat, sat} after dropping "the": exact F1 = 1
+    assert run(hub.score(None, override)) == 1.0
+    with pytest.raises(RewardConfigError, match=r"sample 3 .*metadata.rm_type.*'nope'"):
+        run(hub.score(None, sample("x", "x", i=3, rm_type="nope")))
+    with pytest.raises(RewardConfigError, match="rollout.rm_type: unknown reward 'bogus'"):
+        RewardHub.from_config(cfg(rm_type="bogus"))
+    with pytest.raises(RewardConfigError, match="rollout.rm_type: remote_rm needs rollout.rm_url"):
+        RewardHub.from_config(cfg(rm_type="remote_rm"))
+
+
+def test_compat_api_resolves_through_the_same_registry() -> None:
+    fn = resolve_reward_fn("boxed_math", None)
+    assert fn is not None
+    assert run(compute_reward(None, sample(r"\boxed{0.25}", r"\frac14"), fn)) == 1.0
+    assert run(compute_reward(None, sample("7", "7", rm_type="last_number"), None)) == 1.0
+
+
+# Hooks loaded by import string from this module.
+CALLS: list[int] = []
+
+
+async def length_reward(args: Any, s: Sample) -> dict[str, float]:
+    return {"len": float(len(s.response)), "one": 1.0}
+
+
+async def rank_group(args: Any, samples: list[Sample]) -> list[float]:
+    CALLS.append(len(samples))
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].response))
+    ranks = [0.0] * len(samples)
+    for rank, i in enumerate(order):
+        ranks[i] = float(rank)
+    return ranks
+
+
+def sync_reward(args: Any, s: Sample) -> float:
+    return 0.0
+
+
+def test_custom_rm_and_group_rm_by_import_string() -> None:
+    hub = RewardHub.from_config(cfg(custom_rm_path=f"{__name__}:length_reward"))
+    rewards = run(hub.score_group(None, [sample("abc", None), sample("a", None)]))
+    assert rewards == [{"len": 3.0, "one": 1.0}, {"len": 1.0, "one": 1.0}]
+
+    CALLS.clear()
+    group_hub = RewardHub.from_config(cfg(custom_rm_path=f"{__name__}.rank_group", group_rm=True))
+    group = [sample("xxx", None, 0), sample("x", None, 1), sample("xx", None, 2)]
+    run(group_hub.assign(None, group))
+    assert [s.reward for s in group] == [2.0, 0.0, 1.0] and CALLS == [3]  # one batched call
+
+    with pytest.raises(HookError, match="rollout.custom_rm_path: .*async def"):
+        RewardHub.from_config(cfg(custom_rm_path=f"{__name__}:sync_reward"))
+    with pytest.raises(HookError, match="rollout.custom_rm_path: .*cannot take 2"):
+        RewardHub.from_config(cfg(custom_rm_path=f"{__name__}:rank_group_missing"))
+    with pytest.raises(RewardConfigError, match="rollout.group_rm: needs rollout.custom_rm_path"):
+        RewardHub.from_config(cfg(rm_type="f1", group_rm=True))
+
+
+async def rank_group_missing(args: Any) -> float:
+    return 0.0
+
+
+class _Server:
+    """A real HTTP reward model: fails the first `fail_first` requests with `fail_status`,
+    sleeps `delay_s` before answering, then scores `len(response)`."""
+
+    def __init__(self, fail_first: int = 0, fail_status: int = 503, delay_s: float = 0.0):
+        self.fail_first, self.fail_status, self.delay_s = fail_first, fail_status, delay_s
+        self.requests: list[dict[str, Any]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                if len(server.requests) <= server.fail_first:
+                    self.send_response(server.fail_status)
+                    self.end_headers()
+                    self.wfile.write(b"busy")
+                    return
+                time.sleep(server.delay_s)
+                out = json.dumps({"score": float(len(body["response"])), "ok": 1}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture()
+def server_factory() -> Iterator[Any]:
+    servers: list[_Server] = []
+
+    def make(**kw: Any) -> _Server:
+        servers.append(_Server(**kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def remote_hub(url: str, **kw: Any) -> RewardHub:
+    return RewardHub.from_config(
+        cfg(rm_type="remote_rm", rm_url=url, rm_backoff_s=0.01, reward_key="score", **kw)
+    )
+
+
+def test_remote_rm_posts_the_sample_and_retries_5xx(server_factory: Any) -> None:
+    srv = server_factory(fail_first=2, fail_status=503)
+    s = sample("hello", "lbl", i=7, topic="t")
+    start = time.perf_counter()
+    assert run(remote_hub(srv.url).score(None, s)) == {"score": 5.0, "ok": 1.0}
+    assert len(srv.requests) == 3  # two 503s, then success
+    assert srv.requests[0] == {"prompt": "q", "response": "hello", "label": "lbl", "metadata": {"topic": "t"}}
+    assert time.perf_counter() - start >= 0.01 + 0.02  # backoff 0.01 then 0.02
+
+
+def test_remote_rm_fails_fast_on_4xx_and_gives_up_after_retries(server_factory: Any) -> None:
+    bad = server_factory(fail_first=100, fail_status=400)
+    with pytest.raises(RemoteRewardError, match="rollout.rm_url .* HTTP 400: busy"):
+        run(remote_hub(bad.url).score(None, sample("x", None)))
+    assert len(bad.requests) == 1
+    down = server_factory(fail_first=100, fail_status=500)
+    with pytest.raises(RemoteRewardError, match="failed after 3 attempts"):
+        run(remote_hub(down.url, rm_max_retries=2).score(None, sample("x", None)))
+    assert len(down.requests) == 3
+
+
+def test_remote_rm_times_out_then_retries(server_factory: Any) -> None:
+    slow = server_factory(delay_s=0.5)
+    with pytest.raises(RemoteRewardError, match="ReadTimeout"):
+        run(remote_hub(slow.url, rm_timeout_s=0.1, rm_max_retries=1).score(None, sample("x", None)))
+    assert len(slow.requests) == 2
