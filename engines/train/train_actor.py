@@ -32,8 +32,18 @@ def _mock_backend(cfg: RollflowConfig) -> Any:
     return MockTrainBackend(cfg.train, cfg.algorithm, cfg.rollout.temperature)
 
 
+def _megatron_backend(cfg: RollflowConfig) -> Any:
+    from engines.train.megatron import MegatronTrainBackend
+
+    return MegatronTrainBackend(
+        cfg.train, cfg.algorithm, cfg.rollout.temperature, reward_key=cfg.rollout.reward_key,
+        tensor_parallel=cfg.train.tensor_parallel, pipeline_parallel=cfg.train.pipeline_parallel,
+    )
+
+
 TRAIN_BACKENDS: dict[str, Callable[[RollflowConfig], Any]] = {
     "torch": _torch_backend,
+    "megatron": _megatron_backend,
     "mock": _mock_backend,
 }
 
