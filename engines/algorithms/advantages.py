@@ -64,3 +64,99 @@ def grpo_advantages_by_group(
         idx = torch.tensor(positions, dtype=torch.long)
         out[idx] = grpo_advantages(values[idx].unsqueeze(0), std_normalization, eps).squeeze(0)
     return out
+
+
+def rloo_advantages_by_group(rewards: Tensor, group_indices: Sequence[int]) -> Tensor:
+    """Leave-one-out baseline: A_i = r_i - mean(r_j, j != i) = k / (k - 1) * (r_i - mean).
+
+    A group of one sample has no other sample to compare with and gets 0.
+    """
+    out = torch.zeros(rewards.shape[0], dtype=torch.float32)
+    for positions in _members(group_indices).values():
+        idx = torch.tensor(positions, dtype=torch.long)
+        k = len(positions)
+        if k < 2:
+            continue
+        r = rewards[idx].float()
+        out[idx] = (r * k - r.sum()) / (k - 1)
+    return out
+
+
+def group_mean_baseline(rewards: Tensor, group_indices: Sequence[int]) -> Tensor:
+    """r_i - mean(group): REINFORCE++-baseline's scalar (before the KL term)."""
+    return grpo_advantages_by_group(rewards.tolist(), group_indices, std_normalization=False)
+
+
+def _members(group_indices: Sequence[int]) -> dict[int, list[int]]:
+    members: dict[int, list[int]] = {}
+    for position, group in enumerate(group_indices):
+        members.setdefault(int(group), []).append(position)
+    return members
+
+
+def discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_{t+1} over one 1-D response (REINFORCE++)."""
+    out = torch.empty_like(token_rewards)
+    running = token_rewards.new_zeros(())
+    for t in range(token_rewards.shape[0] - 1, -1, -1):
+        running = token_rewards[t] + gamma * running
+        out[t] = running
+    return out
+
+
+def reinforce_plus_plus_returns(
+    reward: float, kl: Tensor, loss_mask: Tensor, kl_coef: float, gamma: float
+) -> Tensor:
+    """slime's REINFORCE++ per-token returns for one sample.
+
+    Token rewards are -kl_coef * kl, plus the scalar reward on the *last masked* token; the
+    returns are their discounted suffix sums. A fully masked response has no token to carry
+    the reward and is an error (slime asserts the same).
+    """
+    nonzero = loss_mask.nonzero()
+    if nonzero.numel() == 0:
+        raise ValueError("reinforce_plus_plus: a response has no loss-masked token")
+    token_rewards = -kl_coef * kl.float()
+    token_rewards[int(nonzero[-1])] += reward
+    return discounted_returns(token_rewards, gamma)
+
+
+def gae(rewards: Tensor, values: Tensor, gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over one 1-D response; `(advantages, returns)`.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token is 0),
+    A_t = delta_t + gamma * lambd * A_{t+1},  returns = A + V.
+    """
+    adv = torch.empty_like(values, dtype=torch.float32)
+    last = values.new_zeros((), dtype=torch.float32)
+    n = values.shape[0]
+    for t in range(n - 1, -1, -1):
+        next_value = values[t + 1] if t < n - 1 else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lambd * last
+        adv[t] = last
+    return adv, adv + values.float()
+
+
+def ppo_token_rewards(reward: float, kl: Tensor, kl_coef: float) -> Tensor:
+    """PPO's per-token rewards: -kl_coef * kl, plus the scalar reward on the last token."""
+    token_rewards = -kl_coef * kl.float()
+    if token_rewards.numel():
+        token_rewards[-1] += reward
+    return token_rewards
+
+
+def masked_whiten(values: list[Tensor], masks: list[Tensor], eps: float = 1e-8) -> list[Tensor]:
+    """Normalise to zero mean / unit variance over all masked tokens of the batch.
+
+    Population variance over masked tokens, `(x - mean) / sqrt(var + eps)` (slime's
+    `distributed_masked_whiten` with shift_mean, on one process: every rank holds the whole
+    rollout batch, so the statistics are global already).
+    """
+    flat = torch.cat([v.float() for v in values])
+    mask = torch.cat([m.float() for m in masks])
+    count = mask.sum().clamp_min(1.0)
+    mean = (flat * mask).sum() / count
+    var = (((flat - mean) ** 2) * mask).sum() / count
+    whitened = (flat - mean) * torch.rsqrt(var + eps)
+    return list(whitened.split([v.numel() for v in values]))

@@ -58,6 +58,33 @@ def masked_mean_per_token(x: Tensor, loss_mask: Tensor, num_tokens: float | None
     return _masked(x, loss_mask).sum() / max(denom, 1.0)
 
 
+def policy_loss_from_kl(
+    ppo_kl: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO-clip surrogate per token from `ppo_kl = old - new`: `(loss, clipfrac)`.
+
+    Dual clip (`eps_clip_c` > 1): where A < 0 the loss is further capped at
+    `-eps_clip_c * A`, so a huge ratio on a bad token cannot blow the loss up.
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = torch.exp(-ppo_kl)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"eps_clip_c must be > 1, got {eps_clip_c}")
+        capped = torch.minimum(loss, -eps_clip_c * advantages)
+        loss = torch.where(advantages < 0, capped, loss)
+    return _masked(loss, loss_mask), _masked(clipfrac, loss_mask)
+
+
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -65,20 +92,53 @@ def policy_loss(
     loss_mask: Tensor,
     eps_clip: float,
     eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO-clip surrogate per token: `(loss, clipfrac, approx_kl)`, zero where masked.
+    """Token-level PPO-clip: `(loss, clipfrac, approx_kl)`, zero where masked.
 
     `eps_clip_high` (clip-higher, DAPO) defaults to `eps_clip`. `advantages` broadcasts
     (e.g. `[batch, 1]` for GRPO's per-sample advantage).
     """
-    high = eps_clip if eps_clip_high is None else eps_clip_high
     ppo_kl = old_log_probs - log_probs
-    ratio = torch.exp(-ppo_kl)
-    unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
-    loss = torch.maximum(unclipped, clipped)
-    clipfrac = (clipped > unclipped).float()
-    return _masked(loss, loss_mask), _masked(clipfrac, loss_mask), _masked(ppo_kl, loss_mask)
+    loss, clipfrac = policy_loss_from_kl(
+        ppo_kl, advantages, loss_mask, eps_clip, eps_clip_high, eps_clip_c
+    )
+    return loss, clipfrac, _masked(ppo_kl, loss_mask)
+
+
+def gspo_kl(log_probs: Tensor, old_log_probs: Tensor, loss_mask: Tensor) -> Tensor:
+    """GSPO's sequence-level `ppo_kl`: each sample's masked mean of (old - new), broadcast to
+    its tokens, so every token of a sample shares one ratio (the geometric mean)."""
+    diff = _masked(old_log_probs - log_probs, loss_mask).sum(dim=-1, keepdim=True)
+    seq = diff / loss_mask.sum(dim=-1, keepdim=True).clamp_min(1)
+    return seq.expand_as(log_probs)
+
+
+def tis_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, tis_clip: float, tis_clip_low: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling between trainer and engine: weights
+    `clamp(exp(old - rollout), tis_clip_low, tis_clip)` (no gradient) and per-token metrics
+    `tis` (raw ratio), `tis_clipfrac`, `tis_abs` = |ratio - 1|."""
+    ratio = torch.exp(old_log_probs.detach().float() - rollout_log_probs.float())
+    weights = ratio.clamp(min=tis_clip_low, max=tis_clip)
+    metrics = {
+        "tis": ratio,
+        "tis_clipfrac": (weights != ratio).float(),
+        "tis_abs": (ratio - 1.0).abs(),
+    }
+    return weights, metrics
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, value_clip: float
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss per token (slime): max((clip(V) - R)^2, (V - R)^2) with
+    clip(V) = V_old + clamp(V - V_old, -value_clip, value_clip); `(loss, clipfrac)`."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss = torch.maximum((clipped - returns) ** 2, (values - returns) ** 2)
+    clipfrac = ((values - old_values).abs() > value_clip).float()
+    return _masked(loss, loss_mask), _masked(clipfrac, loss_mask)
 
 
 def _k1(log_ratio: Tensor) -> Tensor:
@@ -139,6 +199,49 @@ class LossInputs:
     old_log_probs: Tensor | None = None
     advantages: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    rollout_log_probs: Tensor | None = None
+    """Engine log-probs: train/rollout mismatch metrics, and the TIS denominator."""
+
+
+Reducer = Callable[[Tensor], Tensor]
+
+
+def make_reducer(per_token: bool, loss_mask: Tensor, denominator: float) -> Reducer:
+    """The step's reduction (see module docstring) bound to one micro-batch's mask."""
+    if per_token:
+        return lambda x: masked_mean_per_token(x, loss_mask, denominator)
+    return lambda x: masked_mean_per_sample(x, loss_mask, int(denominator))
+
+
+def _pg_terms(algo: AlgorithmConfig, inputs: LossInputs, reduce: Reducer) -> dict[str, Tensor]:
+    if inputs.old_log_probs is None or inputs.advantages is None:
+        raise ValueError("policy_loss needs old_log_probs and advantages")
+    mask = inputs.loss_mask
+    if algo.advantage_estimator == "gspo":
+        ppo_kl = gspo_kl(inputs.log_probs, inputs.old_log_probs, mask)
+    else:
+        ppo_kl = inputs.old_log_probs - inputs.log_probs
+    pg_tok, clip_tok = policy_loss_from_kl(
+        ppo_kl, inputs.advantages, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c
+    )
+    terms: dict[str, Tensor] = {}
+    if inputs.rollout_log_probs is not None:
+        weights, tis_metrics = tis_weights(
+            inputs.old_log_probs, inputs.rollout_log_probs, algo.tis_clip, algo.tis_clip_low
+        )
+        if algo.use_tis:
+            pg_tok = pg_tok * weights
+        terms.update({k: reduce(v) for k, v in tis_metrics.items()})
+        terms["ois"] = reduce(torch.exp(-ppo_kl.detach()))
+        terms["train_rollout_logprob_abs_diff"] = reduce(
+            (inputs.old_log_probs - inputs.rollout_log_probs).abs()
+        )
+    elif algo.use_tis:
+        raise ValueError("use_tis needs rollout_log_probs on every sample")
+    terms.update(
+        pg_loss=reduce(pg_tok), clipfrac=reduce(clip_tok), approx_kl=reduce(_masked(ppo_kl, mask))
+    )
+    return terms
 
 
 def actor_loss(
@@ -150,42 +253,35 @@ def actor_loss(
     (per-token reduction) of the whole optimizer step, so summing micro-batch results gives
     the step's value.
     """
-
-    def reduce(x: Tensor) -> Tensor:
-        if algo.calculate_per_token_loss:
-            return masked_mean_per_token(x, inputs.loss_mask, denominator)
-        return masked_mean_per_sample(x, inputs.loss_mask, int(denominator))
-
+    reduce = make_reducer(algo.calculate_per_token_loss, inputs.loss_mask, denominator)
     entropy = reduce(inputs.entropy)
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=inputs.log_probs.device)
     if algo.loss_type == "sft_loss":
-        pg = reduce(sft_loss(inputs.log_probs, inputs.loss_mask))
-        clipfrac, approx_kl = zero, zero
+        terms = {"pg_loss": reduce(sft_loss(inputs.log_probs, inputs.loss_mask))}
+        terms.update(clipfrac=zero, approx_kl=zero)
     else:
-        if inputs.old_log_probs is None or inputs.advantages is None:
-            raise ValueError("policy_loss needs old_log_probs and advantages")
-        pg_tok, clip_tok, kl_tok = policy_loss(
-            inputs.log_probs,
-            inputs.old_log_probs,
-            inputs.advantages,
-            inputs.loss_mask,
-            algo.eps_clip,
-            algo.eps_clip_high,
-        )
-        pg, clipfrac, approx_kl = reduce(pg_tok), reduce(clip_tok), reduce(kl_tok)
-    loss = pg - algo.entropy_coef * entropy
+        terms = _pg_terms(algo, inputs, reduce)
+    loss = terms["pg_loss"] - algo.entropy_coef * entropy
     kl = zero
     if algo.use_kl_loss:
         if inputs.ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs")
         kl = reduce(kl_penalty(inputs.log_probs, inputs.ref_log_probs, algo.kl_loss_type))
         loss = loss + algo.kl_loss_coef * kl
-    terms = {
-        "loss": loss,
-        "pg_loss": pg,
-        "kl_loss": kl,
-        "entropy": entropy,
-        "clipfrac": clipfrac,
-        "approx_kl": approx_kl,
-    }
+    terms.update(loss=loss, kl_loss=kl, entropy=entropy)
     return loss, {k: v.detach() for k, v in terms.items()}
+
+
+def critic_loss(
+    algo: AlgorithmConfig,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    loss_mask: Tensor,
+    denominator: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss of one micro-batch, reduced like the actor loss."""
+    reduce = make_reducer(algo.calculate_per_token_loss, loss_mask, denominator)
+    loss_tok, clip_tok = value_loss(values, old_values, returns, loss_mask, algo.value_clip)
+    loss = reduce(loss_tok)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clip_tok).detach()}

@@ -17,7 +17,7 @@ actually drives activation memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -59,6 +59,21 @@ class PaddedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum().item())
+
+    def to(self, device: torch.device) -> PaddedBatch:
+        """The same batch with every tensor on `device` (a no-op on its own device)."""
+        moved = {
+            f: getattr(self, f).to(device)
+            for f in (
+                "input_ids",
+                "attention_mask",
+                "logit_index",
+                "targets",
+                "response_mask",
+                "loss_mask",
+            )
+        }
+        return replace(self, **moved)
 
 
 def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:

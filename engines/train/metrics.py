@@ -7,9 +7,10 @@ the set of keys is fixed in one place.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from storage.sample import Sample
@@ -43,8 +44,14 @@ class TrainMetrics:
     """Mean |old log-prob - engine log-prob| over response tokens: ~0 when the engine runs
     the trainer's weights and numerics (slime's train/rollout mismatch metric)."""
 
+    extra: dict[str, float] = field(default_factory=dict)
+    """Algorithm-specific step means that exist only when enabled: critic (`critic/...`),
+    TIS / mismatch (`tis`, `tis_clipfrac`, `tis_abs`, `ois`), `lr`, `opd_reverse_kl`."""
+
     def to_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        out = {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "extra"}
+        out.update({k: float(v) for k, v in self.extra.items()})
+        return out
 
 
 @runtime_checkable
@@ -62,3 +69,53 @@ class TrainBackend(Protocol):
     def save_checkpoint(self, local_dir: str) -> None: ...
 
     def load_checkpoint(self, local_dir: str) -> None: ...
+
+
+_CORE_STEP_KEYS = ("loss", "pg_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "grad_norm")
+
+
+def summarise(
+    samples: list[Sample],
+    rewards: Tensor,
+    advantages: list[Tensor],
+    old_log_probs: list[Tensor | None] | None,
+    steps: list[dict[str, float]],
+    tokens_per_s: float,
+    version: int,
+) -> TrainMetrics:
+    """Step means of the loss terms (keys a step lacks count as absent, not 0), batch
+    statistics over all samples."""
+
+    def step_mean(key: str) -> float:
+        values = [s[key] for s in steps if key in s]
+        return sum(values) / len(values) if values else 0.0
+
+    extra_keys = sorted({k for s in steps for k in s} - set(_CORE_STEP_KEYS))
+    per_sample_adv = [float(a.mean()) if a.numel() else 0.0 for a in advantages]
+    return TrainMetrics(
+        **{k: step_mean(k) for k in _CORE_STEP_KEYS},
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std(correction=0)),
+        response_len_mean=sum(s.response_length for s in samples) / len(samples),
+        adv_mean=sum(per_sample_adv) / len(per_sample_adv),
+        num_samples=float(len(samples)),
+        num_optimizer_steps=float(len(steps)),
+        train_tokens_per_s=tokens_per_s,
+        weight_version=float(version),
+        rollout_logprob_abs_diff=rollout_logprob_abs_diff(samples, old_log_probs),
+        extra={k: step_mean(k) for k in extra_keys},
+    )
+
+
+def rollout_logprob_abs_diff(
+    samples: list[Sample], old_log_probs: list[Tensor | None] | None
+) -> float:
+    """Token-mean |trainer - engine| log-prob over samples that carry engine log-probs."""
+    total, count = 0.0, 0
+    for s, old in zip(samples, old_log_probs or [], strict=False):
+        if old is None or len(s.rollout_log_probs) != s.response_length or not s.response_length:
+            continue
+        engine = torch.tensor(s.rollout_log_probs, dtype=old.dtype)
+        total += float((old.detach() - engine).abs().sum())
+        count += s.response_length
+    return total / count if count else float("nan")

@@ -178,7 +178,8 @@ def _inputs(rows: slice | None = None) -> LossInputs:
     )
     if rows is None:
         return t
-    return LossInputs(**{k: getattr(t, k)[rows] for k in t.__dataclass_fields__})
+    fields = {k: getattr(t, k) for k in t.__dataclass_fields__}
+    return LossInputs(**{k: v if v is None else v[rows] for k, v in fields.items()})  # type: ignore[arg-type]
 
 
 def test_actor_loss_combines_terms_like_slime() -> None:
@@ -208,3 +209,215 @@ def test_sft_actor_loss_ignores_advantages() -> None:
         masked_mean_per_sample(-inputs.log_probs, inputs.loss_mask).item()
     )
     assert terms["clipfrac"].item() == 0.0
+
+
+# -- more estimators (engines/algorithms/advantages.py, registry.py) ------------------------
+from engines.algorithms.advantages import (  # noqa: E402
+    gae,
+    masked_whiten,
+    ppo_token_rewards,
+    reinforce_plus_plus_returns,
+    rloo_advantages_by_group,
+)
+from engines.algorithms.losses import (  # noqa: E402
+    critic_loss,
+    gspo_kl,
+    policy_loss_from_kl,
+    tis_weights,
+    value_loss,
+)
+from engines.algorithms.registry import (  # noqa: E402
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    load_estimator,
+)
+from engines.hooks import HookError  # noqa: E402
+from engines.train.lr_schedule import lr_at  # noqa: E402
+
+
+def test_rloo_leaves_one_out() -> None:
+    # group 0 = (1, 0, 0): A_0 = 1 - mean(0, 0) = 1; A_1 = 0 - mean(1, 0) = -0.5; same A_2
+    # group 5 = (4,) alone: no other sample -> 0
+    got = rloo_advantages_by_group(torch.tensor([1.0, 0.0, 0.0, 4.0]), [0, 0, 0, 5])
+    torch.testing.assert_close(got, torch.tensor([1.0, -0.5, -0.5, 0.0]))
+
+
+def test_reinforce_plus_plus_returns_by_hand() -> None:
+    # token rewards = -0.5 * kl = (-0.05, -0.1, -0.15); reward 1 on the last *masked* token
+    # (index 1): (-0.05, 0.9, -0.15). gamma 0.9, from the end:
+    # G2 = -0.15; G1 = 0.9 + 0.9 * -0.15 = 0.765; G0 = -0.05 + 0.9 * 0.765 = 0.6385
+    got = reinforce_plus_plus_returns(
+        1.0, torch.tensor([0.1, 0.2, 0.3]), torch.tensor([1.0, 1.0, 0.0]), 0.5, 0.9
+    )
+    torch.testing.assert_close(got, torch.tensor([0.6385, 0.765, -0.15]))
+    with pytest.raises(ValueError, match="no loss-masked token"):
+        reinforce_plus_plus_returns(1.0, torch.zeros(2), torch.zeros(2), 0.5, 0.9)
+
+
+def test_gae_by_hand() -> None:
+    # rewards (0, 0, 1), values (0.5, 0.6, 0.7), gamma 1, lambda 0.5, V_3 = 0
+    # d2 = 1 - 0.7 = 0.3            A2 = 0.3
+    # d1 = 0.7 - 0.6 = 0.1          A1 = 0.1 + 0.5 * 0.3 = 0.25
+    # d0 = 0.6 - 0.5 = 0.1          A0 = 0.1 + 0.5 * 0.25 = 0.225
+    adv, ret = gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.6, 0.7]), 1.0, 0.5)
+    torch.testing.assert_close(adv, torch.tensor([0.225, 0.25, 0.3]))
+    torch.testing.assert_close(ret, torch.tensor([0.725, 0.85, 1.0]))  # A + V
+    # PPO token rewards: -kl_coef * kl, reward added on the last token
+    torch.testing.assert_close(
+        ppo_token_rewards(1.0, torch.full((3,), 0.2), 0.5), torch.tensor([-0.1, -0.1, 0.9])
+    )
+
+
+def test_masked_whiten_by_hand() -> None:
+    # masked tokens 1, 2, 3: mean 2, population var (1 + 0 + 1) / 3 = 2/3
+    out = masked_whiten(
+        [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 100.0])],
+        [torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])],
+    )
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(torch.cat(out), torch.tensor([-1 / s, 0.0, 1 / s, 98 / s]))
+
+
+def _adv_inputs(**kw: object) -> AdvantageInputs:
+    base: dict[str, object] = {
+        "rewards": torch.tensor([1.0, 0.0]),
+        "group_indices": [0, 0],
+        "loss_masks": [torch.ones(2), torch.ones(2)],
+        "kl": [torch.tensor([0.2, 0.4]), torch.zeros(2)],
+    }
+    base.update(kw)
+    return AdvantageInputs(**base)  # type: ignore[arg-type]
+
+
+def test_registry_estimators_by_hand() -> None:
+    assert set(ADVANTAGE_ESTIMATORS) == {
+        "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"
+    }
+    x = _adv_inputs()
+    # reinforce++ baseline: r - mean = (0.5, -0.5), minus 0.5 * kl per token
+    algo = AlgorithmConfig(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.5)
+    res = compute_advantages(algo, x)
+    torch.testing.assert_close(res.advantages[0], torch.tensor([0.4, 0.3]))
+    torch.testing.assert_close(res.advantages[1], torch.tensor([-0.5, -0.5]))
+    # Dr.GRPO broadcasts (0.5, -0.5) to every token; grpo divides by std sqrt(0.5)
+    dr = compute_advantages(AlgorithmConfig(grpo_std_normalization=False), x)
+    assert dr.advantages[0].tolist() == [0.5, 0.5]
+    g = compute_advantages(AlgorithmConfig(), x)
+    assert g.advantages[1][0].item() == pytest.approx(-0.5 / (math.sqrt(0.5) + 1e-6))
+    with pytest.raises(ValueError, match="critic values"):
+        compute_advantages(AlgorithmConfig(advantage_estimator="ppo"), x)
+
+
+def test_on_policy_distillation_subtracts_reverse_kl() -> None:
+    # grpo on (1, 0): A = +-0.5 / (sqrt(0.5) + eps) ~ +-0.7071 on every token
+    # sample 0: student (-1, -2), teacher (-0.5, -2.5) -> reverse KL (-0.5, 0.5)
+    x = _adv_inputs(
+        log_probs=[torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.0])],
+        teacher_log_probs=[torch.tensor([-0.5, -2.5]), torch.tensor([-1.0, -1.0])],
+    )
+    algo = AlgorithmConfig(use_opd=True, opd_kl_coef=1.0, opd_teacher_path="t")
+    res = compute_advantages(algo, x)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(res.advantages[0], torch.tensor([a + 0.5, a - 0.5]))
+    torch.testing.assert_close(res.advantages[1], torch.tensor([-a, -a]))
+    assert res.opd_reverse_kl is not None and res.opd_reverse_kl[0].tolist() == [-0.5, 0.5]
+
+
+def _hook_advantages(algo: AlgorithmConfig, x: AdvantageInputs) -> tuple[list, list]:
+    adv = [torch.full_like(m, 7.0) for m in x.loss_masks]
+    return adv, adv
+
+
+def _hook_loss(algo: AlgorithmConfig, inputs: LossInputs, denominator: float) -> tuple:
+    loss = -(inputs.log_probs * inputs.loss_mask).sum() / denominator
+    return loss, {"loss": loss.detach()}
+
+
+def test_custom_advantage_hook_by_import_string() -> None:
+    algo = AlgorithmConfig(
+        custom_advantage_function_path="tests.unit.test_algorithms:_hook_advantages"
+    )
+    assert compute_advantages(algo, _adv_inputs()).advantages[1].tolist() == [7.0, 7.0]
+    bad = AlgorithmConfig(custom_advantage_function_path="tests.unit.test_algorithms:nope")
+    with pytest.raises(HookError, match="custom_advantage_function_path"):
+        load_estimator(bad)
+
+
+# -- more loss options --------------------------------------------------------------------
+def test_dual_clip_caps_negative_advantages() -> None:
+    # ratio 3 (ppo_kl = -ln 3), eps 0.2:
+    # A = -1: max(3, 1.2) = 3, dual clip with c = 2 -> min(3, 2) = 2
+    # A = +1: max(-3, -1.2) = -1.2, untouched by dual clip
+    ppo_kl = torch.full((2, 1), -math.log(3.0))
+    adv = torch.tensor([[-1.0], [1.0]])
+    loss, _ = policy_loss_from_kl(ppo_kl, adv, torch.ones(2, 1), 0.2, eps_clip_c=2.0)
+    torch.testing.assert_close(loss, torch.tensor([[2.0], [-1.2]]))
+    no_dual, _ = policy_loss_from_kl(ppo_kl, adv, torch.ones(2, 1), 0.2)
+    assert no_dual[0, 0].item() == pytest.approx(3.0)
+
+
+def test_gspo_uses_one_sequence_ratio() -> None:
+    # old - new over masked tokens: (0.2, -0.4) -> mean -0.1; the masked 9.0 is ignored
+    lp = torch.zeros(1, 3)
+    old = torch.tensor([[0.2, -0.4, 9.0]])
+    kl = gspo_kl(lp, old, torch.tensor([[1.0, 1.0, 0.0]]))
+    torch.testing.assert_close(kl, torch.full((1, 3), -0.1))
+    algo = AlgorithmConfig(advantage_estimator="gspo", eps_clip=0.5)
+    inputs = LossInputs(
+        log_probs=lp, loss_mask=torch.tensor([[1.0, 1.0, 0.0]]), entropy=torch.zeros(1, 3),
+        old_log_probs=old, advantages=torch.ones(1, 3),
+    )
+    _, terms = actor_loss(algo, inputs, 1)
+    # both tokens: -exp(0.1) * 1 = -1.10517 (within [0.5, 1.5]); per-sample mean -1.10517
+    assert terms["pg_loss"].item() == pytest.approx(-math.exp(0.1), rel=1e-6)
+
+
+def test_tis_weights_and_mismatch_metrics_by_hand() -> None:
+    old = torch.zeros(1, 3)
+    rollout = torch.tensor([[math.log(0.25), math.log(2.0), 0.0]])
+    # ratio exp(old - rollout) = (4, 0.5, 1); clamp to [0.6, 2] -> (2, 0.6, 1)
+    w, m = tis_weights(old, rollout, tis_clip=2.0, tis_clip_low=0.6)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.6, 1.0]]))
+    torch.testing.assert_close(m["tis"], torch.tensor([[4.0, 0.5, 1.0]]))
+    assert m["tis_clipfrac"].tolist() == [[1.0, 1.0, 0.0]]
+    torch.testing.assert_close(m["tis_abs"], torch.tensor([[3.0, 0.5, 0.0]]))
+    # in the loss: on-policy ratio 1, A = 1 -> pg per token -1 * w = (-2, -0.6, -1), mean -1.2
+    algo = AlgorithmConfig(use_tis=True, tis_clip=2.0, tis_clip_low=0.6)
+    inputs = LossInputs(
+        log_probs=old, loss_mask=torch.ones(1, 3), entropy=torch.zeros(1, 3),
+        old_log_probs=old, advantages=torch.ones(1, 1), rollout_log_probs=rollout,
+    )
+    _, terms = actor_loss(algo, inputs, 1)
+    assert terms["pg_loss"].item() == pytest.approx(-1.2)
+    assert terms["tis"].item() == pytest.approx(5.5 / 3)
+    # |old - rollout| = (ln 4, ln 2, 0) -> mean ln 8 / 3
+    assert terms["train_rollout_logprob_abs_diff"].item() == pytest.approx(math.log(8) / 3)
+    off = actor_loss(AlgorithmConfig(), inputs, 1)[1]  # metrics without reweighting
+    assert off["pg_loss"].item() == pytest.approx(-1.0) and "tis" in off
+
+
+def test_value_loss_clips_by_hand() -> None:
+    # token 0: V 1.0, V_old 0.5, R 2 -> clip(V) = 0.7: max((0.7-2)^2, (1-2)^2) = 1.69, clipped
+    # token 1: V 0.6, V_old 0.5, R 0 -> |dV| 0.1 < 0.2: 0.36 both ways, not clipped
+    values = torch.tensor([[1.0, 0.6]])
+    old = torch.tensor([[0.5, 0.5]])
+    ret = torch.tensor([[2.0, 0.0]])
+    loss, clip = value_loss(values, old, ret, torch.ones(1, 2), 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[1.69, 0.36]]))
+    assert clip.tolist() == [[1.0, 0.0]]
+    total, terms = critic_loss(AlgorithmConfig(), values, old, ret, torch.ones(1, 2), 1)
+    assert total.item() == pytest.approx((1.69 + 0.36) / 2)
+    assert terms["value_clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_lr_schedule_by_hand() -> None:
+    # warmup 2: (step + 1) / 2 -> 0.5, 1.0; cosine over steps [2, 6) down to 0.1
+    kw = {"warmup_steps": 2, "decay_style": "cosine", "decay_steps": 6, "min_lr": 0.1}
+    assert [lr_at(s, 1.0, **kw) for s in (0, 1, 2)] == pytest.approx([0.5, 1.0, 1.0])  # type: ignore[arg-type]
+    # step 4: progress 2/4 -> 0.1 + 0.9 * 0.5 * (1 + cos(pi/2)) = 0.55
+    assert lr_at(4, 1.0, **kw) == pytest.approx(0.55)  # type: ignore[arg-type]
+    assert lr_at(9, 1.0, **kw) == pytest.approx(0.1)  # type: ignore[arg-type]
+    # linear, step 3: progress 1/4 -> 1 - 0.9 / 4 = 0.775
+    assert lr_at(3, 1.0, 2, "linear", 6, 0.1) == pytest.approx(0.775)
+    assert lr_at(100, 1.0) == 1.0

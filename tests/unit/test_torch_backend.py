@@ -159,8 +159,8 @@ def test_micro_batching_gives_the_same_update(tiny_model_dir: str) -> None:
         assert m_small[key] == pytest.approx(m_big[key], abs=1e-5), key
     params_big = dict(big.model.named_parameters())
     for name, p in small.model.named_parameters():
-        g_small = small.optimizer.state[p]["exp_avg"]  # (1 - beta1) * grad after one step
-        g_big = big.optimizer.state[params_big[name]]["exp_avg"]
+        g_small = small.actor.optimizer.state[p]["exp_avg"]  # (1 - beta1) * grad after one step
+        g_big = big.actor.optimizer.state[params_big[name]]["exp_avg"]
         torch.testing.assert_close(g_small, g_big, atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(p.detach(), params_big[name].detach(), atol=1e-5, rtol=0)
 
@@ -214,7 +214,7 @@ def test_use_rollout_logprobs_and_state_dict_for_engine(tiny_model_dir: str) -> 
     fresh.load_state_dict(state)
     name = next(iter(state))
     state[name].add_(1.0)  # a copy: the policy is untouched
-    assert not torch.equal(state[name], backend.model.state_dict()[name])
+    assert not torch.equal(state[name], backend.model.state_dict()[name].cpu())
 
 
 # -- mock backend ---------------------------------------------------------------------------
@@ -237,3 +237,85 @@ def test_mock_backend_records_trains_and_checkpoints(tmp_path: Path) -> None:
     other.load_checkpoint(str(tmp_path))
     assert other.version == 2 and other.trained_by_rollout() == mock.trained_by_rollout()
     assert other.state_dict_for_engine()["mock.version"].item() == 2.0
+
+
+# -- algorithms through the backend ---------------------------------------------------------
+def _weights(backend: TorchTrainBackend) -> dict[str, torch.Tensor]:
+    return backend.state_dict_for_engine()
+
+
+def test_ppo_trains_critic_alone_first_then_actor(tiny_model_dir: str) -> None:
+    algo = {"advantage_estimator": "ppo", "gamma": 1.0, "lambd": 0.95}
+    backend = make_backend(
+        tiny_model_dir, algo, num_critic_only_steps=1, num_steps_per_rollout=2
+    )
+    assert backend.critic_model is not None
+    samples = make_samples(8)
+    actor0 = _weights(backend)
+    head0 = backend.critic_model.value_head.weight.detach().clone()
+    m0 = backend.train(samples, 0)
+    # critic-only rollout: the policy is untouched, the value head moved
+    assert all(torch.equal(actor0[k], v) for k, v in _weights(backend).items())
+    assert not torch.equal(head0, backend.critic_model.value_head.weight)
+    assert m0["critic/value_loss"] > 0 and m0["num_optimizer_steps"] == 2
+    assert "pg_loss" in m0 and m0["weight_version"] == 1
+    losses = [backend.train(samples, k)["critic/value_loss"] for k in (1, 2, 3)]
+    assert any(not torch.equal(actor0[k], v) for k, v in _weights(backend).items())
+    assert losses[-1] < m0["critic/value_loss"], (m0["critic/value_loss"], losses)
+
+
+def test_lr_warmup_is_applied_per_optimizer_step(tiny_model_dir: str) -> None:
+    backend = make_backend(
+        tiny_model_dir, lr_warmup_steps=4, num_steps_per_rollout=2
+    )
+    samples = make_samples(8)
+    backend.train(samples, 0)  # steps 0, 1 ran at lr 1e-3 * (1/4, 2/4)
+    assert backend.actor.optimizer.param_groups[0]["lr"] == pytest.approx(0.75e-3)
+    m = backend.train(samples, 1)  # steps 2, 3 at 3/4 and 4/4 -> mean 0.875e-3
+    assert m["lr"] == pytest.approx(0.875e-3)
+
+
+def test_tis_and_mismatch_metrics_through_backend(tiny_model_dir: str) -> None:
+    backend = make_backend(tiny_model_dir, algo={"use_tis": True, "tis_clip": 1.2})
+    samples = make_samples(8)
+    for s, lps in zip(samples, backend.compute_log_probs(samples), strict=True):
+        s.rollout_log_probs = [x - 0.5 for x in lps]  # engine 0.5 lower: ratio e^0.5 = 1.65
+    m = backend.train(samples, 0)
+    assert m["tis"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert m["tis_clipfrac"] == pytest.approx(1.0)
+    assert m["train_rollout_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-4)
+    assert m["rollout_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-4)
+    bare = make_samples(2)
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        make_backend(tiny_model_dir, algo={"use_tis": True}).train(bare, 0)
+
+
+def test_distillation_from_itself_has_zero_reverse_kl(tiny_model_dir: str) -> None:
+    algo = {"use_opd": True, "opd_teacher_path": tiny_model_dir, "kl_coef": 0.0}
+    m = make_backend(tiny_model_dir, algo).train(make_samples(8), 0)
+    assert m["opd_reverse_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_custom_loss_hook_drives_training(tiny_model_dir: str) -> None:
+    algo = {
+        "loss_type": "custom_loss",
+        "custom_loss_function_path": "tests.unit.test_algorithms:_hook_loss",
+    }
+    backend = make_backend(tiny_model_dir, algo)
+    samples = make_samples(8)
+    losses = [backend.train(samples, k)["loss"] for k in range(3)]
+    assert losses[-1] < losses[0]  # the hook is an NLL: it must go down
+
+
+def test_offload_onload_keeps_state_and_training_identical(tiny_model_dir: str) -> None:
+    a = make_backend(tiny_model_dir, {"advantage_estimator": "ppo"})
+    b = make_backend(tiny_model_dir, {"advantage_estimator": "ppo"})
+    samples = make_samples(8)
+    a.train(samples, 0)
+    b.train(samples, 0)
+    b.offload()
+    assert all(p.device.type == "cpu" for p in b.model.parameters())
+    b.onload()
+    ma, mb = a.train(samples, 1), b.train(samples, 1)
+    assert mb["loss"] == pytest.approx(ma["loss"], abs=1e-7)
+    assert mb["critic/value_loss"] == pytest.approx(ma["critic/value_loss"], abs=1e-7)

@@ -1,0 +1,60 @@
+"""The PPO critic: a Hugging Face backbone with a scalar value head, and its own optimizer.
+
+Values live in response space like log-probs: the value of response slot `t` is read at the
+position that predicts token `t` (the state before the action), via the batch's
+`logit_index`. The backbone is `AutoModel` (no LM head, so no vocab-sized matmul).
+
+On disk a critic is `{dir}/critic/` = backbone `save_pretrained` + `value_head.pt`, with
+`critic_optimizer.pt` / `critic_scheduler.pt` next to the actor's files.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModel, PreTrainedModel
+
+from engines.train.batching import PaddedBatch
+
+CRITIC_DIR = "critic"
+HEAD_FILE = "value_head.pt"
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: PreTrainedModel, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        # Small init (OpenRLHF's 1 / (hidden + 1)): initial values near 0, not hidden-scale.
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: torch.device) -> ValueModel:
+        """A backbone from an HF model directory; the head too if `path` is a saved critic."""
+        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        model = cls(backbone, int(backbone.config.hidden_size))
+        head = os.path.join(path, HEAD_FILE)
+        if os.path.exists(head):
+            model.value_head.load_state_dict(torch.load(head, weights_only=True))
+        return model.to(device)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """`[B, L]` values, one per position."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+
+    def save(self, local_dir: str) -> None:
+        path = os.path.join(local_dir, CRITIC_DIR)
+        os.makedirs(path, exist_ok=True)
+        self.backbone.save_pretrained(path)
+        torch.save(self.value_head.state_dict(), os.path.join(path, HEAD_FILE))
+
+
+def response_values(model: nn.Module, batch: PaddedBatch) -> Tensor:
+    """`[B, R]` values at the positions that predict each response token."""
+    values = model(batch.input_ids, batch.attention_mask)
+    rows = torch.arange(values.shape[0], device=values.device).unsqueeze(-1)
+    return values[rows, batch.logit_index]

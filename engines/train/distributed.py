@@ -1,0 +1,67 @@
+"""Data parallelism for the torch backend: DDP over an initialised `torch.distributed` group.
+
+The backend never starts processes: a launcher (torchrun, or one Ray actor per GPU) calls
+`init_process_group`, and every rank builds its backend with the same config and receives
+the same rollout batch. Each optimizer step's samples are then split by rank; every rank
+computes the step's denominator from the whole step (it has all samples), so
+
+    sum over ranks and micro-batches of (micro-batch loss)  ==  the step's loss.
+
+DDP *averages* gradients over ranks, so each rank's loss is multiplied by the world size to
+turn that average back into the sum. Without an initialised group (the CPU default) all of
+this collapses to one rank and no wrapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def current(cls) -> DataParallel:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def shard(self, indices: list[int]) -> list[int]:
+        """This rank's share of one optimizer step (strided, so sizes differ by at most 1)."""
+        return indices[self.rank :: self.world_size]
+
+    def wrap(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        if not self.enabled:
+            return module
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+
+    @contextlib.contextmanager
+    def no_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
+        """Skip DDP's gradient all-reduce for all but a step's last micro-batch."""
+        if skip and isinstance(module, DistributedDataParallel):
+            with module.no_sync():
+                yield
+        else:
+            yield
+
+    def sum_metrics(self, totals: dict[str, float], device: torch.device) -> dict[str, float]:
+        """Sum metric totals over ranks (each rank holds its micro-batches' share)."""
+        if not self.enabled or not totals:
+            return totals
+        keys = sorted(totals)
+        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist(), strict=True))

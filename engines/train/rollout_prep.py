@@ -1,0 +1,133 @@
+"""Everything a `train()` call needs before its first update, from the pre-update models.
+
+    rewards ----------------------------------------------+
+    old log-probs (policy)   ref log-probs (reference)    |
+    teacher log-probs (opd)  values (critic)              v
+            kl = estimator(old, ref) if kl_coef  --> advantage registry --> advantages, returns
+
+Old log-probs are lazy when nothing before the first optimizer step needs them (no
+reward-shaping KL, no distillation, no custom estimator): the first step's samples then get
+theirs from that step's own forward, which runs before any update (see
+`TorchTrainBackend._old_rows`), saving one forward over a global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engines.algorithms.losses import kl_penalty
+from engines.algorithms.registry import AdvantageInputs, Estimator, compute_advantages
+from flows.config import AlgorithmConfig
+from storage.sample import Sample
+
+Scorer = Callable[[list[Sample]], list[Tensor]]
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """Per-sample inputs of one `train()` call; per-token entries are 1-D tensors.
+
+    Mutable on purpose: lazy `old_log_probs` entries start as None and are filled by the
+    first optimizer step's forward.
+    """
+
+    rewards: Tensor
+    advantages: list[Tensor]
+    returns: list[Tensor]
+    old_log_probs: list[Tensor | None] | None
+    ref_log_probs: list[Tensor] | None
+    rollout_log_probs: list[Tensor] | None
+    values: list[Tensor] | None
+    opd_reverse_kl: list[Tensor] | None
+    response_lengths: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Scorers:
+    policy: Scorer
+    ref: Scorer | None = None
+    teacher: Scorer | None = None
+    critic: Scorer | None = None
+
+
+def rollout_log_probs_of(samples: list[Sample], required: bool) -> list[Tensor] | None:
+    """Engine log-probs when every sample carries a full set; an error if `required`."""
+    for s in samples:
+        if len(s.rollout_log_probs) != s.response_length:
+            if required:
+                raise ValueError(
+                    f"sample {s.index}: needs {s.response_length} rollout_log_probs "
+                    f"(use_rollout_logprobs / use_tis), has {len(s.rollout_log_probs)}"
+                )
+            return None
+    return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+
+
+def _rewards(samples: list[Sample], reward_key: str | None, is_rl: bool) -> Tensor:
+    if is_rl or all(s.reward is not None for s in samples):
+        return torch.tensor([s.scalar_reward(reward_key) for s in samples], dtype=torch.float32)
+    return torch.zeros(len(samples))
+
+
+def prepare_batch(
+    samples: list[Sample],
+    algo: AlgorithmConfig,
+    scorers: Scorers,
+    estimator: Estimator,
+    first_step: list[int],
+    reward_key: str | None = None,
+) -> PreparedBatch:
+    n = len(samples)
+    lengths = [s.response_length for s in samples]
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    is_rl = algo.loss_type != "sft_loss"
+    rewards = _rewards(samples, reward_key, is_rl)
+    rollout = rollout_log_probs_of(samples, algo.use_rollout_logprobs or algo.use_tis)
+    ref = scorers.ref(samples) if scorers.ref is not None else None
+    if not is_rl:
+        zeros = [torch.zeros(r) for r in lengths]
+        return PreparedBatch(rewards, zeros, zeros, None, ref, rollout, None, None, lengths)
+    eager = algo.kl_coef != 0 or algo.use_opd or algo.custom_advantage_function_path is not None
+    old: list[Tensor | None]
+    if algo.use_rollout_logprobs:
+        assert rollout is not None
+        old = list(rollout)
+    elif eager:
+        old = list(scorers.policy(samples))
+    else:
+        old = [None] * n
+        rest = sorted(set(range(n)) - set(first_step))
+        for i, lp in zip(rest, scorers.policy([samples[i] for i in rest]), strict=True):
+            old[i] = lp
+    full_old = [t for t in old if t is not None] if eager or algo.use_rollout_logprobs else None
+    if algo.kl_coef != 0:
+        if ref is None or full_old is None:
+            raise ValueError("algorithm.kl_coef needs the reference model")
+        kl = [kl_penalty(o, r, algo.kl_loss_type) for o, r in zip(full_old, ref, strict=True)]
+    else:
+        kl = [torch.zeros(r) for r in lengths]
+    inputs = AdvantageInputs(
+        rewards=rewards,
+        group_indices=[s.group_index for s in samples],
+        loss_masks=masks,
+        kl=kl,
+        values=scorers.critic(samples) if scorers.critic is not None else None,
+        log_probs=full_old,
+        teacher_log_probs=scorers.teacher(samples) if scorers.teacher is not None else None,
+    )
+    result = compute_advantages(algo, inputs, estimator)
+    return PreparedBatch(
+        rewards=rewards,
+        advantages=[a.float() for a in result.advantages],
+        returns=[r.float() for r in result.returns],
+        old_log_probs=old,
+        ref_log_probs=ref,
+        rollout_log_probs=rollout,
+        values=inputs.values,
+        opd_reverse_kl=result.opd_reverse_kl,
+        response_lengths=lengths,
+    )

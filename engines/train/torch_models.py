@@ -1,0 +1,114 @@
+"""Model plumbing shared by the actor, reference, teacher and critic: device choice,
+mixed precision, loading, and no-grad scoring in token-budgeted micro-batches.
+
+Precision: weights (and so optimizer state) stay float32; `dtype: bfloat16` runs forward and
+backward under `torch.autocast`. This is the usual mixed-precision recipe (fp32 master
+weights), so a long run does not lose small updates to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from engines.algorithms.losses import entropy_from_logits
+from engines.train.batching import (
+    PaddedBatch,
+    build_padded_batch,
+    gather_response_logits,
+    log_probs_from_logits,
+    split_micro_batches,
+)
+from storage.sample import Sample
+
+
+def resolve_device(choice: str) -> torch.device:
+    """`auto`: this process's GPU (LOCAL_RANK) when CUDA is present, else the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device is 'cuda' but CUDA is not available")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def load_causal_lm(path: str, device: torch.device) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.nn.Module.to(model, device)  # in place; transformers' typed `to` wrapper confuses mypy
+    return model
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    batch: PaddedBatch,
+    temperature: float,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`.
+
+    Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
+    and is computed off the graph.
+    """
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = gather_response_logits(out.logits, batch.logit_index).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = log_probs_from_logits(logits, batch.targets)
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return log_probs, entropy
+
+
+BatchFn = Callable[[PaddedBatch], Tensor]
+
+
+@torch.no_grad()
+def score_samples(
+    samples: list[Sample],
+    fn: BatchFn,
+    max_tokens: int,
+    pad_token_id: int,
+    device: torch.device,
+) -> list[Tensor]:
+    """Apply `fn` (a `[B, R]` response-space function) to micro-batches of `samples`;
+    one 1-D float32 CPU tensor per sample, trimmed to its response length."""
+    result: list[Tensor] = [torch.empty(0)] * len(samples)
+    lengths = [len(s.tokens) for s in samples]
+    for mb in split_micro_batches(lengths, max_tokens):
+        batch = build_padded_batch([samples[i] for i in mb], pad_token_id).to(device)
+        values = fn(batch).float().cpu()
+        for row, i in enumerate(mb):
+            result[i] = values[row, : samples[i].response_length].clone()
+    return result
+
+
+def iter_state_tensors(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> Iterator[Tensor]:
+    """Parameters, buffers and optimizer-state tensors: what offload/onload must move."""
+    yield from module.parameters()
+    yield from module.buffers()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            # Adam keeps `step` on the CPU unless capturable; leave it there.
+            yield from (v for k, v in state.items() if isinstance(v, Tensor) and k != "step")
+
+
+def move_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> None:
+    """Move a model and its optimizer state to `device` in place (tensors keep identity, so
+    the optimizer's param references stay valid)."""
+    for t in iter_state_tensors(module, optimizer):
+        t.data = t.data.to(device, non_blocking=True)
+        if t.grad is not None:
+            t.grad = None
