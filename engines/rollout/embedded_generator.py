@@ -1,201 +1,45 @@
-"""A transformers model that decodes like SGLang: batched, KV-cached, with per-token log-probs.
+"""A transformers model that decodes like SGLang: continuous batching, KV-cached, exact log-probs.
 
 The embedded engine lets the SGLang client, the router and the abort/partial-rollout path run
 for real on CPU. Its log-probs must equal what the trainer recomputes (a plain full-sequence
-forward), so prompts are left-padded with an explicit attention mask *and* position ids, and
-log-probs come from the untruncated distribution in float32, as SGLang reports them.
+forward), so rows are left-padded with an explicit attention mask *and* position ids
+(`decode_batch`), and log-probs come from the untruncated float32 distribution (`sampling`).
 
-Sampling draws one uniform number per (request, step) from a counter-based hash of
-(sampling_seed, step) and inverts the CDF: no per-row torch.Generator in the hot loop, and a
-seeded request samples the same tokens whatever else shares its batch.
-
-The request/result records and the `Generator` protocol live in this, the reference backend.
+The engine holds no request state: the caller owns a `DecodeBatch` and calls `step` (admit
+new requests, decode one token for the running ones), `abort` or `retract` on it. Weight
+updates and memory release take the same lock, so they land between decode steps.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ShouldAbort = Callable[[str], bool]
-_M32 = 0xFFFFFFFF
+from engines.rollout.decode_batch import DecodeBatch, ReqState
+from engines.rollout.gen_types import (
+    GenRequest,
+    GenResult,
+    ShouldAbort,
+    finish_text,
+    never_abort,
+    run_to_completion,
+)
+from engines.rollout.sampling import sample_tokens
+from engines.weight_sync import weights_checksum
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_COMPACT_BELOW = 0.75
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """The subset of SGLang's sampling parameters the embedded engines implement."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (disabled) or >= 1"),
-            ("sampling_seed", -(2**63) <= (self.sampling_seed or 0) < 2**63, "must fit int64"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"sampling_params.{name} {rule}, got {getattr(self, name)!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class GenRequest:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass(frozen=True, slots=True)
-class GenResult:
-    """One finished (or aborted) request; `finish_reason` has SGLang's shape."""
-
-    rid: str
-    output_ids: list[int]
-    output_logprobs: list[float]
-    text: str
-    finish_reason: dict[str, Any]
-    prompt_tokens: int
-    weight_version: int
-
-
-class Generator(Protocol):
-    """What the HTTP server and the engine actor need from a backend."""
-
-    @property
-    def weight_version(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def generate(
-        self, requests: list[GenRequest], should_abort: ShouldAbort
-    ) -> list[GenResult]: ...
-
-    def tokenize(self, text: str) -> list[int]: ...
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
-
-    def update_weights_from_disk(self, model_path: str, version: int | None) -> None: ...
-
-    def model_info(self) -> dict[str, Any]: ...
-
-
-def never_abort(rid: str) -> bool:
-    return False
-
-
-def finish_text(
-    tokenizer: Any, output_ids: list[int], reason: dict[str, Any], params: SamplingParams
-) -> str:
-    """Detokenize like SGLang with `no_stop_trim=False`: the matched stop is not in the text."""
-    ids = output_ids
-    matched = reason.get("matched")
-    if not params.no_stop_trim and isinstance(matched, int) and ids:
-        ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-    if not params.no_stop_trim and isinstance(matched, str) and (pos := text.find(matched)) >= 0:
-        text = text[:pos]
-    return text
-
-
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """uint32 multiply on int64 tensors, split in 16-bit halves so nothing overflows."""
-    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def seeded_uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """A uniform in (0, 1) per row that depends only on (seed, step)."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    h = _mix32(_mix32(_mix32(lo) ^ hi) ^ (step & _M32))
-    return ((h.double() + 0.5) / 2.0**32).float()
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    step: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens, log-probs before top-p/top-k truncation).
-
-    `top_k` holds the vocabulary size where it is disabled; temperature 0 is greedy and
-    reports the raw `log_softmax(logits)`.
-    """
-    greedy = temperature <= 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if bool(greedy.all()):
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
-    vocab = logits.shape[-1]
-    order: torch.Tensor | None = None
-    if bool((top_p < 1.0).any() or (top_k < vocab).any()):
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        probs = sorted_logp.exp()
-        keep = (torch.arange(vocab)[None, :] < top_k[:, None]) & (
-            (probs.cumsum(-1) - probs) <= top_p[:, None]
-        )
-        probs = probs * keep
-    else:
-        probs = logp.exp()
-    cdf = probs.cumsum(-1)
-    u = seeded_uniform(seeds, step)[:, None]
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
-    # float32 rounding can put u * total on the last cdf step; never pick a zero-prob token.
-    pick = torch.where(probs.gather(1, pick) > 0, pick, probs.argmax(-1, keepdim=True))
-    sampled = (pick if order is None else order.gather(1, pick))[:, 0]
-    tokens = torch.where(greedy, tokens, sampled)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
-
-
-@dataclass(slots=True)
-class _Batch:
-    """Per-request sampling tensors and output buffers of one decode batch."""
-
-    requests: list[GenRequest]
-    prompt_lens: torch.Tensor
-    budgets: torch.Tensor
-    seeds: torch.Tensor
-    temps: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    stop_ids: torch.Tensor
-    stop_window: dict[int, int]
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    lengths: torch.Tensor
-    reasons: list[dict[str, Any] | None]
+_ABORT = {"type": "abort", "message": "Abort before decoding finished."}
 
 
 class EmbeddedGenerator:
-    """An HF causal LM served with SGLang's sampling semantics; thread-safe per call."""
+    """An HF causal LM served with SGLang's sampling semantics; thread-safe."""
 
     def __init__(
         self,
@@ -216,11 +60,12 @@ class EmbeddedGenerator:
         self.vocab_size = int(self.model.config.vocab_size)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos_ids = {i for i in [self.tokenizer.eos_token_id, *gen_eos] if i is not None}
+        self.eos_ids = sorted({i for i in [self.tokenizer.eos_token_id, *gen_eos] if i is not None})
         self._pad_id = self.tokenizer.pad_token_id or 0
         self._rng = torch.Generator().manual_seed(seed)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._version = 0
+        self._weights_backup: str | None = None
 
     @property
     def weight_version(self) -> int:
@@ -237,163 +82,183 @@ class EmbeddedGenerator:
             "weight_version": self._version,
         }
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy a full state dict in place, after the running batch. Keys and shapes are
-        checked first: `load_state_dict` raises only after copying what matched."""
-        current = self.model.state_dict()
-        missing, unexpected = current.keys() - state_dict.keys(), state_dict.keys() - current.keys()
-        reshaped = [
-            k for k in current.keys() & state_dict.keys() if state_dict[k].shape != current[k].shape
-        ]
-        if missing or unexpected or reshaped:
-            raise ValueError(
-                f"state dict does not match the model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}, wrong shape {sorted(reshaped)[:5]}"
-            )
+    # -- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int | None) -> None:
+        """Copy named tensors in place; names and shapes are checked before anything is
+        copied, so a bad update leaves the model as it was."""
         with self._lock, torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
-            self._version = version
+            self._require_weights()
+            current = self.model.state_dict()
+            unknown = [n for n, _ in named if n not in current]
+            reshaped = [n for n, t in named if n in current and t.shape != current[n].shape]
+            if unknown or reshaped:
+                raise ValueError(
+                    f"tensors do not match the model: unknown {unknown[:5]}, "
+                    f"wrong shape {reshaped[:5]}"
+                )
+            for name, tensor in named:
+                current[name].copy_(tensor)
+            if version is not None:
+                self._version = version
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """A full state dict (every key of the model's); partial updates use load_weights."""
+        missing = self.model.state_dict().keys() - state_dict.keys()
+        if missing:
+            raise ValueError(f"state dict does not match the model: missing {sorted(missing)[:5]}")
+        self.load_weights(list(state_dict.items()), version)
 
     def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.model.dtype)
         self.update_weights(loaded.state_dict(), self._version if version is None else version)
         self.model_path = model_path
 
+    def set_weight_version(self, version: int) -> None:
+        self._version = version
+
+    def weights_checksum(self) -> str:
+        with self._lock:
+            self._require_weights()
+            return weights_checksum(self.model.state_dict().items())
+
+    def release_memory(self, tags: Collection[str]) -> None:
+        """Free the weights (saved to a local file first); the KV cache lives in batches,
+        which the caller empties (pause) before releasing."""
+        with self._lock:
+            if "weights" not in tags or self._weights_backup is not None:
+                return
+            params = dict(self.model.named_parameters())
+            fd, path = tempfile.mkstemp(prefix="rollflow-weights-", suffix=".pt")
+            os.close(fd)
+            torch.save({n: p.data for n, p in params.items()}, path)
+            for p in params.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._weights_backup = path
+
+    def resume_memory(self, tags: Collection[str]) -> None:
+        with self._lock:
+            path = self._weights_backup
+            if "weights" not in tags or path is None:
+                return
+            saved = torch.load(path, weights_only=True)
+            for name, p in self.model.named_parameters():
+                p.data = saved[name].to(p.device)
+            os.remove(path)
+            self._weights_backup = None
+
+    def _require_weights(self) -> None:
+        if self._weights_backup is not None:
+            raise RuntimeError("weights are released: resume_memory_occupation first")
+
+    # -- generation ------------------------------------------------------------------------
+
+    def new_batch(self) -> DecodeBatch:
+        return DecodeBatch()
+
     def generate(
         self, requests: list[GenRequest], should_abort: ShouldAbort = never_abort
     ) -> list[GenResult]:
-        results: list[GenResult] = []
-        with self._lock, torch.inference_mode():
-            for start in range(0, len(requests), self.max_batch_size):
-                chunk = requests[start : start + self.max_batch_size]
-                results.extend(self._generate_batch(chunk, should_abort))
-        return results
+        return run_to_completion(self, requests, should_abort)
 
-    def _new_batch(self, requests: list[GenRequest]) -> _Batch:
-        params = [r.params for r in requests]
-        budgets = [
-            max(0, min(p.max_new_tokens, self.context_len - len(r.input_ids)))
-            for r, p in zip(requests, params, strict=True)
-        ]
-        stops = [
-            list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids)) for p in params
-        ]
-        stop_width = max(1, max(len(s) for s in stops))
-        fresh = iter(torch.randint(0, 2**62, (len(params),), generator=self._rng).tolist())
-        seeds = [next(fresh) if p.sampling_seed is None else p.sampling_seed for p in params]
-        n, steps = len(requests), max(1, max(budgets))
-        return _Batch(
-            requests=requests,
-            prompt_lens=torch.tensor([len(r.input_ids) for r in requests]),
-            budgets=torch.tensor(budgets),
-            seeds=torch.tensor(seeds, dtype=torch.long),
-            temps=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            top_k=torch.tensor([self.vocab_size if p.top_k < 0 else p.top_k for p in params]),
-            stop_ids=torch.tensor([s + [-1] * (stop_width - len(s)) for s in stops]),
-            stop_window={i: max(map(len, p.stop)) + 1 for i, p in enumerate(params) if p.stop},
-            tokens=torch.zeros(n, steps, dtype=torch.long),
-            logprobs=torch.zeros(n, steps, dtype=torch.float32),
-            lengths=torch.zeros(n, dtype=torch.long),
-            reasons=[{"type": "length", "length": 0} if b == 0 else None for b in budgets],
+    def step(self, batch: DecodeBatch, admit: Sequence[GenRequest]) -> list[GenResult]:
+        with self._lock, torch.inference_mode():
+            self._require_weights()
+            batch.waiting.extend(self._state(r) for r in admit)
+            ended = self._decode(batch) if batch.num_running else []
+            room = self.max_batch_size - batch.num_running
+            if room > 0 and batch.waiting:
+                new = [batch.waiting.popleft() for _ in range(min(room, len(batch.waiting)))]
+                for s in new:
+                    if len(s.out_ids) >= s.budget:
+                        s.reason = {"type": "length", "length": len(s.out_ids)}
+                        ended.append(s)
+                live = [s for s in new if s.reason is None]
+                if live:
+                    ended += self._prefill(batch, live)
+            batch.maybe_compact()
+            return [self._result(s) for s in ended]
+
+    def abort(self, batch: DecodeBatch, rids: Collection[str] | None) -> list[GenResult]:
+        with self._lock, torch.inference_mode():
+            hit = (lambda rid: True) if rids is None else set(rids).__contains__
+            ended = [s for s in batch.waiting if hit(s.request.rid)]
+            if ended:
+                batch.waiting = deque(s for s in batch.waiting if not hit(s.request.rid))
+            live = batch.alive.nonzero()[:, 0].tolist()
+            ended += batch.end_rows([j for j in live if hit(batch.rows[j].request.rid)])
+            for s in ended:
+                s.reason = dict(_ABORT)
+            batch.maybe_compact()
+            return [self._result(s) for s in ended]
+
+    def retract(self, batch: DecodeBatch) -> None:
+        with self._lock, torch.inference_mode():
+            running = [batch.rows[j] for j in batch.alive.nonzero()[:, 0].tolist()]
+            batch.waiting.extendleft(reversed(running))
+            batch.drop_rows()
+
+    def _state(self, r: GenRequest) -> ReqState:
+        p = r.params
+        seed = p.sampling_seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return ReqState(
+            request=r,
+            seed=seed,
+            budget=max(0, min(p.max_new_tokens, self.context_len - len(r.input_ids))),
+            stop_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids),
         )
 
-    def _generate_batch(
-        self, requests: list[GenRequest], should_abort: ShouldAbort
-    ) -> list[GenResult]:
-        batch = self._new_batch(requests)
-        rows = [i for i, reason in enumerate(batch.reasons) if reason is None]
-        if rows:
-            self._decode(batch, torch.tensor(rows, dtype=torch.long), should_abort)
-        return self._results(batch)
-
-    def _decode(self, b: _Batch, rows: torch.Tensor, should_abort: ShouldAbort) -> None:
-        """Prefill the live rows, then decode until every row has a finish reason.
-
-        `rows` maps batch positions to request indices; finished rows ride along masked
-        until they are a quarter of the batch, then the batch (and KV cache) is compacted.
-        """
-        prompts = [torch.tensor(b.requests[i].input_ids) for i in rows.tolist()]
+    def _prefill(self, batch: DecodeBatch, states: list[ReqState]) -> list[ReqState]:
+        prompts = [torch.tensor(s.prefix) for s in states]
         ids = torch.nn.utils.rnn.pad_sequence(
             prompts, batch_first=True, padding_value=self._pad_id, padding_side="left"
         )
+        lens = torch.tensor([len(p) for p in prompts])
         width = ids.shape[1]
-        attn = (torch.arange(width)[None, :] >= width - b.prompt_lens[rows][:, None]).long()
+        attn = (torch.arange(width)[None, :] >= width - lens[:, None]).long()
         positions = (attn.cumsum(-1) - 1).clamp_(min=0)
-        next_pos = b.prompt_lens[rows].clone()
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
             logits_to_keep=1,
         )  # fmt: skip
-        cache = out.past_key_values
-        alive = torch.ones(len(rows), dtype=torch.bool)
-        step = 0
-        while True:
-            logits = out.logits[:, -1, :].float()
-            tok, logp = sample_tokens(
-                logits, b.temps[rows], b.top_p[rows], b.top_k[rows], b.seeds[rows], step
-            )
-            live_rows = rows[alive]
-            b.tokens[live_rows, step] = tok[alive]
-            b.logprobs[live_rows, step] = logp[alive]
-            b.lengths[live_rows] = step + 1
-            step += 1
-            row_ids = rows.tolist()
-            hit_len = (b.budgets[rows] <= step) & alive
-            hit_stop = (tok[:, None] == b.stop_ids[rows]).any(-1) & alive & ~hit_len
-            for j in hit_len.nonzero()[:, 0].tolist():
-                b.reasons[row_ids[j]] = {"type": "length", "length": step}
-            for j in hit_stop.nonzero()[:, 0].tolist():
-                b.reasons[row_ids[j]] = {"type": "stop", "matched": int(tok[j])}
-            alive &= ~(hit_stop | hit_len)
-            ended = []
-            for j in alive.nonzero()[:, 0].tolist():
-                i = row_ids[j]
-                matched = self._match_stop(b, i, step) if i in b.stop_window else None
-                if matched is not None:
-                    b.reasons[i] = {"type": "stop", "matched": matched}
-                elif should_abort(b.requests[i].rid):
-                    b.reasons[i] = {"type": "abort", "message": "Abort before decoding finished."}
-                else:
-                    continue
-                ended.append(j)
-            alive[ended] = False
-            n_alive = int(alive.sum())
-            if n_alive == 0:
-                return
-            if n_alive <= _COMPACT_BELOW * len(rows):
-                keep = alive.nonzero()[:, 0]
-                cache.reorder_cache(keep)
-                rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
-                alive = torch.ones(len(rows), dtype=torch.bool)
-            attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype)], dim=1)
-            out = self.model(
-                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                past_key_values=cache, use_cache=True,
-            )  # fmt: skip
-            next_pos = next_pos + 1
+        fresh = DecodeBatch.prefilled(states, attn, out.past_key_values, self.vocab_size)
+        ended = self._sample(fresh, out.logits[:, -1, :])
+        batch.merge(fresh)
+        return ended
 
-    def _match_stop(self, batch: _Batch, i: int, length: int) -> str | None:
+    def _decode(self, b: DecodeBatch) -> list[ReqState]:
+        attn = torch.cat([b.attn, torch.ones(len(b.rows), 1, dtype=b.attn.dtype)], dim=1)
+        out = self.model(
+            input_ids=b.t["last_tok"][:, None], attention_mask=attn,
+            position_ids=b.t["next_pos"][:, None], past_key_values=b.cache, use_cache=True,
+        )  # fmt: skip
+        b.attn = attn
+        b.t["next_pos"] = b.t["next_pos"] + 1
+        return self._sample(b, out.logits[:, -1, :])
+
+    def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> list[ReqState]:
+        t = b.t
+        tok, logp = sample_tokens(
+            logits.float(), t["temps"], t["top_p"], t["top_k"], t["seeds"], t["steps"]
+        )
+        return b.record(tok, logp, self._match_stop)
+
+    def _match_stop(self, s: ReqState) -> str | None:
         """Check the stop strings against the tail of the text, as SGLang does."""
-        tail_ids = batch.tokens[i, max(0, length - batch.stop_window[i]) : length].tolist()
-        tail = self.tokenizer.decode(tail_ids, skip_special_tokens=True)
-        return next((s for s in batch.requests[i].params.stop if s in tail), None)
+        window = max(map(len, s.request.params.stop)) + 1
+        tail = self.tokenizer.decode(s.out_ids[-window:], skip_special_tokens=True)
+        return next((stop for stop in s.request.params.stop if stop in tail), None)
 
-    def _results(self, batch: _Batch) -> list[GenResult]:
-        tokens, logps = batch.tokens.tolist(), batch.logprobs.tolist()
-        results = []
-        for i, (r, n) in enumerate(zip(batch.requests, batch.lengths.tolist(), strict=True)):
-            reason = batch.reasons[i] or {"type": "abort", "message": "Unfinished."}
-            ids = tokens[i][:n]
-            results.append(
-                GenResult(
-                    rid=r.rid,
-                    output_ids=ids,
-                    output_logprobs=logps[i][:n],
-                    text=finish_text(self.tokenizer, ids, reason, r.params),
-                    finish_reason=reason,
-                    prompt_tokens=len(r.input_ids),
-                    weight_version=self._version,
-                )
-            )
-        return results
+    def _result(self, s: ReqState) -> GenResult:
+        reason = s.reason or dict(_ABORT)
+        return GenResult(
+            rid=s.request.rid,
+            output_ids=s.out_ids,
+            output_logprobs=s.out_logprobs,
+            text=finish_text(self.tokenizer, s.out_ids, reason, s.request.params),
+            finish_reason=reason,
+            prompt_tokens=len(s.request.input_ids),
+            weight_version=self._version,
+        )

@@ -19,9 +19,11 @@ import httpx
 import torch
 import uvicorn
 
-from engines.rollout.embedded_generator import EmbeddedGenerator, Generator
+from engines.rollout.embedded_generator import EmbeddedGenerator
+from engines.rollout.gen_types import Generator
 from engines.rollout.mock_generator import MockGenerator
-from engines.rollout.sglang_server import BatchScheduler, create_app
+from engines.rollout.scheduler import ContinuousScheduler
+from engines.rollout.sglang_server import create_app
 from flows.config import EngineConfig
 
 GeneratorFactory = Callable[[EngineConfig, int, int | None], Generator]
@@ -68,7 +70,7 @@ def build_generator(config: EngineConfig, index: int, num_threads: int | None = 
 
 
 class EngineActor:
-    """Generator + batch scheduler + uvicorn on a free port, in background threads."""
+    """Generator + continuous-batching scheduler + uvicorn on a free port, in background threads."""
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class EngineActor:
         self.config = config
         self.engine_index = engine_index
         self.generator = build_generator(config, engine_index, num_threads)
-        self.scheduler = BatchScheduler(self.generator, max_batch_size=config.max_batch_size)
+        self.scheduler = ContinuousScheduler(self.generator, max_batch_size=config.max_batch_size)
         app = create_app(self.generator, self.scheduler)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,6 +126,10 @@ class EngineActor:
         """Load the trainer's state dict (waits for the running batch); returns the version."""
         self.generator.update_weights(state_dict, version)
         return self.generator.weight_version
+
+    def weights_checksum(self) -> str:
+        """sha256 of the engine's weights, for `check_weight_update_equal`."""
+        return self.generator.weights_checksum()
 
     def shutdown(self) -> None:
         self._server.should_exit = True

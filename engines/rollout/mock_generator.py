@@ -13,18 +13,20 @@ import hashlib
 import math
 import os
 import random
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
-from engines.rollout.embedded_generator import (
+from engines.rollout.gen_types import (
     GenRequest,
     GenResult,
     ShouldAbort,
     finish_text,
     never_abort,
 )
+from engines.weight_sync import weights_checksum
 
 
 class _IdsTokenizer:
@@ -38,6 +40,15 @@ class _IdsTokenizer:
             return [int(t) for t in text.split()]
         except ValueError as err:
             raise ValueError("text input needs a tokenizer (mock engine without one)") from err
+
+
+class _MockBatch:
+    """Always empty: mock requests finish in the step that admits them."""
+
+    num_running = 0
+
+    def __len__(self) -> int:
+        return 0
 
 
 class MockGenerator:
@@ -71,6 +82,34 @@ class MockGenerator:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self._version = version
+
+    def load_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int | None) -> None:
+        self._version = self._version if version is None else version
+
+    def set_weight_version(self, version: int) -> None:
+        self._version = version
+
+    def release_memory(self, tags: Collection[str]) -> None:
+        """Nothing to free: the mock holds no weights."""
+
+    def resume_memory(self, tags: Collection[str]) -> None:
+        """Nothing to restore."""
+
+    def weights_checksum(self) -> str:
+        return weights_checksum([])
+
+    def new_batch(self) -> _MockBatch:
+        return _MockBatch()
+
+    def step(self, batch: _MockBatch, admit: Sequence[GenRequest]) -> list[GenResult]:
+        """Every request finishes in the step that admits it: a mock has no decode loop."""
+        return [self._one(r, never_abort) for r in admit]
+
+    def abort(self, batch: _MockBatch, rids: Collection[str] | None) -> list[GenResult]:
+        return []
+
+    def retract(self, batch: _MockBatch) -> None:
+        """Nothing is ever running between steps."""
 
     def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         if not os.path.exists(model_path):

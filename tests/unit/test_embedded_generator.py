@@ -9,12 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.rollout.embedded_generator import (
-    EmbeddedGenerator,
-    GenRequest,
-    GenResult,
-    SamplingParams,
-)
+from engines.rollout.embedded_generator import EmbeddedGenerator
+from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
 from engines.rollout.mock_generator import MockGenerator
 from examples.arithmetic.build_model import save_tiny_model
 
@@ -254,3 +250,72 @@ def test_mock_generator_is_deterministic_and_honours_limits(model_dir: str) -> N
     assert moved.weight_version == 2 and moved.output_ids != v0.output_ids
     with pytest.raises(FileNotFoundError):
         mock.update_weights_from_disk(str(Path(model_dir) / "missing"))
+
+
+def _drain(gen: EmbeddedGenerator, batch: object, done: dict[str, GenResult]) -> None:
+    while len(batch):  # type: ignore[arg-type]
+        done.update((r.rid, r) for r in gen.step(batch, []))  # type: ignore[arg-type]
+
+
+def test_request_joining_a_running_batch_matches_its_solo_run(gen: EmbeddedGenerator) -> None:
+    """Continuous batching: B is prefilled and merged while A decodes; both equal their solo
+    outputs (same seed) and a full-sequence forward."""
+    kw = {"max_new_tokens": 14, "ignore_eos": True, "sampling_seed": 5}
+    a = requests(gen, [PROMPTS[3]], **kw)[0]
+    b = GenRequest("late", gen.tokenize(PROMPTS[1]), SamplingParams(**kw))  # type: ignore[arg-type]
+    solo = {r.rid: r for r in gen.generate([a]) + gen.generate([b])}
+    batch = gen.new_batch()
+    done: dict[str, GenResult] = {}
+    for _ in range(5):
+        done.update((r.rid, r) for r in gen.step(batch, [a] if not len(batch) else []))
+    assert batch.num_running == 1 and len(batch.rows[0].out_ids) == 5
+    done.update((r.rid, r) for r in gen.step(batch, [b]))
+    assert batch.num_running == 2
+    _drain(gen, batch, done)
+    for req in (a, b):
+        assert done[req.rid].output_ids == solo[req.rid].output_ids
+        expected = full_forward_logprobs(gen, req, done[req.rid], 1.0)
+        assert (expected - torch.tensor(done[req.rid].output_logprobs)).abs().max() < 1e-4
+
+
+def test_retract_then_resume_continues_the_same_sample(gen: EmbeddedGenerator) -> None:
+    reqs = requests(gen, PROMPTS, max_new_tokens=10, ignore_eos=True, sampling_seed=9)
+    solo = gen.generate(reqs)
+    batch = gen.new_batch()
+    done: dict[str, GenResult] = {}
+    gen.step(batch, reqs)
+    gen.step(batch, [])
+    gen.retract(batch)
+    assert batch.num_running == 0 and len(batch) == 4 and batch.cache is None
+    _drain(gen, batch, done)
+    for req, ref in zip(reqs, solo, strict=True):
+        assert done[req.rid].output_ids == ref.output_ids
+        assert done[req.rid].output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-4)
+
+
+def test_abort_in_a_running_batch_keeps_the_others(gen: EmbeddedGenerator) -> None:
+    reqs = requests(gen, PROMPTS, max_new_tokens=8, ignore_eos=True, sampling_seed=2)
+    solo = gen.generate(reqs)
+    batch = gen.new_batch()
+    gen.step(batch, reqs)
+    gen.step(batch, [])
+    aborted = gen.abort(batch, ["r2", "unknown"])
+    assert [r.rid for r in aborted] == ["r2"] and aborted[0].finish_reason["type"] == "abort"
+    assert aborted[0].output_ids == solo[2].output_ids[:2]
+    done: dict[str, GenResult] = {}
+    _drain(gen, batch, done)
+    assert {k: v.output_ids for k, v in done.items()} == {
+        r.rid: s.output_ids for r, s in zip(reqs, solo, strict=True) if r.rid != "r2"
+    }
+
+
+def test_release_and_resume_memory_keep_outputs_identical(gen: EmbeddedGenerator) -> None:
+    reqs = requests(gen, PROMPTS, max_new_tokens=6, ignore_eos=True, sampling_seed=4)
+    before, checksum = gen.generate(reqs), gen.weights_checksum()
+    gen.release_memory(["weights", "kv_cache"])
+    assert sum(p.numel() for p in gen.model.parameters()) == 0
+    with pytest.raises(RuntimeError, match="released"):
+        gen.generate(reqs)
+    gen.resume_memory(["weights", "kv_cache"])
+    assert gen.weights_checksum() == checksum
+    assert [r.output_logprobs for r in gen.generate(reqs)] == [r.output_logprobs for r in before]

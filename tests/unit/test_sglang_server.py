@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.rollout.embedded_generator import GenRequest, GenResult, SamplingParams, ShouldAbort
+from engines.rollout.embedded_generator import EmbeddedGenerator
 from engines.rollout.engine_actor import EngineActor, build_generator
+from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
 from engines.rollout.mock_generator import MockGenerator
+from engines.rollout.scheduler import ContinuousScheduler
 from engines.rollout.sglang_client import SGLangClient, SGLangError
-from engines.rollout.sglang_server import BatchScheduler
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig
 
@@ -167,7 +168,8 @@ def test_control_endpoints(engine: EngineActor) -> None:
 def test_update_weights_from_tensor_and_disk(engine: EngineActor, tmp_path: Path) -> None:
     prompt = prompt_ids(engine, "3*3=")
     state = {
-        k: v + 0.05 * torch.randn_like(v) for k, v in engine.generator.model.state_dict().items()
+        k: v + 0.05 * torch.randn_like(v)
+        for k, v in cast(EmbeddedGenerator, engine.generator).model.state_dict().items()
     }
 
     async def generate() -> Any:
@@ -179,7 +181,7 @@ def test_update_weights_from_tensor_and_disk(engine: EngineActor, tmp_path: Path
     after = asyncio.run(generate())
     assert after.weight_version == 1 and after.log_probs != before.log_probs
 
-    model = AutoModelForCausalLM.from_pretrained(engine.config.model_path)
+    model = AutoModelForCausalLM.from_pretrained(str(engine.config.model_path))
     model.save_pretrained(tmp_path / "v2")
 
     async def from_disk() -> dict[str, Any]:
@@ -219,14 +221,14 @@ class CountingGenerator(MockGenerator):
         super().__init__(vocab_size=32, eos_token_id=0)
         self.batch_sizes: list[int] = []
 
-    def generate(self, requests: list[GenRequest], should_abort: ShouldAbort) -> list[GenResult]:
-        self.batch_sizes.append(len(requests))
-        return super().generate(requests, should_abort)
+    def step(self, batch: Any, admit: Sequence[GenRequest]) -> list[GenResult]:
+        self.batch_sizes.append(len(admit))
+        return super().step(batch, admit)
 
 
 def test_scheduler_batches_concurrent_requests() -> None:
     gen = CountingGenerator()
-    scheduler = BatchScheduler(gen, max_batch_size=16, batch_wait_s=0.02)
+    scheduler = ContinuousScheduler(gen, max_batch_size=16, batch_wait_s=0.02)
     scheduler.start()
     try:
         reqs = [GenRequest(f"q{i}", [1, 2, i], SamplingParams(max_new_tokens=3)) for i in range(40)]
@@ -238,3 +240,109 @@ def test_scheduler_batches_concurrent_requests() -> None:
         scheduler.stop()
     assert [r.rid for r in results] == [r.rid for r in reqs]
     assert sum(gen.batch_sizes) == 40 and max(gen.batch_sizes) == 16 and len(gen.batch_sizes) <= 4
+
+
+SEEDED = {"max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 3}
+
+
+def solo_outputs(
+    engine: EngineActor, prompts: list[list[int]], params: dict[str, Any]
+) -> list[Any]:
+    sp = SamplingParams(**params)
+    reqs = [GenRequest(f"solo{i}", p, sp) for i, p in enumerate(prompts)]
+    return [engine.generator.generate([r])[0] for r in reqs]
+
+
+def test_request_joins_a_running_batch_over_http(engine: EngineActor) -> None:
+    """A short request sent while a long one decodes finishes first, both as if alone."""
+    long_p, short_p = prompt_ids(engine, "what is 7+8?"), prompt_ids(engine, "1+2=")
+    short_params = {**SEEDED, "max_new_tokens": 3}
+    solo_long = solo_outputs(engine, [long_p], {**SEEDED, "max_new_tokens": 120})[0]
+    solo_short = solo_outputs(engine, [short_p], short_params)[0]
+
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            long_task = asyncio.create_task(
+                client.generate(long_p, {**SEEDED, "max_new_tokens": 120}, rid="long")
+            )
+            while await client.flush_cache():
+                await asyncio.sleep(0.002)
+            short = await client.generate(short_p, short_params, rid="short")
+            assert not long_task.done()
+            long = await long_task
+        assert short.output_ids == solo_short.output_ids
+        assert short.log_probs == pytest.approx(solo_short.output_logprobs, abs=1e-4)
+        assert long.output_ids == solo_long.output_ids
+        assert long.log_probs == pytest.approx(solo_long.output_logprobs, abs=1e-4)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_and_continue_keep_requests(engine: EngineActor, mode: str) -> None:
+    prompt = prompt_ids(engine, "12*3=")
+    solo = solo_outputs(engine, [prompt], SEEDED)[0]
+
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            task = asyncio.create_task(client.generate(prompt, SEEDED, rid="p"))
+            while await client.flush_cache():
+                await asyncio.sleep(0.002)
+            paused = httpx.post(f"{engine.url()}/pause_generation", json={"mode": mode}).json()
+            assert paused["status"] == "ok"
+            # in_place keeps the KV cache (flush refused); retract dropped it.
+            assert await client.flush_cache() == (mode == "retract")
+            await asyncio.sleep(0.2)
+            assert not task.done()
+            httpx.post(f"{engine.url()}/continue_generation", json={})
+            out = await task
+        assert out.output_ids == solo.output_ids
+        assert out.log_probs == pytest.approx(solo.output_logprobs, abs=1e-4)
+
+    asyncio.run(main())
+
+
+def test_pause_abort_returns_partial_and_holds_new_requests(engine: EngineActor) -> None:
+    prompt = prompt_ids(engine, "12*3=")
+    params = {**SEEDED, "max_new_tokens": 120}
+
+    async def main() -> None:
+        async with SGLangClient(engine.url()) as client:
+            task = asyncio.create_task(client.generate(prompt, params, rid="a"))
+            while await client.flush_cache():
+                await asyncio.sleep(0.002)
+            httpx.post(f"{engine.url()}/pause_generation", json={"mode": "abort"})
+            first = await task
+            held = asyncio.create_task(client.generate(prompt, {**params, "max_new_tokens": 2}))
+            await asyncio.sleep(0.2)
+            assert not held.done()
+            httpx.post(f"{engine.url()}/continue_generation")
+            second = await held
+        assert first.aborted and 0 < len(first.output_ids) < 120
+        assert second.finish_reason == {"type": "length", "length": 2}
+        bad = httpx.post(f"{engine.url()}/pause_generation", json={"mode": "nap"})
+        assert bad.status_code == 400 and "mode" in bad.json()["error"]["message"]
+
+    asyncio.run(main())
+
+
+def test_release_resume_over_http_keeps_outputs(engine: EngineActor) -> None:
+    prompt = prompt_ids(engine, "3*3=")
+    checker = f"{engine.url()}/weights_checker"
+
+    async def generate() -> Any:
+        async with SGLangClient(engine.url()) as client:
+            return await client.generate(prompt, GREEDY)
+
+    before = asyncio.run(generate())
+    checksum = httpx.post(checker, json={"action": "checksum"}).json()["payload"]["checksum"]
+    ok = httpx.post(f"{engine.url()}/release_memory_occupation", json={"tags": ["weights"]})
+    assert ok.status_code == 200
+    assert httpx.post(checker, json={}).status_code == 400
+    bad = httpx.post(f"{engine.url()}/resume_memory_occupation", json={"tags": ["gpu"]})
+    assert bad.status_code == 400 and "tags" in bad.json()["error"]["message"]
+    httpx.post(f"{engine.url()}/resume_memory_occupation", json={})
+    assert httpx.post(checker, json={}).json()["payload"]["checksum"] == checksum
+    after = asyncio.run(generate())
+    assert after.output_ids == before.output_ids and after.log_probs == before.log_probs
+    assert httpx.get(f"{engine.url()}/get_weight_version").json() == {"weight_version": "0"}

@@ -1,0 +1,193 @@
+"""The engine's scheduler thread: continuous batching plus SGLang's control-plane states.
+
+    HTTP handlers --submit--> queue --(admitted between steps)--> generator.step(batch, admit)
+         ^                                                               |
+         +---------------- futures resolved per finished request <-------+
+    abort / pause / release take the step lock, so they act between two decode steps.
+
+While a batch runs, queued requests join it at the next step (a new prefill merged into
+the running KV cache). When the engine is idle a short burst window lets concurrent HTTP
+requests share one prefill. Paused (`in_place`, `retract`, `abort`) or released engines
+accept requests and hold them until `/continue_generation` / `/resume_memory_occupation`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Collection
+from concurrent.futures import Future
+
+from engines.rollout.gen_types import Generator, GenRequest, GenResult, aborted_result
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class ContinuousScheduler:
+    """One thread stepping one running batch of `generator`."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        max_batch_size: int = 1024,
+        batch_wait_s: float = 0.005,
+        max_wait_s: float = 0.05,
+    ) -> None:
+        self.generator = generator
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_wait_s = max_wait_s
+        self._batch = generator.new_batch()
+        self._queue: deque[GenRequest] = deque()
+        self._futures: dict[str, Future[GenResult]] = {}
+        self._cond = threading.Condition()
+        self._step_lock = threading.RLock()
+        self._paused: str | None = None
+        self._released: set[str] = set()
+        self._stop = False
+        self._last_arrival = 0.0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and len(self._batch) == 0
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    def can_flush(self) -> bool:
+        """SGLang refuses to flush while a batch holds KV cache (or is about to)."""
+        with self._cond:
+            held = self._paused is not None or bool(self._released)
+            return self._batch.num_running == 0 and (held or not self._queue)
+
+    def submit(self, requests: list[GenRequest]) -> list[Future[GenResult]]:
+        """Queue requests; raises ValueError on a request id already in flight."""
+        with self._cond:
+            rids = [r.rid for r in requests]
+            dup = next((r for r in rids if r in self._futures), None)
+            if dup is not None or len(set(rids)) != len(rids):
+                raise ValueError(f"Duplicate request ID: {dup or rids}")
+            futures: list[Future[GenResult]] = [Future() for _ in requests]
+            self._futures.update(zip(rids, futures, strict=True))
+            self._queue.extend(requests)
+            self._last_arrival = time.monotonic()
+            self._cond.notify_all()
+        return futures
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """End queued and running requests now (partial output); unknown rids are ignored."""
+        with self._cond:
+            queued = [r for r in self._queue if abort_all or r.rid == rid]
+            for r in queued:
+                self._queue.remove(r)
+        version = self.generator.weight_version
+        self._resolve([aborted_result(r, version) for r in queued])
+        with self._step_lock:
+            self._resolve(self.generator.abort(self._batch, None if abort_all else [rid]))
+
+    def pause(self, mode: str = "abort") -> None:
+        """SGLang's modes: abort everything, retract (drop KV, resume later) or in place."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        with self._step_lock:
+            with self._cond:
+                self._paused = mode
+            if mode == "abort":
+                self.abort(abort_all=True)
+            elif mode == "retract":
+                self.generator.retract(self._batch)
+
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    def release_memory(self, tags: Collection[str]) -> None:
+        with self._step_lock:
+            if self._batch.num_running:
+                raise RuntimeError(
+                    "requests are running: pause_generation (abort or retract) before releasing"
+                )
+            self.generator.release_memory(tags)
+            with self._cond:
+                self._released |= set(tags)
+
+    def resume_memory(self, tags: Collection[str]) -> None:
+        with self._step_lock:
+            self.generator.resume_memory(tags)
+            with self._cond:
+                self._released -= set(tags)
+                self._cond.notify_all()
+
+    def _runnable(self) -> bool:
+        held = self._paused is not None or bool(self._released)
+        return not held and (bool(self._queue) or len(self._batch) > 0)
+
+    def _burst_wait(self) -> None:
+        """Idle engine: let a burst of concurrent requests arrive before one prefill."""
+        first = time.monotonic()
+        while len(self._queue) < self.max_batch_size and not self._stop:
+            quiet_until = self._last_arrival + self.batch_wait_s
+            wait = min(quiet_until, first + self.max_wait_s) - time.monotonic()
+            if wait <= 0:
+                return
+            self._cond.wait(wait)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._runnable():
+                    self._cond.wait()
+                if self._stop:
+                    return
+                if len(self._batch) == 0:
+                    self._burst_wait()
+                room = max(0, self.max_batch_size - len(self._batch))
+                admit = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            with self._step_lock:
+                if self._paused is not None or self._released:
+                    with self._cond:
+                        self._queue.extendleft(reversed(admit))
+                    continue
+                try:
+                    results = self.generator.step(self._batch, admit)
+                except Exception as err:
+                    self._fail(err)
+                    continue
+            self._resolve(results)
+
+    def _fail(self, err: BaseException) -> None:
+        """A step raised: every request in the batch gets the error; the batch is reset."""
+        with self._cond:
+            queued = {r.rid for r in self._queue}
+            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
+            for rid in failed:
+                del self._futures[rid]
+            self._batch = self.generator.new_batch()
+        for future in failed.values():
+            future.set_exception(err)
+
+    def _resolve(self, results: list[GenResult]) -> None:
+        with self._cond:
+            futures = [(self._futures.pop(r.rid, None), r) for r in results]
+        for future, result in futures:
+            if future is not None:
+                future.set_result(result)

@@ -1,0 +1,252 @@
+"""Trainer side of weight sync: push a model's weights to every engine, SGLang's way.
+
+Each update is   pause_generation -> push weights -> flush_cache -> continue_generation,
+then the engines' `get_weight_version` is read back. The push is one of (`train.weight_sync`):
+
+- `tensor`: `/update_weights_from_tensor` per bucket (base64 torch.save payload, HTTP);
+- `distributed`: the trainer is rank 0 of a process group with the engines (ranks 1..n);
+  per bucket it POSTs `/update_weights_from_distributed` (names, dtypes, shapes) to every
+  engine and broadcasts the bucket's tensors while those requests wait on the group;
+- `disk`: `save_pretrained` into a directory and `/update_weights_from_disk`.
+
+Buckets hold about `update_weight_buffer_size` bytes. Engines are addressed by URL, so the
+same sender works for embedded engines and real SGLang servers.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import torch
+
+from engines.weight_sync import (
+    NamedTensors,
+    WeightUpdateGroup,
+    buckets,
+    dtype_name,
+    encode_named_tensors,
+    weights_checksum,
+)
+from flows.config import TrainConfig
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused an update, or holds weights other than the trainer's."""
+
+
+class WeightSender(Protocol):
+    def connect(self) -> None: ...
+
+    def update(self, model: torch.nn.Module, version: int) -> list[int]:
+        """Push `model`'s weights as `version`; returns each engine's reported version."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class _HTTPSender:
+    """The pause / push / flush / continue cycle over every engine, concurrently."""
+
+    def __init__(
+        self,
+        engine_urls: list[str],
+        bucket_bytes: int = 512 * 1024**2,
+        pause_mode: str = "abort",
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not engine_urls:
+            raise ValueError("weight sync needs at least one engine URL")
+        self.urls = [u.rstrip("/") for u in engine_urls]
+        self.bucket_bytes, self.pause_mode = bucket_bytes, pause_mode
+        self._http = httpx.Client(timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.urls)))
+
+    def connect(self) -> None:
+        """Nothing to set up for HTTP-only pushes."""
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def post_async(self, path: str, body: dict[str, Any]) -> list[Future[dict[str, Any]]]:
+        return [self._pool.submit(self._post, url + path, body) for url in self.urls]
+
+    def post_all(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        return [f.result() for f in self.post_async(path, body)]
+
+    def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self._http.post(url, json=body)
+        if response.status_code >= 400:
+            raise WeightSyncError(f"{url} -> HTTP {response.status_code}: {response.text[:500]}")
+        return dict(response.json()) if response.content.strip() else {}
+
+    def versions(self) -> list[int]:
+        def get(url: str) -> int:
+            return int(self._http.get(f"{url}/get_weight_version").json()["weight_version"])
+
+        return list(self._pool.map(get, self.urls))
+
+    def update(self, model: torch.nn.Module, version: int) -> list[int]:
+        self.post_all("/pause_generation", {"mode": self.pause_mode})
+        try:
+            self.push(model, version)
+            for url in self.urls:  # SGLang refuses while requests hold KV (in_place pause)
+                self._http.post(f"{url}/flush_cache")
+        finally:
+            self.post_all("/continue_generation", {})
+        return self.versions()
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        raise NotImplementedError
+
+    def named_buckets(self, model: torch.nn.Module) -> list[NamedTensors]:
+        return list(buckets(model.state_dict().items(), self.bucket_bytes))
+
+
+class TensorWeightSender(_HTTPSender):
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        for bucket in self.named_buckets(model):
+            body = {
+                "serialized_named_tensors": [encode_named_tensors(bucket)],
+                "weight_version": str(version),
+                "flush_cache": False,
+            }
+            self.post_all("/update_weights_from_tensor", body)
+
+
+class DistributedWeightSender(_HTTPSender):
+    """Rank 0 of `group_name`; engine i joins as rank 1 + i."""
+
+    def __init__(
+        self,
+        engine_urls: list[str],
+        bucket_bytes: int = 512 * 1024**2,
+        backend: str = "auto",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "rollflow_weight_update",
+        pause_mode: str = "abort",
+    ) -> None:
+        super().__init__(engine_urls, bucket_bytes, pause_mode)
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.backend, self.master_address = backend, master_address
+        self.master_port, self.group_name = master_port or free_port(), group_name
+        self.group: WeightUpdateGroup | None = None
+
+    def connect(self) -> None:
+        """Engines join while rank 0 creates the store: both sides block until all are in."""
+        world = len(self.urls) + 1
+        joins = [
+            self._pool.submit(
+                self._post,
+                url + "/init_weights_update_group",
+                {
+                    "master_address": self.master_address,
+                    "master_port": self.master_port,
+                    "rank_offset": 1 + i,
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                },
+            )
+            for i, url in enumerate(self.urls)
+        ]
+        self.group = WeightUpdateGroup(
+            self.master_address, self.master_port, 0, world, self.backend, self.group_name
+        )
+        for join in joins:
+            join.result()
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        if self.group is None:
+            raise WeightSyncError("connect() the distributed weight sender first")
+        for bucket in self.named_buckets(model):
+            body = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": self.group_name,
+                "weight_version": str(version),
+                "flush_cache": False,
+            }
+            pending = self.post_async("/update_weights_from_distributed", body)
+            self.group.broadcast([t.detach().to(self.group.device).contiguous() for _, t in bucket])
+            for request in pending:
+                request.result()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.post_all("/destroy_weights_update_group", {"group_name": self.group_name})
+            self.group.destroy()
+            self.group = None
+        super().close()
+
+
+class DiskWeightSender(_HTTPSender):
+    """The fallback: a shared directory both sides see; only the newest version is kept."""
+
+    def __init__(self, engine_urls: list[str], save_dir: str | None = None, **kw: Any) -> None:
+        super().__init__(engine_urls, **kw)
+        self.save_dir = Path(save_dir or tempfile.mkdtemp(prefix="rollflow-weights-"))
+        self._last: Path | None = None
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        path = self.save_dir / f"v{version:06d}"
+        save = getattr(model, "save_pretrained", None)
+        if not callable(save):
+            raise WeightSyncError("disk weight sync needs a Hugging Face model (save_pretrained)")
+        save(str(path))
+        self.post_all(
+            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)}
+        )
+        if self._last is not None and self._last != path:
+            shutil.rmtree(self._last, ignore_errors=True)
+        self._last = path
+
+
+SenderFactory = Callable[[TrainConfig, list[str]], WeightSender]
+WEIGHT_SENDERS: dict[str, SenderFactory] = {
+    "tensor": lambda cfg, urls: TensorWeightSender(urls, cfg.update_weight_buffer_size),
+    "distributed": lambda cfg, urls: DistributedWeightSender(
+        urls, cfg.update_weight_buffer_size, cfg.weight_sync_backend, cfg.weight_sync_master_address
+    ),
+    "disk": lambda cfg, urls: DiskWeightSender(urls),
+}
+
+
+def build_weight_sender(config: TrainConfig, engine_urls: list[str]) -> WeightSender:
+    """The sender `train.weight_sync` names; call `connect()` once, `update()` per step."""
+    factory = WEIGHT_SENDERS.get(config.weight_sync)
+    if factory is None:
+        raise ValueError(
+            f"train.weight_sync {config.weight_sync!r} is not one of {sorted(WEIGHT_SENDERS)}"
+        )
+    return factory(config, engine_urls)
+
+
+def check_weight_update_equal(model: torch.nn.Module, engine_urls: list[str]) -> str:
+    """Raise WeightSyncError unless every engine's weights hash like `model`'s; returns it."""
+    expected = weights_checksum(model.state_dict().items())
+    with httpx.Client(timeout=120.0) as http:
+        for url in engine_urls:
+            response = http.post(f"{url.rstrip('/')}/weights_checker", json={"action": "checksum"})
+            got = response.json().get("payload", {}).get("checksum")
+            if response.status_code != 200 or got != expected:
+                raise WeightSyncError(
+                    f"{url}: weights differ from the trainer's ({got} != {expected})"
+                )
+    return expected
