@@ -75,7 +75,7 @@ def train(config: RollflowConfig) -> dict[str, Any]:
     ctx = t.StepContext(config, layout, get_or_create_actors(config))
     start = layout.next_rollout_id()
     restored = ray.get(ctx.actors.trainer.ensure_version.remote(start))
-    t.sync_engine_weights(ctx.actors)
+    t.sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)
 
     evaluate_now = bool(config.eval.datasets)
     if evaluate_now and config.eval.before_train:

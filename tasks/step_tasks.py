@@ -73,7 +73,9 @@ def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         actors = ctx.reattach()
         # A restarted engine comes back with the initial weights: bring it up to date.
-        sync_engine_weights(actors, min_version=required_weight_version(ctx.cfg, rollout_id))
+        sync_engine_weights(
+            actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync
+        )
         return dict(ray.get(actors.rollout.generate.remote(rollout_id)))
 
     return run_once(ctx.layout, rollout_id, "generate", work)
@@ -111,21 +113,27 @@ def train(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     return {**record, "from_storage": False}
 
 
-def sync_engine_weights(actors: RunActors, min_version: int | None = None) -> dict[str, Any]:
+def sync_engine_weights(
+    actors: RunActors, min_version: int | None = None, weight_sync: str = "tensor"
+) -> dict[str, Any]:
     """Push the trainer's weights to every engine that is not at its version. The state
     dict travels trainer -> Ray object store -> engines; the driver only holds the ref.
 
     With `min_version`, engines already at or past it are left alone without asking the
-    trainer (which, in async mode, may be busy training the previous step).
+    trainer (which, in async mode, may be busy training the previous step). `weight_sync`
+    other than "tensor" goes over the engines' HTTP API (process-group broadcast or disk).
     """
     engine_versions = ray.get([e.weight_version.remote() for e in actors.engines])
-    if min_version is not None and min(engine_versions) >= min_version:
+    if min_version is not None and engine_versions and min(engine_versions) >= min_version:
         return {"weight_version": min(engine_versions), "engines_updated": 0}
     version = ray.get(actors.trainer.version.remote())
     stale = [e for e, v in zip(actors.engines, engine_versions, strict=True) if v != version]
-    if stale:
+    if stale and weight_sync == "tensor":
         weights_ref = actors.trainer.weights.remote()
         ray.get([e.update_weights_from_tensor.remote(weights_ref, version) for e in stale])
+    elif stale:
+        urls = ray.get([e.url.remote() for e in actors.engines])
+        ray.get(actors.trainer.push_weights.remote(urls))
     return {"weight_version": version, "engines_updated": len(stale)}
 
 
@@ -133,7 +141,7 @@ def sync_engine_weights(actors: RunActors, min_version: int | None = None) -> di
 def broadcast_weights(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     # Not recorded: it is cheap and must always leave the engines at the trainer's version.
     start = time.perf_counter()
-    record = sync_engine_weights(ctx.reattach())
+    record = sync_engine_weights(ctx.reattach(), weight_sync=ctx.cfg.train.weight_sync)
     return {**record, "seconds": time.perf_counter() - start}
 
 

@@ -59,6 +59,8 @@ class TrainActor:
         self.replayed_steps: list[int] = []
         self._trained_indices: list[int] = []
         self._last_trained: int | None = None
+        self._sender: Any = None
+        self._sender_urls: list[str] = []
 
     def version(self) -> int:
         return int(self.backend.version)
@@ -78,6 +80,30 @@ class TrainActor:
         """Sample indices this actor trained on since it started, in order (replays
         included): the evidence that no sample was trained twice or skipped."""
         return list(self._trained_indices)
+
+    def push_weights(self, engine_urls: list[str]) -> list[int]:
+        """Send the current weights to the engines over HTTP + a process group (or disk),
+        pause -> push -> flush -> continue; returns the versions the engines report."""
+        from engines.train.weight_sender import build_weight_sender
+
+        if self._sender is None or self._sender_urls != engine_urls:
+            self.close_weight_sender()
+            self._sender = build_weight_sender(self.cfg.train, engine_urls)
+            self._sender.connect()
+            self._sender_urls = list(engine_urls)
+        return list(self._sender.update(self.backend.model, self.version()))
+
+    def close_weight_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._sender_urls = None, []
+
+    def offload(self) -> None:
+        """Colocated runs: free the trainer's device memory while the engines generate."""
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
 
     def weights(self) -> dict[str, Any]:
         """State dict for the engines; returned through Ray's object store."""

@@ -15,8 +15,9 @@ from tests.flow.configs import arithmetic_config
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.parametrize("weight_sync", ["tensor", "distributed"])
 def test_two_steps_embedded_engine_and_torch_trainer(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, weight_sync
 ):
     from flows.train import train
 
@@ -27,6 +28,7 @@ def test_two_steps_embedded_engine_and_torch_trainer(
         # A large lr so that an engine still on the old weights would show a clear mismatch.
         overrides=[
             "train.lr=0.01", "eval.before_train=true", "cluster.keep_actors=true",
+            f"train.weight_sync={weight_sync}",
             f"eval.datasets=[{{name: test, path: {arithmetic_data['test']}, max_prompts: 8}}]",
         ],
     )
