@@ -1,4 +1,4 @@
-"""`rollflow` command line: train, cluster up|down|status, runs list|show."""
+"""`rollflow` command line: train, replay, server, cluster up|down|status, runs list|show."""
 
 from __future__ import annotations
 
@@ -26,6 +26,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train(cfg)
     print(json.dumps({k: v for k, v in result.items() if k != "evals"}, indent=1, default=str))
     return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from flows.replay import parse_steps, replay, replay_config
+    from storage.object_store import open_store
+
+    _prefect_env()
+    steps = parse_steps(args.steps)
+    source = open_store(args.root, args.endpoint_url).child(args.run)
+    if not source.exists("config.yaml"):
+        print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
+        return 1
+    cfg = replay_config(source.read_text("config.yaml"), args.root, args.run, steps, args.set,
+                        args.endpoint_url)
+    result = replay(cfg, args.run, *steps)
+    print(json.dumps({k: v for k, v in result.items() if k != "evals"}, indent=1, default=str))
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from flows.server import serve_forever
+
+    return serve_forever(args.host, args.port, args.home)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -88,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. rollout.num_rollout=4 (repeatable)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("replay", help="train again on the saved batches of a run, no engines")
+    p.add_argument("run", help="source run under --root")
+    p.add_argument("--steps", required=True, help="A:B, the rollout ids A..B-1 to replay")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override of the source run's config (new run: <run>-replay-A-B)")
+    p.add_argument("--root", default="./runs", help="storage root of the runs")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("server", help="a Prefect server with its UI on 127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--home", default=None, help="PREFECT_HOME of the server (its database)")
+    p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("cluster", help="the persistent local Ray cluster")
     p.add_argument("action", choices=["up", "down", "status"])

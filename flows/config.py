@@ -326,8 +326,9 @@ class TrainConfig(Section):
     )
     weight_sync: Literal["tensor", "distributed", "disk"] = Field(
         "tensor",
-        description="How new weights reach the engines: tensor (HTTP update_weights_from_tensor),"
-        " distributed (process-group broadcast), disk (save_pretrained + update_weights_from_disk).",
+        description="How new weights reach the engines: tensor (trainer -> Ray object store -> "
+        "engine actors), distributed (pause, process-group broadcast in buckets, flush, continue), "
+        "disk (save_pretrained + /update_weights_from_disk).",
     )
     update_weight_buffer_size: int = Field(
         512 * 1024**2, ge=1, description="Bytes per weight-update bucket (tensor/distributed)."
@@ -352,7 +353,12 @@ class StorageConfig(Section):
     uri: str = Field("./runs", description="Root of all runs: a path or s3://bucket/prefix.")
     run_name: str = Field("run", description="Run directory under the root.")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto).")
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec/s3fs options, e.g. {key, secret} or {profile}. They travel with "
+        "the config to every actor (and into config.yaml and the Prefect UI), so for real "
+        "secrets prefer AWS_* env vars or instance credentials on every Ray node.",
+    )
     compression: Literal["zstd", "lz4"] | None = "zstd"
 
 

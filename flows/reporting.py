@@ -1,7 +1,9 @@
-"""What a person looks at after a run: a metrics table and reward/loss curves."""
+"""What a person looks at in the Prefect UI and the run directory: metrics tables and
+reward/loss curves, for the whole run and for each rollout step's flow run."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from prefect.artifacts import create_image_artifact, create_table_artifact
@@ -46,20 +48,51 @@ def plot_curves(rows: list[dict[str, Any]], evals: dict[int, dict[str, Any]]) ->
     return buf.getvalue()
 
 
+TABLE_COLUMNS = ("rollout_id", *CURVES, "time/generate", "time/train")
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def metrics_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: r.get(k) for k in TABLE_COLUMNS if k in r} for r in rows]
+
+
+def publish_step_table(rows: list[dict[str, Any]], key: str, description: str = "") -> None:
+    if rows:
+        create_table_artifact(metrics_table(rows), key=artifact_key(key), description=description)
+
+
+def _publish_curves(layout: RunLayout, rows: list[dict[str, Any]], evals: Any) -> str:
+    uri = layout.store.write_bytes(plot_curves(rows, evals), "curves.png")
+    image_url = uri if "://" in uri else f"file://{uri}"
+    create_image_artifact(image_url, key="reward-curves", description="reward and loss")
+    return uri
+
+
+def publish_step_report(
+    layout: RunLayout, rollout_id: int, metrics: dict[str, Any], make_plot: bool = True
+) -> None:
+    """Artifacts of one rollout step's flow run: every scalar metric of the step (table
+    `step-metrics`) and the curves up to this step (image `reward-curves`)."""
+    table = [
+        {"metric": k, "value": v}
+        for k, v in sorted(metrics.items())
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    create_table_artifact(table, key="step-metrics", description=f"step {rollout_id} of {layout.uri}")
+    if make_plot:
+        _publish_curves(layout, collect_metrics(layout), layout.evals())
+
+
 def publish_run_report(layout: RunLayout, make_plot: bool = True) -> dict[str, Any]:
     """Write curves.png to the run directory and show the table and plot in Prefect."""
     rows = collect_metrics(layout)
     evals = layout.evals()
     report: dict[str, Any] = {"steps": len(rows), "evals": evals}
-    table = [
-        {k: r.get(k) for k in ("rollout_id", *CURVES, "time/generate", "time/train") if k in r}
-        for r in rows
-    ]
-    if table:
-        create_table_artifact(table, key="run-metrics", description=f"metrics of {layout.uri}")
+    publish_step_table(rows, key="run-metrics", description=f"metrics of {layout.uri}")
     if make_plot and rows:
-        uri = layout.store.write_bytes(plot_curves(rows, evals), "curves.png")
-        image_url = uri if "://" in uri else f"file://{uri}"
-        create_image_artifact(image_url, key="reward-curves", description="reward and loss")
-        report["plot"] = uri
+        report["plot"] = _publish_curves(layout, rows, evals)
     return report

@@ -122,10 +122,17 @@ class ObjectStore:
 
 
 def open_store(uri: str, endpoint_url: str | None = None, **options: Any) -> ObjectStore:
-    """Build a store; `endpoint_url` points s3fs at MinIO/moto/any S3-compatible service."""
+    """Build a store; `endpoint_url` points s3fs at MinIO/moto/any S3-compatible service.
+
+    s3fs caches directory listings per process by default. Several processes (the driver and
+    each actor) write to the same run directory, so a cached listing would hide their files;
+    listings are therefore not cached unless `use_listings_cache` is given explicitly.
+    """
     storage_options = dict(options)
-    if uri.startswith("s3://") and endpoint_url:
-        client_kwargs = dict(storage_options.get("client_kwargs", {}))
-        client_kwargs["endpoint_url"] = endpoint_url
-        storage_options["client_kwargs"] = client_kwargs
+    if uri.startswith("s3://"):
+        storage_options.setdefault("use_listings_cache", False)
+        if endpoint_url:
+            client_kwargs = dict(storage_options.get("client_kwargs", {}))
+            client_kwargs["endpoint_url"] = endpoint_url
+            storage_options["client_kwargs"] = client_kwargs
     return ObjectStore(uri, storage_options)

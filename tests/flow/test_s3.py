@@ -3,9 +3,9 @@ flow, `rollflow runs` on an s3:// root, and resume from S3 with fresh actors."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
@@ -45,8 +45,8 @@ def test_object_store_on_s3(s3_server, tmp_path):
     assert store.list("checkpoints", "000001") == ["model.bin", "sub"]
     with tempfile.TemporaryDirectory() as tmp:
         got = store.get_dir(tmp, "checkpoints", "000001")
-        assert open(os.path.join(got, "model.bin"), "rb").read() == b"\x00\x01" * 1000
-        assert open(os.path.join(got, "sub", "rng.json")).read() == "{}"
+        assert Path(got, "model.bin").read_bytes() == b"\x00\x01" * 1000
+        assert Path(got, "sub", "rng.json").read_text() == "{}"
     store.delete("a")
     assert store.list() == ["checkpoints"]
 

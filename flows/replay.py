@@ -1,0 +1,194 @@
+"""Replay: train again on the saved `train.arrow` batches of a run, into a new run, with no
+engines -- for ablations (a new loss or learning rate on the same data) and for bisecting a
+loss spike (the equivalent of slime's load_debug_rollout_data over the whole run history).
+
+```
+source run  steps/k/train.arrow ──copy──> replay run  steps/k/train.arrow ──> TrainActor.train(k)
+            checkpoints/c/      ──copy──>             checkpoints/c/ + LATEST   (weights at A)
+```
+Replaying steps A..B-1 needs the weights the source run had before step A: the newest source
+checkpoint before A is copied in, and the steps between it and A are trained first (the
+trainer's own rebuild path, `ensure_version`), without being reported. Each replayed step
+commits like a rollout step (`metrics.json`, then `COMMITTED`), so an interrupted replay
+resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from engines.train.train_actor import TrainActor
+from flows.actors import actor_name
+from flows.cluster import connect
+from flows.config import ConfigError, RollflowConfig
+from flows.config_loader import dump_config
+from flows.logging_sinks import open_sinks
+from flows.reporting import publish_run_report, publish_step_table
+from flows.rollout_step import open_layout
+from storage.object_store import ObjectStore
+from storage.run_layout import RunLayout, step_dir
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """`A:B` -> (A, B), the half-open range of rollout ids; `A` alone means A:A+1."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        raise ConfigError(f"--steps {text!r}: expected A:B with integers") from None
+    start, end = (parts[0], parts[0] + 1) if len(parts) == 1 else (parts[0], parts[1])
+    if len(parts) > 2 or start < 0 or end <= start:
+        raise ConfigError(f"--steps {text!r}: expected A:B with 0 <= A < B")
+    return start, end
+
+
+def replay_config(
+    source_text: str, root: str, source_run: str, steps: tuple[int, int],
+    overrides: list[str], endpoint_url: str | None = None,
+) -> RollflowConfig:
+    """The source run's config.yaml, moved to a new run `<source>-replay-<A>-<B>` under
+    `root`, then the user's `--set` overrides (which may rename it or change the loss)."""
+    import yaml
+
+    from flows.config_loader import apply_overrides, config_from_dict
+
+    data = yaml.safe_load(source_text) or {}
+    storage = data.setdefault("storage", {})
+    storage.update(uri=root, run_name=f"{source_run}-replay-{steps[0]}-{steps[1]}")
+    if endpoint_url:
+        storage["endpoint_url"] = endpoint_url
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    source_run: str
+    start: int
+    end: int
+    checkpoint: int | None  # source checkpoint holding the weights before `warmup`
+    warmup: list[int]  # steps trained (not reported) to reach the weights before `start`
+
+    @property
+    def steps(self) -> list[int]:
+        return list(range(self.start, self.end))
+
+
+def plan_replay(source: RunLayout, source_run: str, start: int, end: int) -> ReplayPlan:
+    """Check the source has what the replay needs; pick the checkpoint to start from."""
+    committed = set(source.committed_steps())
+    latest = source.latest_checkpoint()
+    names = source.store.list("checkpoints")
+    # Checkpoints newer than LATEST may be half-written; older ones are complete.
+    usable = [int(n) for n in names if n.isdigit() and int(n) < start
+              and latest is not None and int(n) <= latest]
+    checkpoint = max(usable) if usable else None
+    warmup = list(range(0 if checkpoint is None else checkpoint + 1, start))
+    missing = [k for k in warmup + list(range(start, end)) if k not in committed]
+    if missing:
+        raise ConfigError(
+            f"run {source_run!r} at {source.uri}: steps {missing} are not committed "
+            f"(committed: {sorted(committed) or 'none'})"
+        )
+    return ReplayPlan(source_run, start, end, checkpoint, warmup)
+
+
+def copy_tree(src: ObjectStore, dst: ObjectStore, *parts: str) -> int:
+    """Copy every file under `parts` from one store to another; returns the file count."""
+    base = src.path(*parts)
+    files = [f for f in src.fs.find(base) if not f.endswith("/")]
+    for f in files:
+        rel = f[len(base):].lstrip("/")
+        dst.write_bytes(src.fs.cat_file(f), *parts, rel)
+    return len(files)
+
+
+@task(name="prepare_replay", cache_policy=NO_CACHE)
+def prepare_replay(source: RunLayout, layout: RunLayout, plan: ReplayPlan) -> dict[str, Any]:
+    """Copy the batches and the starting checkpoint into the new run (idempotent)."""
+    copied = 0
+    for k in plan.warmup + plan.steps:
+        if not layout.store.exists(step_dir(k), "train.arrow"):
+            layout.store.write_bytes(source.store.read_bytes(step_dir(k), "train.arrow"),
+                                     step_dir(k), "train.arrow")
+            copied += 1
+    if plan.checkpoint is not None and layout.latest_checkpoint() is None:
+        copy_tree(source.store, layout.store, *source.checkpoint_parts(plan.checkpoint))
+        layout.set_latest_checkpoint(plan.checkpoint)
+    return {"batches_copied": copied, "checkpoint": plan.checkpoint}
+
+
+def get_or_create_trainer(cfg: RollflowConfig) -> Any:
+    return (
+        ray.remote(TrainActor)
+        .options(
+            name=actor_name(cfg.storage.run_name, "trainer"),
+            namespace=cfg.cluster.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+        )
+        .remote(cfg)
+    )
+
+
+def step_metrics(rollout_id: int, train_metrics: dict[str, Any]) -> dict[str, Any]:
+    """Same keys as a rollout step's metrics.json (`train/loss`, ...), so runs compare."""
+    out: dict[str, Any] = {"rollout_id": rollout_id}
+    for key, value in train_metrics.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key if "/" in key else f"train/{key}"] = value
+    return out
+
+
+@task(name="replay_train", task_run_name="replay-train-{rollout_id}", cache_policy=NO_CACHE,
+      retries=1, retry_delay_seconds=2)
+def replay_train(
+    layout: RunLayout, trainer: Any, rollout_id: int, checkpoint: bool
+) -> dict[str, Any]:
+    if layout.is_committed(rollout_id):
+        return layout.step_metrics(rollout_id)
+    metrics = step_metrics(rollout_id, ray.get(trainer.train.remote(rollout_id)))
+    if checkpoint:
+        metrics["checkpoint"] = ray.get(trainer.save_checkpoint.remote(rollout_id))
+    layout.store.write_json(metrics, step_dir(rollout_id), "metrics.json")
+    layout.mark_committed(rollout_id)
+    return metrics
+
+
+@flow(name="replay", flow_run_name="replay-{source_run}-{start}-{end}", persist_result=False)
+def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dict[str, Any]:
+    """Train steps start..end-1 of `source_run` (a run under `config.storage.uri`) again,
+    into the run `config.storage.run_name`, with the train/algorithm sections of `config`."""
+    if source_run == config.storage.run_name:
+        raise ConfigError("storage.run_name of a replay must differ from the source run")
+    connect(config.cluster)
+    layout = open_layout(config)
+    s = config.storage
+    source = RunLayout.open(s.uri, source_run, s.endpoint_url, s.storage_options)
+    plan = plan_replay(source, source_run, start, end)
+    if not layout.store.exists("config.yaml"):
+        layout.store.write_text(dump_config(config), "config.yaml")
+        layout.store.write_json(asdict(plan), "replay.json")
+    prepared = prepare_replay(source, layout, plan)
+    trainer = get_or_create_trainer(config)
+    todo = [k for k in plan.steps if not layout.is_committed(k)]
+    restored = ray.get(trainer.ensure_version.remote(todo[0] if todo else end))
+    sinks = open_sinks(config.logging, layout, config.storage.run_name)
+    interval = config.train.save_interval
+    rows = []
+    for k in plan.steps:
+        save = k == end - 1 or (interval is not None and (k + 1) % interval == 0)
+        rows.append(replay_train(layout, trainer, k, save))
+        sinks.log(rows[-1], step=k)
+    sinks.close()
+    publish_step_table(rows, key=f"{config.storage.run_name}-replay-metrics")
+    report = publish_run_report(layout, make_plot=config.logging.plot)
+    if not config.cluster.keep_actors:
+        ray.kill(trainer)
+    return {"run_dir": layout.uri, "plan": asdict(plan), "prepared": prepared,
+            "restored": restored, "losses": [r.get("train/loss") for r in rows], **report}

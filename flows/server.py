@@ -1,0 +1,104 @@
+"""`rollflow server`: a Prefect server with its UI on loopback, for watching and retrying
+rollout steps. Flow runs report to it once `PREFECT_API_URL` points at its API; without it
+every driver starts its own ephemeral server and the history is gone when it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class PrefectServer:
+    """A `prefect server start` child process and where to reach it."""
+
+    process: subprocess.Popen[bytes]
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.api_url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prefect server exited with code {self.process.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"prefect server on {self.url} not healthy after {timeout_s}s")
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _prefect_cli() -> str:
+    local = Path(sys.executable).with_name("prefect")
+    return str(local) if local.exists() else (shutil.which("prefect") or "prefect")
+
+
+def server_env(home: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    env.pop("PREFECT_API_URL", None)  # the server must not try to report to another server
+    if home is not None:
+        env["PREFECT_HOME"] = home
+    return env
+
+
+def start_server(
+    host: str = "127.0.0.1",
+    port: int = 4200,
+    home: str | None = None,
+    wait_s: float | None = 120.0,
+    log_path: str | None = None,
+) -> PrefectServer:
+    """Start the server (UI included) in a child process; `home` is its PREFECT_HOME (the
+    SQLite database lives there). With `wait_s`, return once `/api/health` answers."""
+    cmd = [_prefect_cli(), "server", "start", "--host", host, "--port", str(port)]
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(cmd, env=server_env(home), stdout=out, stderr=subprocess.STDOUT)
+    server = PrefectServer(process, host, port)
+    if wait_s is not None:
+        server.wait_ready(wait_s)
+    return server
+
+
+def serve_forever(host: str, port: int, home: str | None) -> int:
+    """The CLI entry: start, print where it is, stay in the foreground until Ctrl-C."""
+    server = start_server(host, port, home, wait_s=None)
+    try:
+        server.wait_ready(180.0)
+        print(f"Prefect UI:  {server.url}")
+        print(f"export PREFECT_API_URL={server.api_url}")
+        return server.process.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()

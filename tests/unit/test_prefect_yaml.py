@@ -1,0 +1,36 @@
+"""prefect.yaml: every deployment points at a flow of this repo whose parameters validate,
+and every path in its config exists in the repo."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+DEPLOYMENTS = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
+
+
+def load_flow(entrypoint: str):
+    path, name = entrypoint.split(":")
+    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+
+
+def test_one_deployment_per_flow():
+    flows = sorted(load_flow(d["entrypoint"]).name for d in DEPLOYMENTS)
+    assert flows == ["evaluate", "replay", "train"]
+    assert {d["work_pool"]["name"] for d in DEPLOYMENTS} == {"rollflow-process"}
+    assert all({"rollflow", load_flow(d["entrypoint"]).name} <= set(d["tags"]) for d in DEPLOYMENTS)
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=[d["name"] for d in DEPLOYMENTS])
+def test_parameters_validate_and_paths_exist(deployment):
+    flow = load_flow(deployment["entrypoint"])
+    params = flow.validate_parameters(deployment["parameters"])
+    cfg = params["config"]
+    for path in (cfg.data.prompt_data, cfg.train.model_path,
+                 *(d.path for d in cfg.eval.datasets)):
+        assert path is not None and Path(REPO_ROOT, path).exists(), path
