@@ -15,6 +15,7 @@ from prefect import flow
 from flows.actors import get_or_create_actors
 from flows.cluster import connect
 from flows.config import RollflowConfig
+from flows.reporting import publish_step_report
 from storage.run_layout import RunLayout
 from tasks import step_gates as gates
 from tasks import step_tasks as t
@@ -34,10 +35,13 @@ def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
         return layout.step_metrics(rollout_id)
     layout.clear_failure(rollout_id)
     try:
-        return _run_stages(t.StepContext(config, layout, get_or_create_actors(config)), rollout_id)
+        metrics = _run_stages(t.StepContext(config, layout, get_or_create_actors(config)), rollout_id)
     except BaseException as e:
         layout.mark_failed(rollout_id, repr(e))
         raise
+    # The table only: re-plotting every step would cost more than the step's bookkeeping.
+    publish_step_report(layout, rollout_id, metrics, make_plot=False)
+    return metrics
 
 
 def _run_stages(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from flows.actors import get_or_create_actors, kill_run_actors
 from flows.cluster import connect
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
+from flows.logging_sinks import open_sinks
 from flows.reporting import publish_run_report
 from flows.rollout_step import open_layout, rollout_step
 from storage.run_layout import RunLayout
@@ -86,8 +87,10 @@ def train(config: RollflowConfig) -> dict[str, Any]:
         description="rollout steps committed",
     ))
     bar = _progress_bar(config, start)
+    sinks = open_sinks(config.logging, layout, config.storage.run_name)
 
     def step_done(rollout_id: int, metrics: dict[str, Any]) -> None:
+        sinks.log(metrics, step=rollout_id)
         bar.update(1)
         bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
         update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
@@ -97,7 +100,10 @@ def train(config: RollflowConfig) -> dict[str, Any]:
 
     pipelined = config.rollout.off_policy_async
     run_steps = run_pipelined if pipelined else run_sequential
-    run_steps(config, layout, start, step_done)
+    try:
+        run_steps(config, layout, start, step_done)
+    finally:
+        sinks.close()
     bar.close()
     if evaluate_now:
         t.evaluate(ctx, total)

@@ -9,8 +9,8 @@ files:
   decoded response against.
 * ``sft.jsonl``: the warm start. Same rows plus ``response`` (the full answer the model must
   produce after the prompt, the EOS token being added by the trainer) and ``text`` (prompt +
-  response). The SFT rows are a prefix of the train rows: the warm start sees only a few of the
-  problems, which is what leaves room for RL to improve.
+  response). The SFT rows are a prefix of the train rows (all of them by default); what leaves
+  room for RL to improve is stopping the warm start early, not hiding problems from it.
 * ``test.jsonl``: held-out problems, disjoint from train (and so from sft) by ``(a, b)`` pair,
   so that the accuracy gain measured on it is generalisation, not memorisation.
 
@@ -46,7 +46,9 @@ def make_sft_row(a: int, b: int) -> dict[str, Any]:
     return row
 
 
-def split_pairs(n_train: int, n_test: int, seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def split_pairs(
+    n_train: int, n_test: int, seed: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Shuffle all ``(a, b)`` pairs with ``seed``; return (train, test), disjoint."""
     if n_train < 1 or n_test < 1:
         raise ValueError(f"n_train and n_test must be >= 1, got {n_train} and {n_test}")
@@ -69,14 +71,17 @@ def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def write_datasets(
-    out_dir: str, n_train: int = 4000, n_test: int = 500, seed: int = 0, n_sft: int = 1000
+    out_dir: str, n_train: int = 4000, n_test: int = 500, seed: int = 0, n_sft: int | None = None
 ) -> dict[str, str]:
     """Write ``train.jsonl``, ``sft.jsonl`` and ``test.jsonl`` under ``out_dir``.
 
     Returns ``{"train": path, "sft": path, "test": path}``. Idempotent: when a manifest in
     ``out_dir`` records the same arguments and every file exists, nothing is rewritten.
-    ``n_sft`` (at most ``n_train``) is how many of the train problems the SFT set holds.
+    ``n_sft`` (at most ``n_train``; None: all of them) is how many of the train problems the SFT
+    set holds.
     """
+    if n_sft is None:
+        n_sft = n_train
     if not 1 <= n_sft <= n_train:
         raise ValueError(f"n_sft must be in [1, n_train={n_train}], got {n_sft}")
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "sft", "test")}
@@ -104,7 +109,9 @@ def main() -> None:
     parser.add_argument("--out", default="examples/arithmetic/artifacts/data")
     parser.add_argument("--n-train", type=int, default=4000, help="RL prompts.")
     parser.add_argument("--n-test", type=int, default=500, help="Held-out problems.")
-    parser.add_argument("--n-sft", type=int, default=1000, help="SFT rows (a prefix of train).")
+    parser.add_argument(
+        "--n-sft", type=int, default=None, help="SFT rows, a prefix of train (default: all)."
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     paths = write_datasets(args.out, args.n_train, args.n_test, args.seed, n_sft=args.n_sft)

@@ -45,7 +45,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     t0 = time.perf_counter()
-    data = write_datasets(os.path.join(args.artifacts, "data"))
+    data = write_datasets(os.path.join(args.artifacts, "data"), n_train=4000, n_test=500, n_sft=1000)
     model = save_tiny_model(os.path.join(args.artifacts, "tiny-llama"))
     if args.fresh:
         for run in ("arithmetic-sft", "arithmetic-grpo"):
