@@ -1,0 +1,101 @@
+"""Real SGLang engines: either external servers listed in `engine.urls`, or one
+`python -m sglang.launch_server` process per engine, started and supervised by an actor.
+
+Both speak the same HTTP protocol as the embedded engine, so the generation loop, the router
+and the weight senders (`train.weight_sync: distributed | disk`) work unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from flows.cluster import free_port
+from flows.config import EngineConfig
+
+
+def launch_command(cfg: EngineConfig, port: int, tp_size: int = 1) -> list[str]:
+    """The `sglang.launch_server` command line of one engine (SGLang's own flag names)."""
+    if cfg.model_path is None:
+        raise ValueError("engine.model_path is required to launch SGLang servers")
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.dtype]
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", cfg.model_path,
+        "--host", cfg.host,
+        "--port", str(port),
+        "--tp-size", str(tp_size),
+        "--dtype", dtype,
+        "--max-running-requests", str(cfg.max_batch_size),
+        "--enable-memory-saver",  # lets colocated runs release/resume GPU memory
+        "--skip-server-warmup",
+    ]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"SGLang server {url} exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"SGLang server {url} did not become healthy in {timeout_s:.0f} s")
+
+
+def read_weight_version(url: str) -> int:
+    response = httpx.get(f"{url}/get_weight_version", timeout=10.0)
+    response.raise_for_status()
+    value = response.json().get("weight_version", 0)
+    return int(value) if str(value).isdigit() else 0
+
+
+class ExternalSGLangEngine:
+    """A server someone else runs (engine.urls): rollflow only talks to it."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url.rstrip("/")
+        wait_healthy(self._url, None, timeout_s=60.0)
+
+    def url(self) -> str:
+        return self._url
+
+    def weight_version(self) -> int:
+        return read_weight_version(self._url)
+
+    def update_weights_from_tensor(self, state_dict: object, version: int) -> int:
+        raise RuntimeError("SGLang servers take weights over HTTP: set train.weight_sync to "
+                           "'distributed' or 'disk'")
+
+
+class SGLangServerActor(ExternalSGLangEngine):
+    """Owns one SGLang server process (GPU machines with `sglang` installed)."""
+
+    def __init__(self, cfg: EngineConfig, engine_index: int, startup_timeout_s: float = 900.0):
+        try:
+            import sglang  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "engine.backend 'sglang' without engine.urls launches SGLang servers, but "
+                "sglang is not installed here; install it or list running servers in engine.urls"
+            ) from e
+        self.port = free_port()
+        fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-{engine_index}-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                launch_command(cfg, self.port), stdout=log, stderr=subprocess.STDOUT
+            )
+        self._url = f"http://{cfg.host}:{self.port}"
+        wait_healthy(self._url, self.proc, startup_timeout_s)
+
+    def shutdown(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)

@@ -1,0 +1,28 @@
+"""The SGLang backend: the launch command and the external-server path (no sglang needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.rollout.sglang_launcher import launch_command, wait_healthy
+from flows.config import EngineConfig
+
+
+def test_launch_command_uses_sglang_flags():
+    cfg = EngineConfig(backend="sglang", model_path="/models/qwen", dtype="bfloat16", max_batch_size=64)
+    cmd = launch_command(cfg, port=31000, tp_size=2)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert flags["--model-path"] == "/models/qwen"
+    assert flags["--port"] == "31000" and flags["--tp-size"] == "2"
+    assert flags["--dtype"] == "bfloat16" and flags["--host"] == "127.0.0.1"
+
+
+def test_launch_needs_a_model():
+    with pytest.raises(ValueError, match="engine.model_path"):
+        launch_command(EngineConfig(backend="sglang"), port=1)
+
+
+def test_wait_healthy_times_out_on_a_dead_url():
+    with pytest.raises(TimeoutError, match="did not become healthy"):
+        wait_healthy("http://127.0.0.1:9", None, timeout_s=1.5)
