@@ -122,24 +122,49 @@ class RolloutDataSourceWithBuffer:
         self.buffer.extend(groups)
 
     # -- state ---------------------------------------------------------------------------
-    def save(self, layout: RunLayout, rollout_id: int, compression: str | None = "zstd") -> None:
-        """Buffer first, then the JSON that references it: the JSON is the commit point."""
-        buffer_parts = layout.datasource_parts(rollout_id, ".buffer.arrow")
+    def save(
+        self,
+        layout: RunLayout,
+        rollout_id: int,
+        compression: str | None = "zstd",
+        stage: str = "sample_prompts",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Buffer first, then the JSON that references it: the JSON is the commit point.
+
+        Each stage of a step writes its own buffer file, so a stage that crashes between
+        the two writes leaves the previous stage's state intact (the JSON still names the
+        previous buffer). `stage` and `extra` tell a re-run stage whether it already ran.
+        """
+        buffer_name = f"{rollout_id:06d}.{stage}.buffer.arrow"
         flat = [s for g in self.buffer for s in g]
-        write_samples(layout.store, flat, *buffer_parts, compression=compression)
-        meta = {**asdict(self.state), "buffer_groups": len(self.buffer)}
+        write_samples(layout.store, flat, "datasource", buffer_name, compression=compression)
+        meta = {
+            **asdict(self.state),
+            "buffer_groups": len(self.buffer),
+            "buffer_file": buffer_name,
+            "stage": stage,
+            "extra": extra or {},
+        }
         layout.store.write_json(meta, *layout.datasource_parts(rollout_id, ".json"))
 
-    def load(self, layout: RunLayout, rollout_id: int) -> None:
-        meta = layout.store.read_json(*layout.datasource_parts(rollout_id, ".json"))
+    def load(self, layout: RunLayout, rollout_id: int) -> dict[str, Any]:
+        """Restore the state saved for `rollout_id`; returns its meta (stage, extra)."""
+        meta: dict[str, Any] = layout.store.read_json(
+            *layout.datasource_parts(rollout_id, ".json")
+        )
         self.state = DataSourceState(
             **{k: meta[k] for k in asdict(DataSourceState()) if k in meta}
         )
-        flat = read_samples(layout.store, *layout.datasource_parts(rollout_id, ".buffer.arrow"))
-        self.buffer = groups_in_order(flat)
+        buffer_parts = (
+            ("datasource", meta["buffer_file"]) if "buffer_file" in meta
+            else layout.datasource_parts(rollout_id, ".buffer.arrow")
+        )
+        self.buffer = groups_in_order(read_samples(layout.store, *buffer_parts))
         if len(self.buffer) != meta.get("buffer_groups", len(self.buffer)):
             raise ValueError(f"datasource {rollout_id}: buffer file does not match its state")
         self._order = self._epoch_order(self.state.epoch_id)
+        return meta
 
     def reset(self) -> None:
         """Back to the state of a fresh run (used when resuming at step 0)."""

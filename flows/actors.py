@@ -13,6 +13,7 @@ import ray
 
 from engines.rollout.engine_actor import EngineActor
 from engines.rollout.rollout_manager import RolloutManager
+from engines.train.null_trainer import NullTrainActor
 from engines.train.train_actor import TrainActor
 from flows.config import RollflowConfig
 
@@ -50,10 +51,11 @@ def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
             EngineActor, actor_name(run, f"engine-{i}"), cfg, cfg.engine, i,
             cfg.cluster.actor_num_threads,
         )
-        for i in range(cfg.engine.num_engines)
+        for i in range(0 if cfg.rollout.debug_train_only else cfg.engine.num_engines)
     ]
     rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)
-    trainer = _named(TrainActor, actor_name(run, "trainer"), cfg, cfg)
+    trainer_cls = NullTrainActor if cfg.rollout.debug_rollout_only else TrainActor
+    trainer = _named(trainer_cls, actor_name(run, "trainer"), cfg, cfg)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get(rollout.set_engines.remote(urls))
     return RunActors(rollout=rollout, trainer=trainer, engines=engines)

@@ -437,8 +437,11 @@ class RollflowConfig(Section):
             raise ValueError(f"train.model_path (or train.load) is required by the {self.train.backend} trainer")
         if self.engine.backend == "embedded" and not self.engine.model_path:
             raise ValueError("engine.model_path is required by the embedded engine")
-        if self.engine.backend == "sglang" and not self.engine.urls:
-            raise ValueError("engine.urls must list the SGLang servers for backend 'sglang'")
+        if self.engine.backend == "sglang" and self.train.weight_sync == "tensor":
+            raise ValueError(
+                "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
+                "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
+            )
         return self
 
 

@@ -15,7 +15,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from engines.hooks import load_hook
+from engines.hooks import check_protocol, load_hook
+from engines.rollout.protocols import DynamicFilterFn, OverSamplingFilterFn
 from storage.sample import Group
 
 DynamicFilter = Callable[[Any, Group], bool]
@@ -56,17 +57,29 @@ OVER_SAMPLING_FILTERS: dict[str, OverSamplingFilter] = {
 }
 
 
-def resolve_dynamic_filter(path: str | None) -> DynamicFilter | None:
+def _resolve(path: str | None, key: str, registry: dict[str, Any], protocol: type) -> Any:
     if path is None:
         return None
-    if path in DYNAMIC_FILTERS:
-        return DYNAMIC_FILTERS[path]
-    return load_hook(path, "rollout.dynamic_sampling_filter_path", 2)
+    if path in registry:
+        check_protocol(registry[path], protocol, key)
+        return registry[path]
+    if "." not in path and ":" not in path:
+        raise ValueError(f"{key}: {path!r} is neither an import string like 'pkg.mod:fn' nor "
+                         f"a built-in (built-ins: {sorted(registry)})")
+    return load_hook(path, key, protocol)
+
+
+def resolve_dynamic_filter(path: str | None) -> DynamicFilter | None:
+    """A built-in name or an import string, checked against DynamicFilterFn at startup."""
+    fn: DynamicFilter | None = _resolve(
+        path, "rollout.dynamic_sampling_filter_path", DYNAMIC_FILTERS, DynamicFilterFn
+    )
+    return fn
 
 
 def resolve_over_sampling_filter(path: str | None) -> OverSamplingFilter | None:
-    if path is None:
-        return None
-    if path in OVER_SAMPLING_FILTERS:
-        return OVER_SAMPLING_FILTERS[path]
-    return load_hook(path, "rollout.over_sampling_filter_path", 2)
+    """A built-in name or an import string, checked against OverSamplingFilterFn."""
+    fn: OverSamplingFilter | None = _resolve(
+        path, "rollout.over_sampling_filter_path", OVER_SAMPLING_FILTERS, OverSamplingFilterFn
+    )
+    return fn

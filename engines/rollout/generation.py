@@ -1,59 +1,73 @@
-"""The generation loop: groups of prompts -> engines over HTTP -> rewarded groups.
+"""The generation loop (slime's generate_rollout_async): over-sample, filter, abort, recycle.
 
 ```
- groups ──► semaphore (concurrency x engines) ──► SGLang /generate (round-robin engine)
-                                                          │  one batched request per group
-   rewards (async rm) ◄── group finished ◄────────────────┘
-        │
-        ▼
-   finished groups (sorted by index)
+ data source ──get_samples(over_sampling_batch_size)──► pending groups ◄─────────────┐
+                                                            │                        │
+        semaphore (sglang_server_concurrency x engines) ◄───┘                        │
+                 │  router: one request per sample / direct: one per group            │
+                 ▼                                                                    │
+          engines /generate ──► group finished ──► rewards ──► dynamic filter        │
+                                                                  │ keep   │ drop      │
+                                                                  ▼        ▼           │
+                                              kept < target? ── yes: draw more ───────┘
+                                                   │ no
+                                                   ▼
+      abort_all on every engine, drain pending ──► unfinished groups (partial tokens) and
+      surplus finished groups go back to the buffer whole; kept groups, sorted by index
 ```
-Each sample carries `sampling_seed = rollout.seed + sample.index`, so a sample's response
-depends only on its index and the weights, never on batch composition; that is what makes a
-resumed run regenerate exactly what an uninterrupted run would have.
+Each sample carries `sampling_seed = rollout.seed + sample.index`, so its response depends only
+on its index and the weights; a resumed run regenerates what an uninterrupted one would have.
+A partial sample is continued by sending prompt + partial response as `input_ids` with the
+token budget it has left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import logging
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
+from engines.rollout.sglang_client import GenerateOutput
 from flows.config import RolloutConfig
 from storage.sample import Group, Sample, Status
+from tasks.filter_hub import DynamicFilter
 from tasks.rm_hub import RewardFn, compute_reward
+
+log = logging.getLogger(__name__)
 
 FINISH_TO_STATUS = {
     "stop": Status.COMPLETED,
     "length": Status.TRUNCATED,
     "abort": Status.ABORTED,
 }
+FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
+GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
+# Kept for evaluation.py and older callers: anything with `generate_batch` is an engine.
+EngineClient = Any
 
 
-class GenerateOutputLike(Protocol):
-    @property
-    def output_ids(self) -> list[int]: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def log_probs(self) -> list[float]: ...
-    @property
-    def finish_reason(self) -> dict[str, Any]: ...
-    @property
-    def weight_version(self) -> int: ...
+class GroupSource(Protocol):
+    def get_samples(self, num_groups: int) -> list[Group]: ...
 
 
-class EngineClient(Protocol):
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: dict[str, Any] | list[dict[str, Any]],
-        rids: list[str] | None = None,
-        return_logprob: bool = True,
-    ) -> Sequence[GenerateOutputLike]: ...
+@dataclass(slots=True)
+class HookArgs:
+    """`args` of custom generate functions (and every hook the loop calls): the run config's
+    attributes, plus where to send requests: `engine_url` is the router (or the first
+    engine), see `engines.rollout.protocols.engine_url`."""
+
+    config: Any
+    engine_url: str = ""
+    engine_urls: list[str] = field(default_factory=list)
+    tokenizer: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "config"), name)
 
 
 @dataclass
@@ -64,7 +78,17 @@ class GenerationStats:
     truncated: int = 0
     aborted: int = 0
     seconds: float = 0.0
+    abort_seconds: float = 0.0
     response_lengths: list[int] = field(default_factory=list)
+
+    def add_groups(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.groups += 1
+            for s in g:
+                self.samples += 1
+                self.response_lengths.append(s.response_length)
+                self.truncated += s.status == Status.TRUNCATED
+                self.aborted += s.status == Status.ABORTED
 
     def as_metrics(self) -> dict[str, float]:
         n = max(self.samples, 1)
@@ -76,10 +100,28 @@ class GenerationStats:
             "rollout/tokens_per_s": self.generated_tokens / max(self.seconds, 1e-9),
             "rollout/truncated_ratio": self.truncated / n,
             "rollout/aborted": float(self.aborted),
-            "rollout/response_len_mean": sum(lengths) / len(lengths),
+            "rollout/response_len_mean": statistics.fmean(lengths),
+            "rollout/response_len_std": statistics.pstdev(lengths),
+            "rollout/response_len_min": float(min(lengths)),
             "rollout/response_len_max": float(max(lengths)),
             "rollout/seconds": self.seconds,
+            "rollout/abort_seconds": self.abort_seconds,
         }
+
+
+@dataclass
+class RolloutResult:
+    """What one step's generation produced: `kept` (sorted by index) is trained; `returned`
+    goes back to the buffer whole; dropped/failed groups are only counted."""
+
+    kept: list[Group]
+    returned: list[Group]
+    stats: GenerationStats
+    counts: dict[str, int]
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.stats.as_metrics(),
+                **{f"rollout/groups_{k}": float(v) for k, v in self.counts.items()}}
 
 
 def sampling_params_for(cfg: RolloutConfig, sample: Sample) -> dict[str, Any]:
@@ -93,55 +135,107 @@ def sampling_params_for(cfg: RolloutConfig, sample: Sample) -> dict[str, Any]:
         "stop_token_ids": list(cfg.stop_token_ids),
         "skip_special_tokens": True,
         "no_stop_trim": False,
+        "ignore_eos": cfg.ignore_eos,
         "sampling_seed": cfg.seed + sample.index,
     }
 
 
-def apply_output(sample: Sample, out: GenerateOutputLike) -> None:
+def apply_output(sample: Sample, out: GenerateOutput) -> None:
+    sample.metadata.setdefault("start_weight_version", out.weight_version)
     sample.append_response(list(out.output_ids), list(out.log_probs), out.text)
     sample.status = FINISH_TO_STATUS.get(out.finish_reason.get("type", ""), Status.FAILED)
     sample.weight_version = out.weight_version
 
 
+def reset_to_prompt(sample: Sample) -> None:
+    """Forget a sample's response (a recycled group without partial rollout)."""
+    del sample.tokens[sample.prompt_length :]
+    sample.response, sample.response_length = "", 0
+    sample.loss_mask, sample.rollout_log_probs = [], []
+    sample.status, sample.reward, sample.weight_version = Status.PENDING, None, 0
+    sample.metadata.pop("start_weight_version", None)
+
+
+def is_finished(group: Group) -> bool:
+    return all(s.status in FINISHED for s in group)
+
+
+def first_index(group: Group) -> int:
+    return group[0].index
+
+
 class GenerationLoop:
-    """Runs groups through a set of engine clients and scores each finished group."""
+    """Runs groups through the engines, scores finished groups, and (run_dynamic) keeps
+    drawing until enough groups pass the dynamic filter.
+
+    A custom generate function replaces the HTTP call per sample; it must leave the sample
+    with a final status (COMPLETED/TRUNCATED, or ABORTED when a turn came back aborted, so
+    the group returns to the buffer) and its tokens, loss mask and log-probs extended.
+    """
 
     def __init__(
         self,
         cfg: RolloutConfig,
-        clients: Sequence[EngineClient],
+        dispatch: Dispatch | Sequence[EngineClient],
         reward_fn: RewardFn | None,
         hook_args: Any = None,
+        *,
+        custom_generate: GenerateFn | None = None,
+        dynamic_filter: DynamicFilter | None = None,
     ) -> None:
-        if not clients:
-            raise ValueError("the generation loop needs at least one engine")
         self.cfg = cfg
-        self.clients = list(clients)
+        self.dispatch: Dispatch = (
+            dispatch if isinstance(dispatch, Dispatch) else RoundRobinDispatch(dispatch)
+        )
         self.reward_fn = reward_fn
         self.hook_args = hook_args
-        self._next_client = itertools.cycle(self.clients)
-        self._semaphore = asyncio.Semaphore(cfg.concurrency * len(self.clients))
+        self.custom_generate = custom_generate
+        self.dynamic_filter = dynamic_filter
+        self._semaphore = asyncio.Semaphore(cfg.sglang_server_concurrency * self.dispatch.num_engines)
+        self._aborting = False
+        self.generated_tokens = 0
+        self.resumed_samples = 0
+
+    # -- one group -----------------------------------------------------------------------
+    def _prepare(self, s: Sample) -> dict[str, Any] | None:
+        """Sampling params for a sample that still needs tokens (None if it needs none)."""
+        params = sampling_params_for(self.cfg, s)
+        if params["max_new_tokens"] <= 0:
+            s.status = Status.TRUNCATED
+            return None
+        if s.response_length > 0:
+            self.resumed_samples += 1
+            if self.cfg.mask_offpolicy_in_partial_rollout:
+                s.loss_mask = [0] * s.response_length
+        return params
+
+    async def _send(self, samples: list[Sample], params: list[dict[str, Any]]) -> None:
+        async with self._semaphore:
+            if self._aborting:  # never start new work once the step has what it needs
+                return
+            if self.custom_generate is not None:
+                before = samples[0].response_length
+                await self.custom_generate(self.hook_args, samples[0], params[0])
+                self.generated_tokens += samples[0].response_length - before
+                return
+            outs = await self.dispatch.generate(
+                [s.tokens for s in samples], params, [f"sample-{s.index}" for s in samples]
+            )
+        for s, out in zip(samples, outs, strict=True):
+            apply_output(s, out)
+            self.generated_tokens += len(out.output_ids)
 
     async def generate_group(self, group: Group) -> Group:
-        """One batched /generate call per group: the group shares a prompt, so it stays on
-        one engine (prefix cache) and costs one HTTP round trip instead of n."""
-        todo = [s for s in group if s.status not in (Status.COMPLETED, Status.TRUNCATED)]
-        params = [sampling_params_for(self.cfg, s) for s in todo]
-        for s, p in zip(todo, params, strict=True):
-            if p["max_new_tokens"] <= 0:
-                s.status = Status.TRUNCATED
-        live = [(s, p) for s, p in zip(todo, params, strict=True) if p["max_new_tokens"] > 0]
+        todo = [s for s in group if s.status not in FINISHED]
+        live = [(s, p) for s in todo if (p := self._prepare(s)) is not None]
         if live:
-            client = next(self._next_client)
-            async with self._semaphore:
-                outs = await client.generate_batch(
-                    [s.tokens for s, _ in live],
-                    [p for _, p in live],
-                    rids=[f"sample-{s.index}" for s, _ in live],
-                )
-            for (s, _), out in zip(live, outs, strict=True):
-                apply_output(s, out)
-        if self.reward_fn is not None or any("rm_type" in s.metadata for s in group):
+            if self.dispatch.per_sample or self.custom_generate is not None:
+                await asyncio.gather(*(self._send([s], [p]) for s, p in live))
+            else:
+                await self._send([s for s, _ in live], [p for _, p in live])
+        if is_finished(group) and (
+            self.reward_fn is not None or any("rm_type" in s.metadata for s in group)
+        ):
             rewards = await asyncio.gather(
                 *(compute_reward(self.hook_args, s, self.reward_fn) for s in group)
             )
@@ -149,17 +243,98 @@ class GenerationLoop:
                 s.reward = r
         return group
 
+    # -- a fixed list of groups (evaluation) ---------------------------------------------
     async def run(self, groups: list[Group]) -> tuple[list[Group], GenerationStats]:
         start = time.perf_counter()
         done = await asyncio.gather(*(self.generate_group(g) for g in groups))
         stats = GenerationStats(seconds=time.perf_counter() - start)
-        for g in done:
-            stats.groups += 1
-            for s in g:
-                stats.samples += 1
-                stats.generated_tokens += s.response_length
-                stats.response_lengths.append(s.response_length)
-                stats.truncated += s.status == Status.TRUNCATED
-                stats.aborted += s.status == Status.ABORTED
-        done.sort(key=lambda g: g[0].index)
-        return done, stats
+        stats.add_groups(done)
+        stats.generated_tokens = self.generated_tokens
+        return sorted(done, key=first_index), stats
+
+    # -- dynamic sampling with abort (training) ------------------------------------------
+    def _accepts(self, group: Group) -> bool:
+        return self.dynamic_filter is None or bool(self.dynamic_filter(self.hook_args, group))
+
+    async def run_dynamic(self, source: GroupSource, target: int) -> RolloutResult:
+        """Keep `target` groups that pass the dynamic filter, then abort the rest."""
+        start = time.perf_counter()
+        limit = self.cfg.max_groups_per_step or 10 * target
+        pending: dict[asyncio.Task[Group], Group] = {}
+        kept: list[Group] = []
+        returned: list[Group] = []
+        counts = dict.fromkeys(("drawn", "dropped", "failed", "aborted", "surplus"), 0)
+        try:
+            while len(kept) < target:
+                while len(kept) + len(pending) < target and counts["drawn"] < limit:
+                    n = min(self.cfg.submit_batch_size, limit - counts["drawn"])
+                    for g in source.get_samples(n):
+                        counts["drawn"] += 1
+                        pending[asyncio.ensure_future(self.generate_group(g))] = g
+                if not pending:
+                    log.warning("dynamic sampling drew %d groups and kept only %d of %d",
+                                counts["drawn"], len(kept), target)
+                    break
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: first_index(pending[t])):
+                    group = pending.pop(task)
+                    task.result()
+                    if not is_finished(group):  # aborted by someone else: keep the work
+                        returned.append(group)
+                    elif any(s.status == Status.FAILED for s in group):
+                        counts["failed"] += 1
+                    elif not self._accepts(group):
+                        counts["dropped"] += 1
+                    else:
+                        kept.append(group)
+        except BaseException:
+            await self._abort_and_drain(pending)  # leave no request running on the engines
+            raise
+        kept.sort(key=first_index)
+        surplus = kept[target:]
+        del kept[target:]
+        abort_start = time.perf_counter()
+        for group in await self._abort_and_drain(pending):
+            if not is_finished(group):
+                counts["aborted"] += 1
+                returned.append(group)
+            elif any(s.status == Status.FAILED for s in group):
+                counts["failed"] += 1
+            elif self._accepts(group):
+                surplus.append(group)
+            else:
+                counts["dropped"] += 1
+        counts["surplus"] = len(surplus)
+        returned.extend(surplus)
+        if not self.cfg.partial_rollout:
+            for s in (s for g in returned for s in g):
+                reset_to_prompt(s)
+        counts["kept"] = len(kept)
+        counts["returned"] = len(returned)
+        stats = GenerationStats(seconds=time.perf_counter() - start)
+        stats.add_groups(kept)
+        stats.generated_tokens = self.generated_tokens
+        stats.abort_seconds = time.perf_counter() - abort_start
+        counts["resumed_samples"] = self.resumed_samples
+        return RolloutResult(kept, sorted(returned, key=first_index), stats, counts)
+
+    async def _abort_and_drain(self, pending: dict[asyncio.Task[Group], Group]) -> list[Group]:
+        """abort_all on every engine until nothing is in flight. Repeated, because a request
+        can reach an engine just after an abort; it then runs to completion unless aborted."""
+        if not pending:
+            return []
+        drained: list[Group] = []
+        self._aborting = True
+        try:
+            while pending:
+                await self.dispatch.abort_all()
+                done, _ = await asyncio.wait(pending, timeout=1.0)
+                for task in done:
+                    group = pending.pop(task)
+                    if task.exception() is not None:
+                        log.warning("group %d failed while draining: %r",
+                                    group[0].group_index, task.exception())
+                    drained.append(group)
+        finally:
+            self._aborting = False
+        return drained

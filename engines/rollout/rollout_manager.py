@@ -10,19 +10,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
 from engines.hooks import load_hook
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
 from engines.rollout.evaluation import evaluate_datasets
-from engines.rollout.generation import GenerationLoop
+from engines.rollout.generation import (
+    GenerateFn,
+    GenerationLoop,
+    HookArgs,
+    RolloutResult,
+    is_finished,
+)
+from engines.rollout.protocols import GenerateFn as GenerateFnProtocol
+from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
 from flows.config import RollflowConfig
 from storage.batch_io import read_samples, write_samples
+from storage.object_store import open_store
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Group, Status, flatten
-from tasks.rm_hub import resolve_reward_fn
+from tasks.filter_hub import (
+    DynamicFilter,
+    resolve_dynamic_filter,
+    resolve_over_sampling_filter,
+)
+from tasks.rm_hub import RewardFn, resolve_reward_fn
 
 RolloutFn = Callable[[Any, int, Any, bool], list[Group]]
 
@@ -48,9 +64,31 @@ class StepDataSource:
     def add_samples(self, groups: list[Group]) -> None:
         self._source.add_samples(groups)
 
+    def unused(self) -> list[Group]:
+        """Groups sample_prompts drew that the rollout never asked for (back to the buffer)."""
+        taken, self._drawn = self._drawn, []
+        return taken
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """The user/built-in functions the generation loop calls, resolved once at startup."""
+
+    reward_fn: RewardFn | None
+    dynamic_filter: DynamicFilter | None
+    custom_generate: GenerateFn | None
+
 
 def tokenizer_path(cfg: RollflowConfig) -> str | None:
     return cfg.engine.model_path or cfg.train.model_path or cfg.train.load
+
+
+def split_for_training(groups: list[Group], target: int) -> tuple[list[Group], list[Group]]:
+    """(kept, back to the buffer) for a custom rollout function's output: unfinished groups
+    and finished ones beyond `target` wait in the buffer, whole."""
+    finished = [g for g in groups if is_finished(g)]
+    unfinished = [g for g in groups if not is_finished(g)]
+    return finished[:target], unfinished + finished[target:]
 
 
 class RolloutManager:
@@ -89,8 +127,20 @@ class RolloutManager:
             if cfg.rollout.function_path
             else None
         )
-        self.reward_fn = resolve_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+        r = cfg.rollout
+        self.hooks = LoopHooks(
+            reward_fn=resolve_reward_fn(r.rm_type, r.custom_rm_path),
+            dynamic_filter=resolve_dynamic_filter(r.dynamic_sampling_filter_path),
+            custom_generate=(
+                load_hook(r.custom_generate_function_path,
+                          "rollout.custom_generate_function_path", GenerateFnProtocol)
+                if r.custom_generate_function_path else None
+            ),
+        )
+        self.reward_fn = self.hooks.reward_fn
+        self.over_sampling_filter = resolve_over_sampling_filter(r.over_sampling_filter_path)
         self.engine_urls: list[str] = []
+        self.router: RouterProcess | None = None
 
     def _load_tokenizer(self) -> Any:
         path = tokenizer_path(self.cfg)
@@ -100,8 +150,34 @@ class RolloutManager:
 
         return AutoTokenizer.from_pretrained(path)
 
+    # -- engines and the router ----------------------------------------------------------
     def set_engines(self, urls: list[str]) -> None:
+        """Engines of this run; with `rollout.use_router` the router is (re)started or its
+        worker set brought in line with `urls`."""
         self.engine_urls = list(urls)
+        if not (self.cfg.rollout.use_router and urls):
+            return
+        if self.router is None:
+            self.router = RouterProcess(urls, policy=self.cfg.rollout.router_policy)
+            self.router.start()
+        else:
+            self.router.ensure_alive()
+            self.router.sync_workers(urls)
+
+    def router_url(self) -> str | None:
+        """The router's URL after making sure it runs (restarted if it died)."""
+        if self.router is None:
+            return None
+        self.router.ensure_alive()
+        return self.router.url
+
+    def router_restarts(self) -> int:
+        return 0 if self.router is None else self.router.restarts
+
+    def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.shutdown()
+            self.router = None
 
     def _compression(self) -> str | None:
         return self.cfg.storage.compression
@@ -110,11 +186,24 @@ class RolloutManager:
         """Data source as committed by the previous step (or fresh at step 0)."""
         if rollout_id == 0:
             self.data_source.reset()
-        else:
-            self.data_source.load(self.layout, rollout_id - 1)
+            return
+        meta = self.data_source.load(self.layout, rollout_id - 1)
+        if meta.get("stage", "generate") != "generate":
+            # Drawing now would hand out again the groups step k-1 still has to return.
+            raise RuntimeError(
+                f"step {rollout_id}: the data source of step {rollout_id - 1} is at stage "
+                f"{meta['stage']!r}; its generate must commit before this step draws prompts"
+            )
+
+    def _debug_source_layout(self) -> RunLayout:
+        s = self.cfg.storage
+        uri = self.cfg.rollout.debug_rollout_data or ""
+        return RunLayout(open_store(uri, s.endpoint_url, **s.storage_options))
 
     # -- step stages ---------------------------------------------------------------------
     def sample_prompts(self, rollout_id: int) -> dict[str, Any]:
+        if self.cfg.rollout.debug_train_only:
+            return {"groups": 0, "debug_train_only": 1}
         self._restore_source(rollout_id)
         groups = self.data_source.get_samples(self.cfg.rollout.submit_batch_size, rollout_id)
         uri = write_samples(
@@ -127,51 +216,83 @@ class RolloutManager:
         self.data_source.save(self.layout, rollout_id, self._compression())
         return {"uri": uri, "groups": len(groups), "epoch": self.data_source.state.epoch_id}
 
+    def _keep_target(self) -> int:
+        """Groups generation keeps: the over-sampling filter chooses among more."""
+        r = self.cfg.rollout
+        return r.submit_batch_size if self.over_sampling_filter else r.rollout_batch_size
+
     def generate(self, rollout_id: int) -> dict[str, Any]:
-        self.data_source.load(self.layout, rollout_id)
+        """Generate, then in one commit (the data-source JSON): rollout.arrow with the kept
+        groups, and every other drawn group back in the buffer, whole. A re-run after that
+        commit returns the committed record instead of drawing again."""
+        if self.cfg.rollout.debug_train_only:
+            return self._copy_debug_batch(rollout_id)
+        meta = self.data_source.load(self.layout, rollout_id)
+        if meta.get("stage") == "generate":
+            return dict(meta["extra"])
         drawn = groups_in_order(
             read_samples(self.layout.store, step_dir(rollout_id), "prompts.arrow")
         )
         step_source = StepDataSource(drawn, self.data_source, rollout_id)
+        target = self._keep_target()
         metrics: dict[str, Any] = {}
         if self.rollout_fn is not None:
-            groups = self.rollout_fn(self.cfg, rollout_id, step_source, False)
-        else:
-            groups, stats = asyncio.run(
-                run_generation(self.cfg, self.engine_urls, self.reward_fn, step_source)
+            kept, returned = split_for_training(
+                self.rollout_fn(self.cfg, rollout_id, step_source, False), target
             )
-            metrics.update(stats.as_metrics())
+        else:
+            result = asyncio.run(run_generation(
+                self.cfg, self.engine_urls, self.router_url(), self.hooks, step_source, target,
+                self.tokenizer,
+            ))
+            kept, returned = result.kept, result.returned
+            metrics.update(result.metrics())
         uri = write_samples(
             self.layout.store,
-            flatten(groups),
+            flatten(kept),
             step_dir(rollout_id),
             "rollout.arrow",
             compression=self._compression(),
         )
-        self.data_source.save(self.layout, rollout_id, self._compression())
-        return {"uri": uri, "groups": len(groups), **metrics}
+        self.data_source.add_samples(returned + step_source.unused())
+        record = {"uri": uri, "groups": len(kept), "extra_draws": step_source.extra_draws,
+                  "buffer_groups": len(self.data_source.buffer), **metrics}
+        self.data_source.save(self.layout, rollout_id, self._compression(), "generate", record)
+        return record
+
+    def _copy_debug_batch(self, rollout_id: int) -> dict[str, Any]:
+        source = self._debug_source_layout()
+        if not source.store.exists(step_dir(rollout_id), "train.arrow"):
+            raise FileNotFoundError(
+                f"rollout.debug_rollout_data: {source.uri} has no "
+                f"{step_dir(rollout_id)}/train.arrow"
+            )
+        samples = read_samples(source.store, step_dir(rollout_id), "train.arrow")
+        uri = write_samples(self.layout.store, samples, step_dir(rollout_id), "rollout.arrow",
+                            compression=self._compression())
+        return {"uri": uri, "groups": len(groups_in_order(samples)), "debug_train_only": 1}
 
     def filter(self, rollout_id: int) -> dict[str, Any]:
-        """Keep whole groups that finished; aborted groups wait in the buffer; trim to
-        rollout_batch_size (the surplus returns to the buffer, whole)."""
+        """Over-sampling filter and trim to rollout_batch_size. Reads only rollout.arrow and
+        writes nothing but its record, so re-running it is always safe."""
         groups = groups_in_order(
             read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow")
         )
-        finished = [g for g in groups if all(s.status != Status.ABORTED for s in g)]
-        failed = [g for g in finished if any(s.status == Status.FAILED for s in g)]
-        finished = [g for g in finished if g not in failed]
-        aborted = [g for g in groups if any(s.status == Status.ABORTED for s in g)]
-        kept = finished[: self.cfg.rollout.rollout_batch_size]
-        surplus = finished[self.cfg.rollout.rollout_batch_size :]
-        if aborted or surplus:
-            self.data_source.load(self.layout, rollout_id)
-            self.data_source.add_samples(aborted + surplus)
-            self.data_source.save(self.layout, rollout_id, self._compression())
+        unfinished = [g[0].group_index for g in groups if not is_finished(g)]
+        if unfinished:
+            raise ValueError(f"step {rollout_id}: rollout.arrow holds unfinished groups "
+                             f"{unfinished[:5]} (generate returns those to the buffer)")
+        failed = [g for g in groups if any(s.status == Status.FAILED for s in g)]
+        ok = [g for g in groups if g not in failed]
+        if self.over_sampling_filter is not None and not self.cfg.rollout.debug_train_only:
+            ok = self.over_sampling_filter(self.cfg, ok)
+        limit = len(ok) if self.cfg.rollout.debug_train_only else self.cfg.rollout.rollout_batch_size
+        kept = ok[:limit]
         return {
-            "kept_groups": [g[0].group_index for g in kept],
+            "kept_groups": sorted(g[0].group_index for g in kept),
             "filter/kept": len(kept),
             "filter/failed": len(failed),
-            "filter/returned_to_buffer": len(aborted) + len(surplus),
+            "filter/over_sampling_dropped": len(ok) - len(kept),
         }
 
     def reward(self, rollout_id: int, kept_groups: list[int]) -> dict[str, Any]:
@@ -211,14 +332,29 @@ class RolloutManager:
 
 # Module-level on purpose: an `async def` method would turn the Ray actor into an async actor.
 async def run_generation(
-    cfg: RollflowConfig, urls: list[str], reward_fn: Any, source: StepDataSource
-) -> tuple[list[Group], Any]:
-    clients = [SGLangClient(url) for url in urls]
+    cfg: RollflowConfig,
+    urls: list[str],
+    router_url: str | None,
+    hooks: LoopHooks,
+    source: StepDataSource,
+    target: int,
+    tokenizer: Any = None,
+) -> RolloutResult:
+    """One step's dynamic-sampling generation through the router (or the engines directly)."""
+    engines = [SGLangClient(url) for url in urls]
+    router = SGLangClient(router_url) if router_url else None
+    dispatch: Dispatch = (
+        RouterDispatch(router, engines) if router is not None else RoundRobinDispatch(engines)
+    )
+    args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
     try:
-        loop = GenerationLoop(cfg.rollout, clients, reward_fn, hook_args=cfg)
-        return await loop.run(source.get_samples(cfg.rollout.submit_batch_size))
+        loop = GenerationLoop(
+            cfg.rollout, dispatch, hooks.reward_fn, args,
+            custom_generate=hooks.custom_generate, dynamic_filter=hooks.dynamic_filter,
+        )
+        return await loop.run_dynamic(source, target)
     finally:
-        await asyncio.gather(*(c.aclose() for c in clients))
+        await asyncio.gather(*(c.aclose() for c in [*engines, *([router] if router else [])]))
 
 
 async def run_evaluation(

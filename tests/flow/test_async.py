@@ -19,8 +19,8 @@ def test_async_overlaps_generation_with_training(
             run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
             data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
             backend="embedded",
-            overrides=["rollout.num_rollout=4", "rollout.rollout_batch_size=32",
-                       "rollout.max_response_len=16", "train.global_batch_size=8", *extra],
+            overrides=["rollout.num_rollout=4", "rollout.rollout_batch_size=16",
+                       "rollout.max_response_len=12", "train.global_batch_size=8", *extra],
         )
 
     sync_cfg = config("sync")

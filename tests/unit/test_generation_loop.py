@@ -1,0 +1,134 @@
+"""The generation loop, filters and the router manager against mock engines over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from engines.data_source import RolloutDataSourceWithBuffer
+from engines.rollout.engine_actor import EngineActor
+from engines.rollout.generation import GenerationLoop, reset_to_prompt
+from engines.rollout.router import RouterProcess, sticky_headers
+from engines.rollout.sglang_client import SGLangClient
+from flows.config import EngineConfig, RolloutConfig
+from storage.sample import Sample, Status
+from tasks.filter_hub import (
+    check_reward_nonzero_std,
+    resolve_dynamic_filter,
+    resolve_over_sampling_filter,
+    sort_by_reward_std,
+)
+
+
+def group(rewards: list[float], gi: int = 0) -> list[Sample]:
+    return [Sample(index=gi * 10 + i, group_index=gi, reward=r) for i, r in enumerate(rewards)]
+
+
+def test_filter_hub_builtins():
+    assert not check_reward_nonzero_std(None, group([1.0, 1.0, 1.0]))
+    assert check_reward_nonzero_std(None, group([0.0, 1.0, 1.0]))
+    groups = [group([1, 1], 0), group([0, 1], 1), group([0, 0, 1, 1], 2), group([0, 0, 0, 1], 3)]
+    # std: 0, 0.5, 0.5, 0.433 -> stable order for ties
+    assert [g[0].group_index for g in sort_by_reward_std(None, groups)] == [1, 2, 3, 0]
+
+
+def test_filter_resolution_names_the_config_key():
+    assert resolve_dynamic_filter("check_reward_nonzero_std") is check_reward_nonzero_std
+    assert resolve_over_sampling_filter("tasks.filter_hub:sort_by_reward_std") is sort_by_reward_std
+    with pytest.raises(ValueError, match="rollout.dynamic_sampling_filter_path"):
+        resolve_dynamic_filter("no_such_filter")
+    with pytest.raises(ValueError, match="rollout.over_sampling_filter_path"):
+        resolve_over_sampling_filter("tasks.filter_hub:missing")
+
+
+def test_reset_to_prompt_keeps_only_the_prompt():
+    s = Sample(index=0, group_index=0, tokens=[5, 6, 7])
+    s.append_response([8, 9], [-0.5, -0.5], "xy")
+    s.status = Status.ABORTED
+    reset_to_prompt(s)
+    assert (s.tokens, s.response_length, s.loss_mask, s.status) == ([5, 6, 7], 0, [], Status.PENDING)
+
+
+@pytest.fixture(scope="module")
+def mock_engines():
+    engines = [EngineActor(EngineConfig(backend="mock"), i) for i in range(2)]
+    yield [e.url() for e in engines]
+    for e in engines:
+        e.shutdown()
+
+
+def prompts(n: int) -> list[Sample]:
+    return [Sample(index=-1, group_index=-1, prompt=f"p{i}", tokens=[1, 2, 3 + i]) for i in range(n)]
+
+
+async def _run_dynamic(urls: list[str], cfg: RolloutConfig, target: int, keep_even: bool):
+    source = RolloutDataSourceWithBuffer(prompts(50), n_samples_per_prompt=cfg.n_samples_per_prompt)
+    clients = [SGLangClient(u) for u in urls]
+    try:
+        loop = GenerationLoop(
+            cfg, clients, None,
+            dynamic_filter=(lambda _a, g: g[0].group_index % 2 == 0) if keep_even else None,
+        )
+        return await loop.run_dynamic(source, target)
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+
+def test_dynamic_sampling_refills_to_the_target(mock_engines):
+    cfg = RolloutConfig(num_rollout=1, rollout_batch_size=3, n_samples_per_prompt=2,
+                        over_sampling_batch_size=2, max_response_len=8, ignore_eos=True)
+    result = asyncio.run(_run_dynamic(mock_engines, cfg, 3, keep_even=True))
+    assert [g[0].group_index for g in result.kept] == [0, 2, 4]
+    assert result.counts["dropped"] >= 2 and result.counts["drawn"] >= 5
+    assert all(s.response_length == 8 and s.status == Status.TRUNCATED
+               for g in result.kept for s in g)
+    # Whatever was drawn is kept, dropped, failed or returned whole -- nothing else.
+    c = result.counts
+    assert c["drawn"] == c["kept"] + c["dropped"] + c["failed"] + c["returned"]
+    assert all(len(g) == 2 for g in result.returned)
+    assert result.metrics()["rollout/truncated_ratio"] == 1.0
+
+
+def test_router_supervision_restarts_a_dead_router(mock_engines):
+    router = RouterProcess(mock_engines, policy="round_robin")
+    try:
+        url = router.start()
+        assert sorted(w["url"] for w in router.workers()) == sorted(mock_engines)
+        router._proc.kill()  # type: ignore[union-attr]
+        router._proc.wait()  # type: ignore[union-attr]
+        assert router.ensure_alive() is True and router.restarts == 1
+        assert router.url != url or router.healthy()
+        assert sorted(w["url"] for w in router.workers()) == sorted(mock_engines)
+        assert router.ensure_alive() is False
+
+        async def gen() -> list[int]:
+            async with SGLangClient(router.url) as c:
+                out = await c.generate([1, 2, 3], {"max_new_tokens": 4, "ignore_eos": True})
+            return out.output_ids
+
+        assert len(asyncio.run(gen())) == 4
+    finally:
+        router.shutdown()
+    assert not router.process_alive()
+
+
+def test_manual_policy_routes_a_session_to_one_engine():
+    engines = [EngineActor(EngineConfig(backend="mock"), i) for i in range(2)]
+    engines[1].update_weights_from_tensor({}, 7)  # the version tells the engines apart
+    router = RouterProcess([e.url() for e in engines], policy="manual")
+    try:
+        router.start()
+        seen: dict[str, set[int]] = {}
+        for session in ("a", "b", "c", "d", "e", "f"):
+            for i in range(4):
+                body = {"input_ids": [1, 2, i], "sampling_params": {"max_new_tokens": 2}}
+                out = httpx.post(f"{router.url}/generate", json=body, timeout=10,
+                                 headers=sticky_headers(session)).json()
+                seen.setdefault(session, set()).add(out["meta_info"]["weight_version"])
+        assert all(len(v) == 1 for v in seen.values()), seen
+    finally:
+        router.shutdown()
+        for e in engines:
+            e.shutdown()
