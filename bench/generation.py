@@ -35,11 +35,11 @@ def prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
 
 
 def bench_engine(model_dir: str, batch: int, new_tokens: int, threads: int, repeats: int) -> float:
+    from transformers import AutoTokenizer
+
     from engines.rollout.engine_actor import EngineActor
     from engines.rollout.sglang_client import SGLangClient
     from flows.config import EngineConfig
-
-    from transformers import AutoTokenizer
 
     engine = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, threads)
     ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), batch)
