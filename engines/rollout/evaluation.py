@@ -17,6 +17,7 @@ from engines.rollout.generation import EngineClient, GenerationLoop
 from engines.rollout.protocols import RewardFn
 from flows.config import EvalDataset, RolloutConfig
 from storage.sample import Group, Status
+from tasks.rewards.hub import RewardHub
 from tasks.rm_hub import resolve_reward_fn
 
 
@@ -57,7 +58,9 @@ def eval_rollout_config(ds: EvalDataset, rollout_cfg: RolloutConfig) -> RolloutC
     return rollout_cfg.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 
-def eval_reward_fn(ds: EvalDataset, default: RewardFn | None) -> RewardFn | None:
+def eval_reward_fn(
+    ds: EvalDataset, default: RewardHub | RewardFn | None
+) -> RewardHub | RewardFn | None:
     if ds.custom_rm_path or ds.rm_type:
         return resolve_reward_fn(ds.rm_type, ds.custom_rm_path)
     return default
@@ -84,7 +87,7 @@ async def evaluate_datasets(
     clients: Sequence[EngineClient],
     tokenizer: Any,
     rollout_cfg: RolloutConfig,
-    reward_fn: RewardFn | None,
+    reward_fn: RewardHub | RewardFn | None,
     hook_args: Any,
 ) -> dict[str, float]:
     metrics: dict[str, float] = {}

@@ -36,7 +36,8 @@ from engines.rollout.sglang_client import GenerateOutput
 from flows.config import RolloutConfig
 from storage.sample import Group, Sample, Status
 from tasks.filter_hub import DynamicFilter
-from tasks.rm_hub import RewardFn, compute_reward
+from tasks.rewards.hub import RewardHub
+from tasks.rm_hub import RewardFn
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class GenerationLoop:
         self,
         cfg: RolloutConfig,
         dispatch: Dispatch | Sequence[EngineClient],
-        reward_fn: RewardFn | None,
+        reward_fn: RewardHub | RewardFn | None,
         hook_args: Any = None,
         *,
         custom_generate: GenerateFn | None = None,
@@ -187,7 +188,9 @@ class GenerationLoop:
         self.dispatch: Dispatch = (
             dispatch if isinstance(dispatch, Dispatch) else RoundRobinDispatch(dispatch)
         )
-        self.reward_fn = reward_fn
+        # A bare reward function is the common case (eval, tests); the hub adds group_rm,
+        # per-sample metadata.rm_type and remote reward models.
+        self.rewards = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub(default=reward_fn)
         self.hook_args = hook_args
         self.custom_generate = custom_generate
         self.dynamic_filter = dynamic_filter
@@ -234,13 +237,9 @@ class GenerationLoop:
             else:
                 await self._send([s for s, _ in live], [p for _, p in live])
         if is_finished(group) and (
-            self.reward_fn is not None or any("rm_type" in s.metadata for s in group)
+            self.rewards.configured or any("rm_type" in s.metadata for s in group)
         ):
-            rewards = await asyncio.gather(
-                *(compute_reward(self.hook_args, s, self.reward_fn) for s in group)
-            )
-            for s, r in zip(group, rewards, strict=True):
-                s.reward = r
+            await self.rewards.assign(self.hook_args, group)
         return group
 
     # -- a fixed list of groups (evaluation) ---------------------------------------------

@@ -38,7 +38,7 @@ from tasks.filter_hub import (
     resolve_dynamic_filter,
     resolve_over_sampling_filter,
 )
-from tasks.rm_hub import RewardFn, resolve_reward_fn
+from tasks.rewards.hub import RewardHub
 
 RolloutFn = Callable[[Any, int, Any, bool], list[Group]]
 
@@ -74,7 +74,7 @@ class StepDataSource:
 class LoopHooks:
     """The user/built-in functions the generation loop calls, resolved once at startup."""
 
-    reward_fn: RewardFn | None
+    rewards: RewardHub
     dynamic_filter: DynamicFilter | None
     custom_generate: GenerateFn | None
 
@@ -129,7 +129,7 @@ class RolloutManager:
         )
         r = cfg.rollout
         self.hooks = LoopHooks(
-            reward_fn=resolve_reward_fn(r.rm_type, r.custom_rm_path),
+            rewards=RewardHub.from_config(r),
             dynamic_filter=resolve_dynamic_filter(r.dynamic_sampling_filter_path),
             custom_generate=(
                 load_hook(r.custom_generate_function_path,
@@ -137,7 +137,7 @@ class RolloutManager:
                 if r.custom_generate_function_path else None
             ),
         )
-        self.reward_fn = self.hooks.reward_fn
+        self.rewards = self.hooks.rewards
         self.over_sampling_filter = resolve_over_sampling_filter(r.over_sampling_filter_path)
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
@@ -324,7 +324,7 @@ class RolloutManager:
 
     def evaluate(self, weight_version: int) -> dict[str, float]:
         metrics = asyncio.run(
-            run_evaluation(self.cfg, self.engine_urls, self.tokenizer, self.reward_fn)
+            run_evaluation(self.cfg, self.engine_urls, self.tokenizer, self.rewards)
         )
         self.layout.save_eval(weight_version, metrics)
         return metrics
@@ -349,7 +349,7 @@ async def run_generation(
     args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
     try:
         loop = GenerationLoop(
-            cfg.rollout, dispatch, hooks.reward_fn, args,
+            cfg.rollout, dispatch, hooks.rewards, args,
             custom_generate=hooks.custom_generate, dynamic_filter=hooks.dynamic_filter,
         )
         return await loop.run_dynamic(source, target)
@@ -358,12 +358,12 @@ async def run_generation(
 
 
 async def run_evaluation(
-    cfg: RollflowConfig, urls: list[str], tokenizer: Any, reward_fn: Any
+    cfg: RollflowConfig, urls: list[str], tokenizer: Any, rewards: RewardHub
 ) -> dict[str, float]:
     clients = [SGLangClient(url) for url in urls]
     try:
         return await evaluate_datasets(
-            cfg.eval.datasets, clients, tokenizer, cfg.rollout, reward_fn, cfg
+            cfg.eval.datasets, clients, tokenizer, cfg.rollout, rewards, cfg
         )
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))

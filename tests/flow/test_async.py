@@ -20,7 +20,8 @@ def test_async_overlaps_generation_with_training(
             data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
             backend="embedded",
             overrides=["rollout.num_rollout=4", "rollout.rollout_batch_size=16",
-                       "rollout.max_response_len=12", "train.global_batch_size=8", *extra],
+                       "rollout.max_response_len=12", "train.global_batch_size=4",
+                       "train.num_epochs_per_rollout=6", *extra],
         )
 
     sync_cfg = config("sync")
