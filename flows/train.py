@@ -44,9 +44,10 @@ def run_sequential(config: RollflowConfig, layout: RunLayout, start: int, done: 
 
 
 def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
-    """One-step off-policy: the flow run of step k+1 starts once step k's rollout stages are
-    done, so its generation overlaps step k's training (gates in tasks/step_gates.py keep
-    the order of weights). Each flow run runs in its own thread, as a child of this flow."""
+    """One-step off-policy: the flow run of step k+1 starts once step k's generation is
+    committed (the data source state it draws from), so its generation overlaps step k's
+    training; gates in tasks/step_gates.py keep the order of weights. Each flow run runs in
+    its own thread, as a child of this flow."""
     total = config.rollout.num_rollout
     in_flight: dict[int, Future[dict[str, Any]]] = {}
     reported = start
@@ -55,7 +56,7 @@ def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: S
             context = contextvars.copy_context()
             future = pool.submit(context.run, rollout_step, config, rollout_id)
             in_flight[rollout_id] = future
-            rollout_done = partial(layout.task_record, rollout_id, "reward")
+            rollout_done = partial(layout.task_record, rollout_id, "generate")
             while rollout_done() is None and not future.done():
                 time.sleep(0.02)
             if future.done() and future.exception() is not None:

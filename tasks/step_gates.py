@@ -6,7 +6,8 @@
  step k:    sample ─ generate ───────────┼────── filter ─ reward ─ train ─ broadcast ─ commit
                       (waits: commit k-1-s)                (waits:      (waits: generate
                                                             commit k-1)   of step k+1)
- step k+1:                                  sample ─ generate  (overlaps train of step k)
+ step k+1:                   sample ─ generate  (starts once generate k is committed;
+                                                 overlaps train of step k)
 ```
 Each gate waits on what the other flow run wrote to storage (records, COMMITTED), so the flow
 runs stay independent and restartable; a step that fails writes FAILED, which releases every

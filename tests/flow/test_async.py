@@ -20,13 +20,15 @@ def test_async_overlaps_generation_with_training(
             data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
             backend="embedded",
             overrides=["rollout.num_rollout=4", "rollout.rollout_batch_size=16",
-                       "rollout.max_response_len=12", "train.global_batch_size=4",
-                       "train.num_epochs_per_rollout=6", *extra],
+                       "rollout.max_response_len=12", "train.global_batch_size=4", *extra],
         )
 
     sync_cfg = config("sync")
     train(sync_cfg)
-    cfg = config("async", "rollout.off_policy_async=true", "rollout.max_staleness=1")
+    # Training long enough that the next step's flow run (which takes ~2 s to start on this
+    # 2-core machine while another flow run is busy) reaches generation before it ends.
+    cfg = config("async", "rollout.off_policy_async=true", "rollout.max_staleness=1",
+                 "train.num_epochs_per_rollout=48")
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     sync_layout = RunLayout.open(sync_cfg.storage.uri, sync_cfg.storage.run_name)

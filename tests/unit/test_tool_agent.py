@@ -105,7 +105,7 @@ def test_agent_against_real_engine_keeps_log_probs_aligned(
             "data": {"prompt_data": "unused.jsonl"},
             "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
             "engine": {"backend": "sglang", "urls": [engine_url], "model_path": tiny_model_dir},
-            "train": {"backend": "mock"},
+            "train": {"backend": "mock", "weight_sync": "distributed"},
         }
     )
     # The untrained tiny model rarely writes "<expr>=", so the real-engine run uses a tool
