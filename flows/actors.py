@@ -6,7 +6,10 @@ model load, and a driver that crashed can be re-run against the same warm actors
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -18,8 +21,21 @@ from engines.train.train_actor import TrainActor
 from flows.config import RollflowConfig
 
 
+@functools.cache
+def code_digest() -> str:
+    """Hash of rollflow's own source. Detached actors outlive the driver, so after an upgrade
+    (or a `git pull`) a rerun must not attach to actors still running the old code."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1()
+    for package in ("flows", "tasks", "engines", "storage"):
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:8]
+
+
 def actor_name(run_name: str, role: str) -> str:
-    return f"{run_name}:{role}"
+    return f"{run_name}:{role}@{code_digest()}"
 
 
 def _named(cls: type, name: str, cfg: RollflowConfig, *args: Any) -> Any:
