@@ -12,15 +12,14 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 
-import httpx
 import torch
 import uvicorn
 
 from engines.rollout.embedded_generator import EmbeddedGenerator
 from engines.rollout.gen_types import Generator
+from engines.rollout.health import wait_for_health
 from engines.rollout.mock_generator import MockGenerator
 from engines.rollout.scheduler import ContinuousScheduler
 from engines.rollout.sglang_server import create_app
@@ -104,17 +103,8 @@ class EngineActor:
         self._wait_healthy(startup_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self._thread.is_alive():
-                raise RuntimeError(f"engine {self.engine_index}: HTTP server exited at startup")
-            try:
-                if httpx.get(f"{self.url()}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-        raise TimeoutError(f"engine {self.engine_index}: no /health answer in {timeout_s}s")
+        wait_for_health(self.url(), self._thread.is_alive, timeout_s, poll_s=0.02,
+                        what=f"engine {self.engine_index}")
 
     def url(self) -> str:
         return f"http://{self.config.host}:{self._port}"

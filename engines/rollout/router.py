@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from engines.rollout.health import ServerExited, wait_for_health
+
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # With `policy="manual"` the router sends every request carrying the same value of this header
@@ -162,16 +164,15 @@ class RouterProcess:
         self._proc = None
 
     def _wait_http(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if not self.process_alive():
-                raise RouterError(f"router process exited with code {self._proc_returncode()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RouterError(f"no /health answer within {self.startup_timeout_s}s")
+        try:
+            wait_for_health(self.url, self.process_alive, max(deadline - time.monotonic(), 0.0),
+                            poll_s=0.1, what="sglang-router")
+        except ServerExited:
+            raise RouterError(
+                f"router process exited with code {self._proc_returncode()}"
+            ) from None
+        except TimeoutError as e:
+            raise RouterError(str(e)) from None
 
     def _log_tail(self, lines: int = 5) -> str:
         self._log.flush()

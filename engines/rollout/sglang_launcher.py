@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
+from engines.rollout.health import wait_for_health
 from flows.cluster import free_port
 from flows.config import EngineConfig
 
@@ -38,17 +38,8 @@ def launch_command(cfg: EngineConfig, port: int, tp_size: int = 1) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"SGLang server {url} exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"SGLang server {url} did not become healthy in {timeout_s:.0f} s")
+    alive = (lambda: proc.poll() is None) if proc is not None else (lambda: True)
+    wait_for_health(url, alive, timeout_s, poll_s=1.0, what="SGLang server")
 
 
 def read_weight_version(url: str) -> int:
