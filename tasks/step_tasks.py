@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.actors import RunActors, get_or_create_actors
 from flows.config import RollflowConfig
 from storage.run_layout import RunLayout
+from tasks import colocate
 
 
 @dataclass
@@ -72,6 +73,8 @@ def sample_prompts(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
 def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         actors = ctx.reattach()
+        if ctx.cfg.cluster.colocate:
+            colocate.enter_rollout_phase(actors)
         # A restarted engine comes back with the initial weights: bring it up to date.
         sync_engine_weights(
             actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync
@@ -101,9 +104,11 @@ def reward(ctx: StepContext, rollout_id: int, kept_groups: list[int]) -> dict[st
 def train(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     """Always asks the trainer (its weight version, not the record, is the truth): a trainer
     that lost its state re-trains this step from train.arrow after replaying earlier ones."""
-    trainer = ctx.reattach().trainer
+    actors = ctx.reattach()
+    if ctx.cfg.cluster.colocate:
+        colocate.enter_train_phase(actors)
     started_at, start = time.time(), time.perf_counter()
-    metrics = dict(ray.get(trainer.train_step.remote(rollout_id)))
+    metrics = dict(ray.get(actors.trainer.train_step.remote(rollout_id)))
     record = ctx.layout.task_record(rollout_id, "train")
     if record is not None:
         return {**record, "from_storage": True}
@@ -141,7 +146,10 @@ def sync_engine_weights(
 def broadcast_weights(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     # Not recorded: it is cheap and must always leave the engines at the trainer's version.
     start = time.perf_counter()
-    record = sync_engine_weights(ctx.reattach(), weight_sync=ctx.cfg.train.weight_sync)
+    actors = ctx.reattach()
+    if ctx.cfg.cluster.colocate:
+        colocate.resume_engines(actors)
+    record = sync_engine_weights(actors, weight_sync=ctx.cfg.train.weight_sync)
     return {**record, "seconds": time.perf_counter() - start}
 
 

@@ -63,6 +63,12 @@ class MockTrainBackend:
         metrics = _mock_metrics(samples, self.reward_key, self.version).to_dict()
         return {**metrics, "index_checksum": index_checksum(indices)}
 
+    def offload(self) -> None:
+        """Nothing to move: the mock holds no device memory (colocated flow tests)."""
+
+    def onload(self) -> None:
+        """See `offload`."""
+
     def trained_indices(self) -> list[int]:
         """Every sample index trained so far, in training order (sorted within a step)."""
         return [i for rid in sorted(self._trained) for i in self._trained[rid]]

@@ -25,6 +25,12 @@ class NullTrainActor:
     def train_step(self, rollout_id: int) -> dict[str, float]:
         return self.train(rollout_id)
 
+    def offload(self) -> None:
+        """No model, nothing to free."""
+
+    def onload(self) -> None:
+        """No model, nothing to load."""
+
     def trained_indices(self) -> list[int]:
         return []
 
