@@ -10,14 +10,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 import ray
 from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.actors import RunActors, get_or_create_actors
 from flows.config import RollflowConfig
+from flows.reporting import artifact_key
 from storage.run_layout import RunLayout
 from tasks import colocate
 
@@ -55,6 +58,32 @@ def run_once(
 TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 2}
 
 
+def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> dict[str, Any]:
+    """ray.get(ref), meanwhile mirroring the actor's progress file into a Prefect progress
+    artifact, so the UI shows how far generation is (groups kept / target)."""
+    parts = (f"steps/{rollout_id:06d}", "generate.progress.json")
+    artifact: UUID | None = None
+    while not ray.wait([ref], timeout=0.5)[0]:
+        if not ctx.layout.store.exists(*parts):
+            continue
+        p = ctx.layout.store.read_json(*parts)
+        percent = 100.0 * p["kept"] / max(p["target"], 1)
+        if artifact is None:
+            artifact = cast(UUID, create_progress_artifact(
+                percent, key=artifact_key(ctx.cfg.storage.run_name, "generation"),
+                description=f"step {rollout_id}: groups kept / rollout_batch_size",
+            ))
+        else:
+            update_progress_artifact(artifact, percent)
+    result = dict(ray.get(ref))
+    if artifact is not None:
+        update_progress_artifact(artifact, 100.0)
+    elif ctx.layout.store.exists(*parts):  # finished before the first poll
+        create_progress_artifact(100.0, key=artifact_key(ctx.cfg.storage.run_name, "generation"),
+                                 description=f"step {rollout_id}: groups kept / rollout_batch_size")
+    return result
+
+
 def required_weight_version(cfg: RollflowConfig, rollout_id: int) -> int:
     """Oldest policy allowed to generate step `rollout_id` (its own version when synchronous)."""
     staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
@@ -79,7 +108,9 @@ def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
         sync_engine_weights(
             actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync
         )
-        return dict(ray.get(actors.rollout.generate.remote(rollout_id)))
+        return wait_showing_progress(
+            ctx, rollout_id, actors.rollout.generate.remote(rollout_id)
+        )
 
     return run_once(ctx.layout, rollout_id, "generate", work)
 

@@ -183,6 +183,7 @@ class GenerationLoop:
         *,
         custom_generate: GenerateFn | None = None,
         dynamic_filter: DynamicFilter | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.dispatch: Dispatch = (
@@ -194,6 +195,7 @@ class GenerationLoop:
         self.hook_args = hook_args
         self.custom_generate = custom_generate
         self.dynamic_filter = dynamic_filter
+        self.progress = progress  # (groups kept, target), after each batch of finished groups
         self._semaphore = asyncio.Semaphore(cfg.sglang_server_concurrency * self.dispatch.num_engines)
         self._aborting = False
         self.generated_tokens = 0
@@ -286,6 +288,8 @@ class GenerationLoop:
                         counts["dropped"] += 1
                     else:
                         kept.append(group)
+                if self.progress is not None:
+                    self.progress(len(kept), target)
         except BaseException:
             await self._abort_and_drain(pending)  # leave no request running on the engines
             raise

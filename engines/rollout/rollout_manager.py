@@ -9,6 +9,7 @@ state before drawing, so the in-memory state never has to survive a restart.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,23 @@ def split_for_training(groups: list[Group], target: int) -> tuple[list[Group], l
     finished = [g for g in groups if is_finished(g)]
     unfinished = [g for g in groups if not is_finished(g)]
     return finished[:target], unfinished + finished[target:]
+
+
+class ProgressFile:
+    """Writes `steps/{k}/generate.progress.json` (at most every `interval_s`), which the
+    generate task turns into a Prefect progress artifact while the actor is busy."""
+
+    def __init__(self, layout: RunLayout, rollout_id: int, interval_s: float = 0.5) -> None:
+        self.layout, self.rollout_id, self.interval_s = layout, rollout_id, interval_s
+        self._last = 0.0
+
+    def __call__(self, kept: int, target: int) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s and kept < target:
+            return
+        self._last = now
+        self.layout.store.write_json({"kept": kept, "target": target},
+                                     step_dir(self.rollout_id), "generate.progress.json")
 
 
 class RolloutManager:
@@ -243,7 +261,7 @@ class RolloutManager:
         else:
             result = asyncio.run(run_generation(
                 self.cfg, self.engine_urls, self.router_url(), self.hooks, step_source, target,
-                self.tokenizer,
+                self.tokenizer, progress=ProgressFile(self.layout, rollout_id),
             ))
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
@@ -339,6 +357,7 @@ async def run_generation(
     source: StepDataSource,
     target: int,
     tokenizer: Any = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> RolloutResult:
     """One step's dynamic-sampling generation through the router (or the engines directly)."""
     engines = [SGLangClient(url) for url in urls]
@@ -351,6 +370,7 @@ async def run_generation(
         loop = GenerationLoop(
             cfg.rollout, dispatch, hooks.rewards, args,
             custom_generate=hooks.custom_generate, dynamic_filter=hooks.dynamic_filter,
+            progress=progress,
         )
         return await loop.run_dynamic(source, target)
     finally:

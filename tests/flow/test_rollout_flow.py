@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from flows.actors import actor_name
+from flows.reporting import artifact_key
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
@@ -30,6 +31,14 @@ def mock_config(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_p
 
 def actor(cfg, role):
     return ray.get_actor(actor_name(cfg.storage.run_name, role), namespace=cfg.cluster.namespace)
+
+
+def read_artifacts(key):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
 def read_flow_runs(names):
@@ -76,6 +85,11 @@ def test_two_rollout_steps_with_mock_engines(mock_config):
     assert all(r.state.is_completed() for r in mine)
     for r in mine:
         assert tasks[r.name] == sorted(TASKS)
+    assert layout.store.read_json("steps/000001", "generate.progress.json") == {
+        "kept": cfg.rollout.rollout_batch_size, "target": cfg.rollout.rollout_batch_size}
+    progress = read_artifacts(artifact_key(cfg.storage.run_name, "generation"))
+    assert progress and all(a.type == "progress" for a in progress)
+    assert max(float(a.data) for a in progress) == 100.0
 
 
 def test_actors_are_released_after_a_successful_run(mock_config):
