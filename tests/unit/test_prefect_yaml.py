@@ -27,10 +27,18 @@ def test_one_deployment_per_flow():
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=[d["name"] for d in DEPLOYMENTS])
-def test_parameters_validate_and_paths_exist(deployment):
+def test_parameters_validate_and_paths_exist(deployment, tmp_path):
+    """Paths point at what the main job (examples/arithmetic/run.py) writes; build those
+    files the same way under a temporary root and check every path resolves there."""
+    from examples.arithmetic.build_model import save_tiny_model
+    from examples.arithmetic.make_data import write_datasets
+
+    artifacts = tmp_path / "examples" / "arithmetic" / "artifacts"
+    write_datasets(str(artifacts / "data"), n_train=40, n_test=10, n_sft=10)
+    save_tiny_model(str(artifacts / "tiny-llama"), num_layers=1, hidden_size=32)
     flow = load_flow(deployment["entrypoint"])
     params = flow.validate_parameters(deployment["parameters"])
     cfg = params["config"]
     for path in (cfg.data.prompt_data, cfg.train.model_path,
                  *(d.path for d in cfg.eval.datasets)):
-        assert path is not None and Path(REPO_ROOT, path).exists(), path
+        assert path is not None and Path(tmp_path, path).exists(), path
