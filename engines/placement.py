@@ -147,11 +147,6 @@ class _BundleProbe:
         return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
 
 
-def use_placement(cfg: ClusterConfig) -> bool:
-    """`cluster.placement`: auto reserves bundles only on clusters with GPUs."""
-    return cfg.placement == "always" or (cfg.placement == "auto" and cluster_has_gpus())
-
-
 def cluster_has_gpus() -> bool:
     import ray
 

@@ -6,7 +6,6 @@ model load, and a driver that crashed can be re-run against the same warm actors
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -14,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util import get_placement_group, remove_placement_group
 
-from engines.placement import create_placement, use_placement
 from engines.rollout.engine_actor import EngineActor
 from engines.rollout.rollout_manager import RolloutManager
 from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
@@ -85,36 +82,19 @@ def num_engines(cfg: RollflowConfig) -> int:
         cfg.engine.num_engines)
 
 
-def placement_options(cfg: RollflowConfig) -> tuple[dict[str, Any] | None, list[Any]]:
-    """(trainer options, per-engine options) pinning actors to the run's placement group,
-    or (None, [None...]) when placement is off (CPU-only default: actors take no CPUs)."""
-    n = num_engines(cfg)
-    if not use_placement(cfg.cluster):
-        return None, [None] * n
-    placement = create_placement(cfg.cluster, name=actor_name(cfg.storage.run_name, "placement"))
-    share = 0.4 if cfg.cluster.colocate else 1.0  # slime's colocated split of one GPU
-    trainer = placement.actor_options(placement.train_bundles[0], share)
-    engines = [
-        placement.actor_options(placement.engine_bundles(i)[0], 0.2 if cfg.cluster.colocate else 1.0)
-        for i in range(n)
-    ]
-    return trainer, engines
-
-
 def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
     run = cfg.storage.run_name
-    trainer_placement, engine_placements = placement_options(cfg)
-    engines = [_engine(cfg, i, p) for i, p in enumerate(engine_placements)]
+    engines = [_engine(cfg, i, None) for i in range(num_engines(cfg))]
     rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)
     trainer_cls = NullTrainActor if cfg.rollout.debug_rollout_only else TrainActor
-    trainer = _named(trainer_cls, actor_name(run, "trainer"), cfg, cfg, placement=trainer_placement)
+    trainer = _named(trainer_cls, actor_name(run, "trainer"), cfg, cfg)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get(rollout.set_engines.remote(urls))
     return RunActors(rollout=rollout, trainer=trainer, engines=engines)
 
 
 def kill_run_actors(cfg: RollflowConfig) -> int:
-    """Kill the run's actors and release its placement group; returns actors killed."""
+    """Kill the run's actors; returns how many were alive."""
     run = cfg.storage.run_name
     roles = ["rollout", "trainer"] + [f"engine-{i}" for i in range(num_engines(cfg))]
     killed = 0
@@ -124,6 +104,4 @@ def kill_run_actors(cfg: RollflowConfig) -> int:
             killed += 1
         except ValueError:
             pass
-    with contextlib.suppress(ValueError):
-        remove_placement_group(get_placement_group(actor_name(run, "placement")))
     return killed

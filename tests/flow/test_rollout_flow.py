@@ -135,21 +135,3 @@ def test_trainer_rebuilt_from_checkpoint_and_replay(mock_config):
     per_step = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     assert ray.get(actor(cfg, "trainer").trained_indices.remote()) == list(range(2 * per_step, 3 * per_step))
 
-
-def test_actors_pinned_to_the_runs_placement_group(mock_config):
-    from ray.util import get_placement_group
-    from ray.util.state import list_actors
-
-    from flows.actors import kill_run_actors
-    from flows.train import train
-
-    cfg = mock_config(overrides=["cluster.placement=always", "cluster.keep_actors=true"])
-    train(cfg)
-    pg = get_placement_group(actor_name(cfg.storage.run_name, "placement"))
-    assert len(pg.bundle_specs) == 2 and all(b == {"CPU": 1.0} for b in pg.bundle_specs)
-    for role in ("trainer", "engine-0"):
-        [state] = list_actors(filters=[("name", "=", actor_name(cfg.storage.run_name, role))])
-        assert state.placement_group_id == pg.id.hex()
-    kill_run_actors(cfg)
-    with pytest.raises(ValueError):
-        get_placement_group(actor_name(cfg.storage.run_name, "placement"))
