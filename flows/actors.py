@@ -39,9 +39,7 @@ def actor_name(run_name: str, role: str) -> str:
     return f"{run_name}:{role}@{code_digest()}"
 
 
-def _named(
-    cls: type, name: str, cfg: RollflowConfig, *args: Any, placement: dict[str, Any] | None = None
-) -> Any:
+def _named(cls: type, name: str, cfg: RollflowConfig, *args: Any) -> Any:
     return (
         ray.remote(cls)
         .options(
@@ -50,7 +48,7 @@ def _named(
             lifetime="detached",
             get_if_exists=True,
             max_restarts=0,
-            **(placement or {"num_cpus": 0}),
+            num_cpus=0,
         )
         .remote(*args)
     )
@@ -63,16 +61,15 @@ class RunActors:
     engines: list[Any]
 
 
-def _engine(cfg: RollflowConfig, i: int, placement: dict[str, Any] | None) -> Any:
+def _engine(cfg: RollflowConfig, i: int) -> Any:
     """Engine i: an embedded/mock engine actor, a launched SGLang server, or a handle on an
     external SGLang server (`engine.urls`)."""
     name = actor_name(cfg.storage.run_name, f"engine-{i}")
     if cfg.engine.backend != "sglang":
-        return _named(EngineActor, name, cfg, cfg.engine, i, cfg.cluster.actor_num_threads,
-                      placement=placement)
+        return _named(EngineActor, name, cfg, cfg.engine, i, cfg.cluster.actor_num_threads)
     if cfg.engine.urls:
         return _named(ExternalSGLangEngine, name, cfg, cfg.engine.urls[i])
-    return _named(SGLangServerActor, name, cfg, cfg.engine, i, placement=placement)
+    return _named(SGLangServerActor, name, cfg, cfg.engine, i)
 
 
 def num_engines(cfg: RollflowConfig) -> int:
@@ -84,7 +81,7 @@ def num_engines(cfg: RollflowConfig) -> int:
 
 def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
     run = cfg.storage.run_name
-    engines = [_engine(cfg, i, None) for i in range(num_engines(cfg))]
+    engines = [_engine(cfg, i) for i in range(num_engines(cfg))]
     rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)
     trainer_cls = NullTrainActor if cfg.rollout.debug_rollout_only else TrainActor
     trainer = _named(trainer_cls, actor_name(run, "trainer"), cfg, cfg)
