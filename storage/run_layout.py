@@ -5,7 +5,7 @@
 {run}/steps/{rollout_id:06d}/prompts.arrow | rollout.arrow | train.arrow | metrics.json
 {run}/steps/{rollout_id:06d}/tasks/{task}.json      (each finished task's small output)
 {run}/steps/{rollout_id:06d}/COMMITTED
-{run}/datasource/{rollout_id:06d}.json + {rollout_id:06d}.buffer.arrow
+{run}/datasource/{rollout_id:06d}.json + {rollout_id:06d}.{stage}.buffer.arrow
 {run}/checkpoints/{rollout_id:06d}/...  and  {run}/checkpoints/LATEST
 {run}/eval/{rollout_id:06d}.json
 ```
