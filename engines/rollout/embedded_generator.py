@@ -17,13 +17,13 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Collection, Sequence
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.rollout.decode_batch import DecodeBatch, ReqState
 from engines.rollout.gen_types import (
+    GeneratorIdentity,
     GenRequest,
     GenResult,
     ShouldAbort,
@@ -38,7 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _ABORT = {"type": "abort", "message": "Abort before decoding finished."}
 
 
-class EmbeddedGenerator:
+class EmbeddedGenerator(GeneratorIdentity):
     """An HF causal LM served with SGLang's sampling semantics; thread-safe."""
 
     def __init__(
@@ -66,21 +66,6 @@ class EmbeddedGenerator:
         self._lock = threading.RLock()
         self._version = 0
         self._weights_backup: str | None = None
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.tokenizer_path,
-            "is_generation": True,
-            "weight_version": self._version,
-        }
 
     # -- weights ---------------------------------------------------------------------------
 

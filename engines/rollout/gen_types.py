@@ -122,6 +122,31 @@ class Generator(Protocol):
     def weights_checksum(self) -> str: ...
 
 
+class GeneratorIdentity:
+    """What every generator reports about itself (shared by the embedded and mock ones).
+    Subclasses set `model_path`, `tokenizer_path`, `tokenizer` and `_version`."""
+
+    model_path: str
+    tokenizer_path: str | None
+    tokenizer: Any
+    _version: int
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "weight_version": self._version,
+        }
+
+
 def never_abort(rid: str) -> bool:
     return False
 

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engines.rollout.gen_types import (
+    GeneratorIdentity,
     GenRequest,
     GenResult,
     ShouldAbort,
@@ -51,7 +52,7 @@ class _MockBatch:
         return 0
 
 
-class MockGenerator:
+class MockGenerator(GeneratorIdentity):
     """Fake tokens, uniform log-probs (-log vocab_size), real stop/abort semantics."""
 
     def __init__(self, vocab_size: int, eos_token_id: int, tokenizer_path: str | None = None):
@@ -64,21 +65,6 @@ class MockGenerator:
         self._logprob = -math.log(vocab_size)
         self._version = 0
         self.model_path = tokenizer_path or "mock"
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.tokenizer_path,
-            "is_generation": True,
-            "weight_version": self._version,
-        }
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self._version = version
