@@ -47,7 +47,7 @@ def read_flow_runs(names):
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
-        tasks = {r.name: sorted({t.name.rsplit("-", 1)[0] for t in client.read_task_runs(
+        tasks = {r.id: sorted({t.name.rsplit("-", 1)[0] for t in client.read_task_runs(
             flow_run_filter=FlowRunFilter(id={"any_": [r.id]}))}) for r in runs}
     return runs, tasks
 
@@ -84,7 +84,7 @@ def test_two_rollout_steps_with_mock_engines(mock_config):
     assert sorted(r.name for r in mine) == ["rollout-0", "rollout-1"]
     assert all(r.state.is_completed() for r in mine)
     for r in mine:
-        assert tasks[r.name] == sorted(TASKS)
+        assert tasks[r.id] == sorted(TASKS)
     assert layout.store.read_json("steps/000001", "generate.progress.json") == {
         "kept": cfg.rollout.rollout_batch_size, "target": cfg.rollout.rollout_batch_size}
     progress = read_artifacts(artifact_key(cfg.storage.run_name, "generation"))

@@ -17,7 +17,8 @@ from storage.object_store import open_store
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 
-STEP_FILES = ["COMMITTED", "metrics.json", "prompts.arrow", "rollout.arrow", "tasks", "train.arrow"]
+STEP_FILES = ["COMMITTED", "generate.progress.json", "metrics.json", "prompts.arrow",
+              "rollout.arrow", "tasks", "train.arrow"]
 
 
 def s3_store(s3_server, root: str):
