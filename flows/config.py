@@ -86,7 +86,9 @@ class RolloutConfig(Section):
     max_staleness: int = Field(
         1, ge=0,
         description="Async mode: generation of step k waits until the engines hold weight "
-        "version >= k - max_staleness; buffered samples older than that are dropped.",
+        "version >= k - max_staleness (rounded down to a train.update_weights_interval push); "
+        "buffered samples started on an older version are regenerated from the prompt and "
+        "counted (rollout/groups_stale_regenerated_samples).",
     )
     function_path: str | None = Field(
         None,
@@ -330,6 +332,11 @@ class TrainConfig(Section):
         "engine actors), distributed (pause, process-group broadcast in buckets, flush, continue), "
         "disk (save_pretrained + /update_weights_from_disk).",
     )
+    update_weights_interval: int = Field(
+        1, ge=1,
+        description="Push new weights to the engines every N train steps (and after the last "
+        "step, and before an evaluation); generation in between uses the last pushed version.",
+    )
     update_weight_buffer_size: int = Field(
         512 * 1024**2, ge=1, description="Bytes per weight-update bucket (tensor/distributed)."
     )
@@ -441,6 +448,11 @@ class RollflowConfig(Section):
             raise ValueError(
                 "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
+            )
+        if self.cluster.colocate and self.train.update_weights_interval > 1:
+            raise ValueError(
+                "train.update_weights_interval > 1 needs cluster.colocate=false: colocated "
+                "engines release their weights during training and get them back by a push"
             )
         return self
 

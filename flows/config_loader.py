@@ -6,6 +6,7 @@ Override values are parsed as YAML scalars/lists (`8`, `1e-4`, `true`, `[1, 2]`,
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of `data` with each `a.b.c=value` applied (the input is left untouched)."""
+    data = copy.deepcopy(data)
     for item in overrides:
         parts, value = parse_override(item)
         node = data

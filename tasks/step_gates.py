@@ -22,9 +22,9 @@ from collections.abc import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from engines.weight_schedule import pushes_weights, required_weight_version
 from flows.config import RollflowConfig
 from storage.run_layout import RunLayout
-from tasks.step_tasks import required_weight_version
 
 
 class UpstreamStepFailed(RuntimeError):
@@ -71,7 +71,7 @@ def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
 def wait_for_next_generate(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
     """Weights change only between generations (slime waits for the next rollout too)."""
     nxt = rollout_id + 1
-    if nxt >= cfg.rollout.num_rollout:
+    if nxt >= cfg.rollout.num_rollout or not pushes_weights(cfg, rollout_id):
         return 0.0
     return wait_until(
         layout, lambda: layout.task_record(nxt, "generate") is not None, nxt,

@@ -18,6 +18,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from engines.weight_schedule import pushes_weights, required_weight_version
 from flows.actors import RunActors, get_or_create_actors
 from flows.config import RollflowConfig
 from flows.reporting import artifact_key
@@ -82,12 +83,6 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> dict[s
         create_progress_artifact(100.0, key=artifact_key(ctx.cfg.storage.run_name, "generation"),
                                  description=f"step {rollout_id}: groups kept / rollout_batch_size")
     return result
-
-
-def required_weight_version(cfg: RollflowConfig, rollout_id: int) -> int:
-    """Oldest policy allowed to generate step `rollout_id` (its own version when synchronous)."""
-    staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
-    return max(0, rollout_id - staleness)
 
 
 @task(name="sample_prompts", **TASK_OPTIONS)
@@ -180,6 +175,8 @@ def broadcast_weights(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     actors = ctx.reattach()
     if ctx.cfg.cluster.colocate:
         colocate.resume_engines(actors)
+    if not pushes_weights(ctx.cfg, rollout_id):  # train.update_weights_interval
+        return {"engines_updated": 0, "seconds": time.perf_counter() - start}
     record = sync_engine_weights(actors, weight_sync=ctx.cfg.train.weight_sync)
     return {**record, "seconds": time.perf_counter() - start}
 

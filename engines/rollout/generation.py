@@ -184,8 +184,12 @@ class GenerationLoop:
         custom_generate: GenerateFn | None = None,
         dynamic_filter: DynamicFilter | None = None,
         progress: Callable[[int, int], None] | None = None,
+        min_weight_version: int | None = None,
     ) -> None:
         self.cfg = cfg
+        # Buffered samples started on an older policy are regenerated (async max_staleness).
+        self.min_weight_version = min_weight_version
+        self.stale_regenerated = 0
         self.dispatch: Dispatch = (
             dispatch if isinstance(dispatch, Dispatch) else RoundRobinDispatch(dispatch)
         )
@@ -230,7 +234,19 @@ class GenerationLoop:
             apply_output(s, out)
             self.generated_tokens += len(out.output_ids)
 
+    def _regenerate_stale(self, group: Group) -> None:
+        """Reset samples whose first token came from a policy older than allowed."""
+        oldest = self.min_weight_version
+        if oldest is None:
+            return
+        for s in group:
+            started = int(s.metadata.get("start_weight_version", s.weight_version))
+            if s.response_length > 0 and started < oldest:
+                reset_to_prompt(s)
+                self.stale_regenerated += 1
+
     async def generate_group(self, group: Group) -> Group:
+        self._regenerate_stale(group)
         todo = [s for s in group if s.status not in FINISHED]
         live = [(s, p) for s in todo if (p := self._prepare(s)) is not None]
         if live:
@@ -319,6 +335,7 @@ class GenerationLoop:
         stats.generated_tokens = self.generated_tokens
         stats.abort_seconds = time.perf_counter() - abort_start
         counts["resumed_samples"] = self.resumed_samples
+        counts["stale_regenerated_samples"] = self.stale_regenerated
         return RolloutResult(kept, sorted(returned, key=first_index), stats, counts)
 
     async def _abort_and_drain(self, pending: dict[asyncio.Task[Group], Group]) -> list[Group]:

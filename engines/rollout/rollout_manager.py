@@ -29,6 +29,7 @@ from engines.rollout.generation import (
 from engines.rollout.protocols import GenerateFn as GenerateFnProtocol
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
+from engines.weight_schedule import oldest_trainable_version
 from flows.config import RollflowConfig
 from storage.batch_io import read_samples, write_samples
 from storage.object_store import open_store
@@ -262,6 +263,7 @@ class RolloutManager:
             result = asyncio.run(run_generation(
                 self.cfg, self.engine_urls, self.router_url(), self.hooks, step_source, target,
                 self.tokenizer, progress=ProgressFile(self.layout, rollout_id),
+                min_weight_version=oldest_trainable_version(self.cfg, rollout_id),
             ))
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
@@ -358,6 +360,7 @@ async def run_generation(
     target: int,
     tokenizer: Any = None,
     progress: Callable[[int, int], None] | None = None,
+    min_weight_version: int | None = None,
 ) -> RolloutResult:
     """One step's dynamic-sampling generation through the router (or the engines directly)."""
     engines = [SGLangClient(url) for url in urls]
@@ -370,7 +373,7 @@ async def run_generation(
         loop = GenerationLoop(
             cfg.rollout, dispatch, hooks.rewards, args,
             custom_generate=hooks.custom_generate, dynamic_filter=hooks.dynamic_filter,
-            progress=progress,
+            progress=progress, min_weight_version=min_weight_version,
         )
         return await loop.run_dynamic(source, target)
     finally:

@@ -132,3 +132,34 @@ def test_manual_policy_routes_a_session_to_one_engine():
         router.shutdown()
         for e in engines:
             e.shutdown()
+
+
+def test_buffered_samples_older_than_the_staleness_bound_are_regenerated():
+    engine = EngineActor(EngineConfig(backend="mock"), 0)
+    engine.update_weights_from_tensor({}, 2)
+    cfg = RolloutConfig(num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2,
+                        max_response_len=4, ignore_eos=True, partial_rollout=True)
+    stale = Sample(index=0, group_index=0, tokens=[1, 2, 3])
+    stale.append_response([7, 7, 7, 7], [-1.0] * 4, "")
+    stale.status, stale.metadata["start_weight_version"] = Status.TRUNCATED, 0
+    partial = Sample(index=1, group_index=0, tokens=[1, 2, 3])
+    partial.append_response([8, 8], [-1.0] * 2, "")
+    partial.status, partial.metadata["start_weight_version"] = Status.ABORTED, 1
+
+    async def run() -> GenerationLoop:
+        async with SGLangClient(engine.url()) as client:
+            loop = GenerationLoop(cfg, [client], None, min_weight_version=1)
+            await loop.generate_group([stale, partial])
+        return loop
+
+    try:
+        loop = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert loop.stale_regenerated == 1
+    # The too-old sample starts over on the current policy...
+    assert stale.tokens[3:] != [7, 7, 7, 7] and stale.response_length == 4
+    assert stale.metadata["start_weight_version"] == 2 and stale.weight_version == 2
+    # ...the one within the bound keeps its tokens and continues.
+    assert partial.tokens[3:5] == [8, 8] and partial.response_length == 4
+    assert partial.metadata["start_weight_version"] == 1 and partial.weight_version == 2

@@ -1,0 +1,44 @@
+"""When the engines get new weights, and how old a sample's weights may be (pure arithmetic).
+
+Training step k moves the trainer to weight version k + 1. The engines receive it after step k
+only on a push step: every `train.update_weights_interval` steps, the last step, and before an
+evaluation. Generation of step k therefore runs on an older version, and in one-step
+off-policy mode a further `rollout.max_staleness` versions behind:
+
+```
+update_weights_interval = 2, synchronous:        steps 0 1 | 2 3 | 4 5
+    pushes after steps 1, 3, 5 (v2, v4, v6)      gen. by   0 0 | 2 2 | 4 4
+```
+The same numbers drive the gate that waits for weights (tasks/step_gates.py), the version
+a restarted engine is brought to, and which buffered samples are too old to train on.
+"""
+
+from __future__ import annotations
+
+from flows.config import RollflowConfig
+
+
+def required_weight_version(cfg: RollflowConfig, rollout_id: int) -> int:
+    """Oldest policy allowed to generate step `rollout_id`: the last version pushed before
+    it, less `max_staleness` in async mode (its own version when synchronous, interval 1)."""
+    staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
+    interval = cfg.train.update_weights_interval
+    return max(0, rollout_id - staleness) // interval * interval
+
+
+def pushes_weights(cfg: RollflowConfig, rollout_id: int) -> bool:
+    """Whether step `rollout_id` ends by pushing its new weights to the engines."""
+    after = rollout_id + 1
+    if after % cfg.train.update_weights_interval == 0 or after >= cfg.rollout.num_rollout:
+        return True
+    interval = cfg.eval.eval_interval
+    return bool(cfg.eval.datasets and interval and after % interval == 0)
+
+
+def oldest_trainable_version(cfg: RollflowConfig, rollout_id: int) -> int | None:
+    """Samples drawn back from the buffer (partial rollouts, surplus groups) whose first token
+    came from a version older than this are regenerated from the prompt. Synchronous runs
+    keep slime's unbounded partial rollouts (None)."""
+    if not cfg.rollout.off_policy_async:
+        return None
+    return required_weight_version(cfg, rollout_id)
