@@ -100,15 +100,15 @@ def bench_ray(cfg: Any) -> list[float]:
 def bench_prefect(cfg: Any) -> list[float]:
     from flows.actors import get_or_create_actors, kill_run_actors
     from flows.cluster import connect
-    from flows.rollout_step import rollout_step
+    from flows.rollout_step import run_rollout_step
 
     connect(cfg.cluster)
     get_or_create_actors(cfg)
-    rollout_step(cfg, 0)  # warm-up: the Prefect server's first flow run pays for start-up
+    run_rollout_step(cfg, 0)  # warm-up: the Prefect server's first flow run pays for start-up
     cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"run_name": cfg.storage.run_name + "-2"})})
     get_or_create_actors(cfg)
     try:
-        return time_steps(lambda k: rollout_step(cfg, k), cfg.rollout.num_rollout)
+        return time_steps(lambda k: run_rollout_step(cfg, k), cfg.rollout.num_rollout)
     finally:
         kill_run_actors(cfg)
 

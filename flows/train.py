@@ -23,7 +23,7 @@ from flows.config import RollflowConfig
 from flows.config_loader import dump_config
 from flows.logging_sinks import open_sinks
 from flows.reporting import publish_run_report
-from flows.rollout_step import open_layout, rollout_step
+from flows.rollout_step import open_layout, run_rollout_step
 from storage.run_layout import RunLayout
 from tasks import step_tasks as t
 
@@ -40,7 +40,7 @@ StepDone = Callable[[int, dict[str, Any]], None]
 
 def run_sequential(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
     for rollout_id in range(start, config.rollout.num_rollout):
-        done(rollout_id, rollout_step(config, rollout_id))
+        done(rollout_id, run_rollout_step(config, rollout_id))
 
 
 def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
@@ -54,7 +54,7 @@ def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: S
     with ThreadPoolExecutor(max_workers=3 + config.rollout.max_staleness) as pool:
         for rollout_id in range(start, total):
             context = contextvars.copy_context()
-            future = pool.submit(context.run, rollout_step, config, rollout_id)
+            future = pool.submit(context.run, run_rollout_step, config, rollout_id)
             in_flight[rollout_id] = future
             rollout_done = partial(layout.task_record, rollout_id, "generate")
             while rollout_done() is None and not future.done():

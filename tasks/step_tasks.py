@@ -17,6 +17,7 @@ import ray
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 
 from engines.weight_schedule import pushes_weights, required_weight_version
 from flows.actors import RunActors, get_or_create_actors
@@ -35,8 +36,13 @@ class StepContext:
     actors: RunActors
 
     def reattach(self) -> RunActors:
-        """Fresh handles (recreating any actor that died), so a retried task works even
-        after the failure that made it retry killed an engine or the trainer."""
+        """Handles for this task attempt. A retry gets fresh ones (recreating any actor that
+        died), so it works even after the failure that made it retry killed an engine or
+        the trainer; a first attempt keeps the flow run's handles, since looking the actors
+        up again costs ~0.1 s per task (0.4 s of a mock step)."""
+        task_run = TaskRunContext.get()
+        if task_run is not None and task_run.task_run.run_count <= 1:
+            return self.actors
         self.actors = get_or_create_actors(self.cfg)
         return self.actors
 
