@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
 
 class Section(BaseModel):
@@ -363,10 +370,40 @@ class StorageConfig(Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec/s3fs options, e.g. {key, secret} or {profile}. They travel with "
-        "the config to every actor (and into config.yaml and the Prefect UI), so for real "
-        "secrets prefer AWS_* env vars or instance credentials on every Ray node.",
+        "the config to every actor; config.yaml and the Prefect UI show secret-looking ones "
+        "(key, secret, token, password) as REDACTED, so a replay or a UI retry needs them again "
+        "(prefer AWS_* env vars or instance credentials on every Ray node).",
     )
     compression: Literal["zstd", "lz4"] | None = "zstd"
+
+    @field_serializer("storage_options")
+    def _redact(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Pickling (Ray) keeps the values; every dump (config.yaml, Prefect) hides them."""
+        return redact_secrets(options)
+
+
+REDACTED = "REDACTED"
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
+
+
+def redact_secrets(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the values of secret-looking keys replaced by REDACTED (nested too)."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if isinstance(value, dict):
+            out[name] = redact_secrets(value)
+        elif any(word in name.lower() for word in _SECRET_WORDS) and value is not None:
+            out[name] = REDACTED
+        else:
+            out[name] = value
+    return out
+
+
+def drop_redacted(options: dict[str, Any]) -> dict[str, Any]:
+    """Inverse use: a config read back from config.yaml forgets the REDACTED placeholders,
+    so the credentials come from the environment (or `--set`) instead."""
+    return {k: drop_redacted(v) if isinstance(v, dict) else v
+            for k, v in options.items() if v != REDACTED}
 
 
 class EvalDataset(Section):

@@ -54,11 +54,13 @@ def replay_config(
     `root`, then the user's `--set` overrides (which may rename it or change the loss)."""
     import yaml
 
+    from flows.config import drop_redacted
     from flows.config_loader import apply_overrides, config_from_dict
 
     data = yaml.safe_load(source_text) or {}
     storage = data.setdefault("storage", {})
     storage.update(uri=root, run_name=f"{source_run}-replay-{steps[0]}-{steps[1]}")
+    storage["storage_options"] = drop_redacted(storage.get("storage_options") or {})
     if endpoint_url:
         storage["endpoint_url"] = endpoint_url
     return config_from_dict(apply_overrides(data, overrides))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flows.config import ConfigError
-from flows.config_loader import load_config
+from flows.config_loader import config_from_dict, load_config
 
 BASE = """
 data: {prompt_data: p.jsonl}
@@ -48,3 +48,29 @@ def test_missing_required_section_is_named(tmp_path):
 def test_cross_section_requirements(tmp_path):
     with pytest.raises(ConfigError, match="model_path"):
         load_config(write(tmp_path), ["train.backend=torch"])
+
+
+def test_storage_secrets_never_reach_config_yaml_but_survive_pickling():
+    import pickle
+
+    import yaml
+
+    from flows.config import REDACTED, StorageConfig, drop_redacted
+    from flows.config_loader import dump_config
+
+    options = {"key": "AKIA123", "secret": "s3cr3t", "anon": False,
+               "client_kwargs": {"region_name": "us-east-1", "aws_session_token": "tok"}}
+    storage = StorageConfig(storage_options=options)
+    dumped = storage.model_dump(mode="json")["storage_options"]
+    assert dumped == {"key": REDACTED, "secret": REDACTED, "anon": False,
+                      "client_kwargs": {"region_name": "us-east-1", "aws_session_token": REDACTED}}
+    # Ray ships configs by pickle: the actors still get the real values.
+    assert pickle.loads(pickle.dumps(storage)).storage_options == options
+    # Read back (replay), the placeholders are dropped so env credentials apply.
+    assert drop_redacted(dumped) == {"anon": False, "client_kwargs": {"region_name": "us-east-1"}}
+    cfg = config_from_dict({"data": {"prompt_data": "x.jsonl"},
+                            "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+                            "train": {"backend": "mock"}, "engine": {"backend": "mock"},
+                            "storage": {"storage_options": options}})
+    assert "s3cr3t" not in dump_config(cfg) and "AKIA123" not in dump_config(cfg)
+    assert yaml.safe_load(dump_config(cfg))["storage"]["storage_options"]["secret"] == REDACTED
