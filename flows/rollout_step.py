@@ -41,9 +41,17 @@ def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
     except BaseException as e:
         layout.mark_failed(rollout_id, repr(e))
         raise
-    # The table only: re-plotting every step would cost more than the step's bookkeeping.
-    publish_step_report(layout, rollout_id, metrics, make_plot=False)
+    publish_step_report(layout, rollout_id, metrics, make_plot=plots_curves(config, rollout_id))
     return metrics
+
+
+def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:
+    """Every `logging.plot_interval` steps and at the last: a plot (~0.2 s) every step
+    would cost more than the step's bookkeeping."""
+    interval = cfg.logging.plot_interval
+    if not cfg.logging.plot or interval is None:
+        return False
+    return (rollout_id + 1) % interval == 0 or rollout_id + 1 == cfg.rollout.num_rollout
 
 
 def run_rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:

@@ -87,6 +87,15 @@ def test_two_steps_show_up_in_the_prefect_server(
     progress = kinds[f"{run}-steps"]
     assert progress["type"] == "progress" and float(progress["data"]) == 100.0
 
+    # Each step's flow run: its metrics table and generation progress; the last one, curves.
+    for step in ("rollout-0", "rollout-1"):
+        step_artifacts = api(prefect_server, "/artifacts/filter", {
+            "artifacts": {"flow_run_id": {"any_": [by_name[step]["id"]]}}})
+        step_kinds = {a["key"]: a["type"] for a in step_artifacts if a["key"]}
+        assert step_kinds["step-metrics"] == "table"
+        assert step_kinds[f"{run}-generation"] == "progress"
+        assert ("reward-curves" in step_kinds) == (step == "rollout-1"), step_kinds
+
 
 def test_prefect_yaml_deploys_to_the_server(prefect_server):
     api(prefect_server, "/work_pools/", {"name": "rollflow-process", "type": "process"})
