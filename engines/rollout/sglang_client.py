@@ -71,6 +71,20 @@ def _error_message(response: httpx.Response) -> str:
     return response.text.strip()
 
 
+def generate_body(
+    input_ids: Any, sampling_params: Any, rid: Any, return_logprob: bool
+) -> dict[str, Any]:
+    """SGLang's `/generate` body; a list of `input_ids` (and of rids) makes it a batch."""
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params,
+        "return_logprob": return_logprob,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
 class SGLangClient:
     """Async client of one SGLang endpoint (a server or a router); use as a context manager."""
 
@@ -114,14 +128,9 @@ class SGLangClient:
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateOutput:
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        response = await self._request("POST", "/generate", body)
+        response = await self._request(
+            "POST", "/generate", generate_body(input_ids, sampling_params, rid, return_logprob)
+        )
         return parse_output(response.json())
 
     async def generate_batch(
@@ -134,14 +143,9 @@ class SGLangClient:
         """One HTTP call for the whole batch (SGLang's batched `input_ids`)."""
         if not input_ids:
             return []
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if rids is not None:
-            body["rid"] = rids
-        response = await self._request("POST", "/generate", body)
+        response = await self._request(
+            "POST", "/generate", generate_body(input_ids, sampling_params, rids, return_logprob)
+        )
         return [parse_output(item) for item in response.json()]
 
     async def abort(self, rid: str) -> None:
