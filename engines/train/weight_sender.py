@@ -190,9 +190,13 @@ class DistributedWeightSender(_HTTPSender):
 
     def close(self) -> None:
         if self.group is not None:
-            self.post_all("/destroy_weights_update_group", {"group_name": self.group_name})
+            # Both ends tear down at once: NCCL's communicator teardown waits for the peers,
+            # so destroying ours only after the engines answer would deadlock.
+            pending = self.post_async("/destroy_weights_update_group", {"group_name": self.group_name})
             self.group.destroy()
             self.group = None
+            for request in pending:
+                request.result()
         super().close()
 
 

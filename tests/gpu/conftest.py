@@ -26,15 +26,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def qwen2_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A randomly initialised Qwen2-shaped model (GQA, q/k/v biases, untied head)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.gpu._data import save_qwen2_tiny
 
-    cfg = Qwen2Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("qwen2-tiny"))
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_qwen2_tiny(str(tmp_path_factory.mktemp("qwen2-tiny")))

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from flows.config import AlgorithmConfig, TrainConfig
-from storage.sample import Sample
+from tests.gpu._data import grpo_samples
 
 pytestmark = pytest.mark.gpu
 
 
-def _samples(n_groups: int = 4, group: int = 4, vocab: int = 256, seed: int = 0) -> list[Sample]:
-    rng = random.Random(seed)
-    out = []
-    for g in range(n_groups):
-        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 9))]
-        for j in range(group):
-            resp = [rng.randrange(1, vocab) for _ in range(rng.randint(2, 12))]
-            mask = [1] * len(resp)
-            mask[0] = 0 if j == 1 else 1  # a masked token somewhere
-            out.append(Sample(
-                index=g * group + j, group_index=g, tokens=prompt + resp,
-                response_length=len(resp), loss_mask=mask, reward=float(rng.random() > 0.5),
-            ))
-    return out
+_samples = grpo_samples
 
 
 def _cfgs(
@@ -87,22 +72,22 @@ def test_step0_ppo_kl_is_zero_in_bf16(qwen2_tiny_dir: str) -> None:
     assert metrics["weight_version"] == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: after dist_checkpointing load the next step's loss differs ~0.8% "
-    "(-0.010192 vs -0.010272 on H200): weights restore but Adam state does not fully"))
 def test_checkpoint_round_trip(qwen2_tiny_dir: str, tmp_path: pytest.TempPathFactory) -> None:
     from transformers import AutoModelForCausalLM
 
     from engines.train.megatron import MegatronTrainBackend
+    from engines.train.megatron.backend import adam_step
 
     samples = _samples(seed=5)
     a = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir))
     a.train(samples, 0)
     a.save_checkpoint(str(tmp_path))
+    saved_step = adam_step(a.optimizer)
     expected = a.train(samples, 1)  # the uninterrupted run's next step
     b = MegatronTrainBackend(*_cfgs(qwen2_tiny_dir))
     b.load_checkpoint(str(tmp_path))
     assert b.version == 1
+    assert adam_step(b.optimizer) == saved_step == 2.0  # two optimizer steps (gbs 8 of 16)
     resumed = b.train(samples, 1)
     for key in ("loss", "pg_loss", "grad_norm", "approx_kl"):
         assert resumed[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key

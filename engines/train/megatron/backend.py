@@ -45,6 +45,7 @@ from engines.train.megatron.hf_convert import (
     shard_tp,
     stage_layers,
 )
+from engines.train.megatron.model import transformer_config
 from engines.train.metrics import SKIPPED, TrainMetrics
 from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
@@ -95,6 +96,9 @@ class MegatronTrainBackend:
         torch.manual_seed(train_cfg.seed)
         self._shuffle = torch.Generator().manual_seed(train_cfg.seed)
         self.pad_token_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        # One config for actor and reference: the schedule reads `finalize_model_grads_func`
+        # (DP grad reduce, tied-embedding all-reduce across PP stages) from the actor's.
+        self.config = transformer_config(self.shape, self.tp, self.pp, self._dtype)
         self.model = self._build(train_cfg.model_path, trainable=True)
         self.ref_model = self._build(train_cfg.model_path, trainable=False) if algo_cfg.use_kl_loss else None
         self.optimizer = self._make_optimizer()
@@ -111,9 +115,8 @@ class MegatronTrainBackend:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from transformers import AutoModelForCausalLM
 
-        from engines.train.megatron.model import build_gpt_model, transformer_config
+        from engines.train.megatron.model import build_gpt_model
 
-        self.config = transformer_config(self.shape, self.tp, self.pp, self._dtype)
         model = build_gpt_model(self.shape, self.config).cuda()
         hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).state_dict()
         pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -328,6 +331,7 @@ class MegatronTrainBackend:
         from transformers import AutoModelForCausalLM
 
         hf_sd = self.state_dict_for_engine()
+        step = adam_step(self.optimizer)
         ckpt = os.path.join(local_dir, DIST_DIR)
         if dist.get_rank() == 0:
             os.makedirs(ckpt, exist_ok=True)
@@ -339,14 +343,17 @@ class MegatronTrainBackend:
             hf.save_pretrained(local_dir)
             torch.save({"torch": torch.get_rng_state(), "shuffle": self._shuffle.get_state()},
                        os.path.join(local_dir, RNG_FILE))
+            meta = {"version": self.version, "backend": "megatron", "adam_step": step}
             with open(os.path.join(local_dir, META_FILE), "w") as f:
-                json.dump({"version": self.version, "backend": "megatron"}, f)
+                json.dump(meta, f)
         dist.barrier()
 
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore model, optimizer, RNG and version written by `save_checkpoint`."""
         from megatron.core import dist_checkpointing
 
+        with open(os.path.join(local_dir, META_FILE)) as f:
+            meta = json.load(f)
         # Without apex/TE the optimizer's state_dict() needs Adam state to exist: a fresh one
         # takes megatron's zero-gradient dummy step; the load overwrites it (and the weights).
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -356,11 +363,41 @@ class MegatronTrainBackend:
         self.model.module.load_state_dict(state["model"])
         with torch.no_grad():  # fp32 runs: the optimizer's params are the model's leaves
             self.optimizer.load_state_dict(state["optimizer"])
+        if meta.get("adam_step") is not None:
+            set_adam_step(self.optimizer, float(meta["adam_step"]))
         rng = torch.load(os.path.join(local_dir, RNG_FILE), weights_only=True)
         torch.set_rng_state(rng["torch"])
         self._shuffle.set_state(rng["shuffle"])
-        with open(os.path.join(local_dir, META_FILE)) as f:
-            self.version = int(json.load(f)["version"])
+        self.version = int(meta["version"])
+
+
+def _inner_states(optimizer: Any) -> list[dict[str, Any]]:
+    """The per-parameter state dicts of the torch optimizers under megatron's wrappers."""
+    return [state for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            for state in opt.optimizer.state.values()]
+
+
+def adam_step(optimizer: Any) -> float | None:
+    """torch Adam's step count (the same for every parameter), None before the first step
+    or where the step lives in param groups (apex / TE FusedAdam)."""
+    steps = {float(s["step"]) for s in _inner_states(optimizer) if isinstance(s.get("step"), Tensor)}
+    if len(steps) > 1:
+        raise RuntimeError(f"Adam step counts differ across parameters: {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def set_adam_step(optimizer: Any, step: float) -> None:
+    """Give every parameter its own Adam `step` tensor holding `step`.
+
+    Without apex/TE, megatron's dist-checkpoint load gets this wrong twice: the `dp_reshardable`
+    param state treats `step` as local (so the load copies back the dummy-init step, 1), and
+    `DistributedOptimizer.load_state_dict` puts *one* tensor in every parameter's state, which
+    torch Adam's in-place `step += 1` then advances once per parameter per update. Either way
+    the bias correction after a resume is wrong.
+    """
+    for state in _inner_states(optimizer):
+        if isinstance(state.get("step"), Tensor):
+            state["step"] = torch.full_like(state["step"], step)
 
 
 def _summarise(

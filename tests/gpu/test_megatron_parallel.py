@@ -1,0 +1,123 @@
+"""TP=2, PP=2 and DP=2 against one GPU: same weights and batch, same numbers (>= 2 GPUs).
+
+Each layout runs as its own `torchrun` job (megatron's process groups are per process), on
+an untied and a tied-embedding model: PP=2 with tied embeddings keeps a copy of the word
+embeddings on the last stage and must all-reduce its gradient with the first stage's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.gpu._data import save_qwen2_tiny
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
+MODEL_NAMES = ("untied", "tied")
+# Max |layout - one GPU| / |update| per tensor. Adam's early steps are ~lr * sign(grad), so
+# reduction-order noise in near-zero gradients moves TP's LM head by ~10% of its update;
+# a missing or wrong gradient reduction gives ~100%.
+UPDATE_TOL = 0.3
+# NVLink multicast must stay off on shared hosts (see the device notes); harmless elsewhere.
+NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+needs_two = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+
+
+def launch(out: Path, models: list[str], nproc: int, tp: int, pp: int) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **NCCL_SAFE_ENV,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "tests.gpu.megatron_parallel_worker",
+           f"--tp={tp}", f"--pp={pp}", f"--out={out}", *models]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    if proc.returncode:
+        pytest.fail(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return dict(json.loads((out / "result.json").read_text()))
+
+
+Run = tuple[dict[str, Any], Path]
+
+
+@pytest.fixture(scope="module")
+def run_layout(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """`run_layout(name)`: that layout's results, each torchrun job launched once, on demand
+    (so `-k tp2` launches only the one-GPU base and TP=2)."""
+    root = tmp_path_factory.mktemp("mcore-parallel")
+    models = [save_qwen2_tiny(str(root / name), tie_word_embeddings=name == "tied")
+              for name in MODEL_NAMES]
+    done: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in done:
+            nproc, (tp, pp) = (1, (1, 1)) if name == "base" else (2, LAYOUTS[name])
+            done[name] = (launch(root / name, models, nproc, tp, pp), root / name)
+        return done[name]
+
+    return get
+
+
+def update_errors(got_dir: Path, base_dir: Path, m: int, k: int) -> dict[str, float]:
+    """Per HF tensor: |layout's weights - one GPU's| / |one GPU's update| after step k.
+
+    Relative to the step's own update (see UPDATE_TOL): an elementwise bound would flake.
+    """
+    if k == 0:
+        from transformers import AutoModelForCausalLM
+
+        model_dir = base_dir.parent / MODEL_NAMES[m]
+        before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    else:
+        before = torch.load(base_dir / f"weights_{m}_{k - 1}.pt", weights_only=True)
+    ref = torch.load(base_dir / f"weights_{m}_{k}.pt", weights_only=True)
+    got = torch.load(got_dir / f"weights_{m}_{k}.pt", weights_only=True)
+    assert got.keys() == ref.keys()
+    return {n: float((got[n] - ref[n]).norm() / (ref[n] - before[n]).norm().clamp_min(1e-12))
+            for n in ref}
+
+
+@needs_two
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_one_gpu(run_layout: Callable[[str], Run], layout: str) -> None:
+    base, base_dir = run_layout("base")
+    got, got_dir = run_layout(layout)
+    problems = []
+    for m, (ours, ref) in enumerate(zip(got["models"], base["models"], strict=True)):
+        what = f"{layout} {MODEL_NAMES[m]}"
+        if ours["export_mismatch"]:  # sharded -> HF export must be exact
+            problems.append(f"{what}: export differs: {ours['export_mismatch'][:5]}")
+        if not all(ours["dp_agree"]):
+            problems.append(f"{what}: DP replicas diverged: {ours['dp_agree']}")
+        lp_err = max(float((torch.tensor(a) - torch.tensor(b)).abs().max())
+                     for a, b in zip(ours["log_probs"], ref["log_probs"], strict=True))
+        if lp_err > 1e-4:
+            problems.append(f"{what}: log-probs differ by {lp_err:.2e}")
+        for k, (s, r) in enumerate(zip(ours["steps"], ref["steps"], strict=True)):
+            errs = update_errors(got_dir, base_dir, m, k)
+            worst = sorted(errs.items(), key=lambda kv: -kv[1])[:4]
+            print(f"{what} step {k}: loss {s['loss']:.7f}/{r['loss']:.7f} grad_norm "
+                  f"{s['grad_norm']:.6f}/{r['grad_norm']:.6f} worst update errors {worst}")
+            for key in ("loss", "pg_loss", "kl_loss", "entropy", "approx_kl", "clipfrac"):
+                # rel 1e-3: TP's kl_loss after one step differs by ~2e-4 (the Adam noise above)
+                if s[key] != pytest.approx(r[key], rel=1e-3, abs=2e-5):
+                    problems.append(f"{what} step {k}: {key} {s[key]} vs {r[key]}")
+            if s["grad_norm"] != pytest.approx(r["grad_norm"], rel=1e-3):
+                problems.append(f"{what} step {k}: grad_norm {s['grad_norm']} vs {r['grad_norm']}")
+            if worst[0][1] > UPDATE_TOL:
+                problems.append(f"{what} step {k}: weights differ: {worst}")
+    print("\n".join(problems))
+    assert not problems, "\n".join(problems)
