@@ -16,16 +16,27 @@ colocated:           train and rollout both use [0, actor_num_nodes x actor_num_
 ```
 
 The group is detached and named after the run, so a rerun of the driver finds it again
-instead of reserving the resources twice.
+instead of reserving the resources twice. The bundle order is probed once, when the group is
+created, and kept in Ray's KV store next to it: a probe needs a free slot in its bundle, and
+once the trainer and engines fill their bundles a second probe would wait forever (this is
+what hung the first wiring attempt on every flow run after the first).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from flows.config import ClusterConfig, ConfigError
+
+# Share of a bundle each actor asks for. Colocated, the trainer and an engine share a bundle
+# (slime gives them 0.4 / 0.2 of a GPU); the rest stays free. On CPU bundles the same
+# fractions apply to the bundle's CPU.
+TRAIN_SHARE = {False: 1.0, True: 0.4}
+ENGINE_SHARE = {False: 1.0, True: 0.2}
+_KV_NAMESPACE = "rollflow-placement"
 
 
 @dataclass(frozen=True)
@@ -137,14 +148,18 @@ class Placement:
         remove_placement_group(self.pg)
 
 
-class _BundleProbe:
-    """Reports where it runs; one per bundle, killed right after."""
+def _where() -> tuple[str, int]:
+    """A probe task's node IP and GPU id (a task, not an actor: it reuses pooled workers)."""
+    import ray
 
-    def where(self) -> tuple[str, int]:
-        import ray
+    gpu_ids = ray.get_gpu_ids()
+    return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
 
-        gpu_ids = ray.get_gpu_ids()
-        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
+
+def use_placement(cfg: ClusterConfig) -> bool:
+    """`cluster.placement`: auto reserves bundles only on clusters with GPUs (on CPU-only
+    machines actors otherwise take no CPU slot, so any number of runs share one head)."""
+    return cfg.placement == "always" or (cfg.placement == "auto" and cluster_has_gpus())
 
 
 def cluster_has_gpus() -> bool:
@@ -153,25 +168,60 @@ def cluster_has_gpus() -> bool:
     return float(ray.cluster_resources().get("GPU", 0)) > 0
 
 
-def probe_bundles(pg: Any, num_bundles: int, use_gpu: bool) -> list[BundleInfo]:
+def probe_bundles(
+    pg: Any, num_bundles: int, use_gpu: bool, timeout_s: float = 60.0
+) -> list[BundleInfo]:
+    """Where each bundle landed. A GPU probe must hold a sliver of the bundle's GPU to learn
+    its id, so this only runs on a fresh group (see the module docstring)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    probe: Any = ray.remote(_BundleProbe)
-    resource = {"num_gpus": 0.01, "num_cpus": 0} if use_gpu else {"num_cpus": 0.01}
-    actors: list[Any] = [
+    probe: Any = ray.remote(_where)
+    resource = {"num_gpus": 0.01, "num_cpus": 0} if use_gpu else {"num_cpus": 0}
+    refs = [
         probe.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            **resource,
+            max_retries=0, **resource,
         ).remote()
         for i in range(num_bundles)
     ]
     try:
-        where = ray.get([a.where.remote() for a in actors])
-    finally:
-        for a in actors:
-            ray.kill(a)
+        where = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        for ref in refs:
+            ray.cancel(ref)
+        raise RuntimeError(
+            f"bundle probes of placement group {pg.id.hex()} did not run within {timeout_s:.0f}s"
+            " (are its bundles already full?)"
+        ) from exc
     return [BundleInfo(i, ip, gpu) for i, (ip, gpu) in enumerate(where)]
+
+
+def _missing_resources(num_bundles: int, bundle: dict[str, float]) -> str:
+    import ray
+
+    free, total = ray.available_resources(), ray.cluster_resources()
+    return ", ".join(
+        f"{key}: needs {num_bundles * amount:g}, free {free.get(key, 0.0):g} of "
+        f"{total.get(key, 0.0):g}"
+        for key, amount in bundle.items()
+    )
+
+
+def _saved_order(name: str) -> list[BundleInfo] | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(name, namespace=_KV_NAMESPACE)
+    if raw is None:
+        return None
+    return [BundleInfo(*row) for row in json.loads(raw)]
+
+
+def _save_order(name: str, bundles: list[BundleInfo]) -> None:
+    from ray.experimental import internal_kv
+
+    rows = [[b.index, b.node_ip, b.gpu_id] for b in bundles]
+    internal_kv._internal_kv_put(name, json.dumps(rows), overwrite=True, namespace=_KV_NAMESPACE)
 
 
 def create_placement(
@@ -179,15 +229,16 @@ def create_placement(
 ) -> Placement:
     """Reserve (or find, by `name`) the run's placement group and order its bundles.
 
-    Needs a connected Ray driver. Fails with the plan in the message if the cluster cannot
-    hold the bundles within `timeout_s`, instead of waiting forever.
+    Needs a connected Ray driver. Fails with the missing resources in the message if the
+    cluster cannot hold the bundles within `timeout_s` (and withdraws the request, so it
+    does not grab resources later), instead of waiting forever.
     """
     import ray
-    from ray.util import get_placement_group, placement_group
+    from ray.util import get_placement_group, placement_group, remove_placement_group
 
     plan = plan_resources(cfg)
     use_gpu = cluster_has_gpus()
-    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     pg = None
     if name is not None:
         try:
@@ -199,6 +250,7 @@ def create_placement(
             f"placement group {name!r} has {len(pg.bundle_specs)} bundles but the cluster "
             f"section asks for {plan.num_bundles}; remove it or use another run name"
         )
+    created = pg is None
     if pg is None:
         options: dict[str, Any] = {"strategy": "PACK"}
         if name is not None:
@@ -206,8 +258,56 @@ def create_placement(
         pg = placement_group([dict(bundle) for _ in range(plan.num_bundles)], **options)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
+        missing = _missing_resources(plan.num_bundles, bundle)
+        if created:
+            remove_placement_group(pg)
         raise RuntimeError(
-            f"placement group of {plan.num_bundles} x {bundle} bundles not ready after "
-            f"{timeout_s:.0f}s (cluster resources: {ray.cluster_resources()})"
+            f"placement group {name or pg.id.hex()} of {plan.num_bundles} x {bundle} bundles "
+            f"could not be placed within {timeout_s:.0f}s ({missing}); other runs' placement "
+            "groups or actors hold the rest (`rollflow cluster status`), or set "
+            "cluster.placement=never"
         )
-    return Placement(pg, plan, order_bundles(probe_bundles(pg, plan.num_bundles, use_gpu)), use_gpu)
+    bundles = _saved_order(name) if name is not None and not created else None
+    if bundles is None:
+        bundles = order_bundles(probe_bundles(pg, plan.num_bundles, use_gpu))
+        if name is not None:
+            _save_order(name, bundles)
+    return Placement(pg, plan, bundles, use_gpu)
+
+
+def remove_named_placement(name: str) -> bool:
+    """Remove the placement group `name` and its saved bundle order; False if none."""
+    from ray.experimental import internal_kv
+    from ray.util import get_placement_group, remove_placement_group
+
+    internal_kv._internal_kv_del(name, namespace=_KV_NAMESPACE)
+    try:
+        remove_placement_group(get_placement_group(name))
+    except ValueError:
+        return False
+    return True
+
+
+def actor_bundle(actor: Any) -> tuple[str, int] | None:
+    """(placement group id, bundle index) an actor was scheduled into, None if unpinned.
+
+    Read from the GCS actor table (the resources it reserved are named
+    `bundle_group_{index}_{pg id}`): `ray.util.state` would need the dashboard, which the
+    local heads rollflow starts do not run.
+    """
+    import importlib
+
+    from ray._private.state import state
+
+    accessor: Any = state._global_state_accessor
+    table: Any = importlib.import_module("ray.core.generated.gcs_pb2").ActorTableData
+    info = table.FromString(accessor.get_actor_info(actor._actor_id))
+    pg_id = info.placement_group_id.hex()
+    if not pg_id:
+        return None
+    prefix, suffix = "bundle_group_", f"_{pg_id}"
+    for key in info.required_resources:
+        middle = key[len(prefix) : -len(suffix)]
+        if key.startswith(prefix) and key.endswith(suffix) and middle.isdigit():
+            return pg_id, int(middle)
+    return pg_id, -1

@@ -2,6 +2,13 @@
 
 Flow runs attach to these instead of reloading models, so a run's second step costs no
 model load, and a driver that crashed can be re-run against the same warm actors.
+
+With `cluster.placement` on (auto: on clusters with GPUs), the run's detached placement
+group (named after the run) is reserved first, train rank i goes to train bundle i and
+engine i to its first bundle, each asking for its share of the bundle (colocated runs split
+a bundle between trainer and engine). Off, actors ask for no resources at all. More than
+one train rank (`actor_num_nodes x actor_num_gpus_per_node`) makes the trainer a
+data-parallel `TrainGroup`; one rank is the plain actor, exactly as before.
 """
 
 from __future__ import annotations
@@ -14,12 +21,22 @@ from typing import Any
 
 import ray
 
+from engines.placement import (
+    ENGINE_SHARE,
+    TRAIN_SHARE,
+    Placement,
+    create_placement,
+    plan_resources,
+    remove_named_placement,
+    use_placement,
+)
 from engines.rollout.engine_actor import EngineActor
 from engines.rollout.rollout_manager import RolloutManager
 from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.train.null_trainer import NullTrainActor
 from engines.train.train_actor import TrainActor
-from flows.config import RollflowConfig
+from engines.train.train_group import get_or_create_group, kill_group
+from flows.config import ConfigError, RollflowConfig
 
 
 @functools.cache
@@ -39,7 +56,10 @@ def actor_name(run_name: str, role: str) -> str:
     return f"{run_name}:{role}@{code_digest()}"
 
 
-def _named(cls: type, name: str, cfg: RollflowConfig, *args: Any) -> Any:
+def _named(
+    cls: type, name: str, cfg: RollflowConfig, *args: Any, pin: dict[str, Any] | None = None
+) -> Any:
+    """`pin`: placement options (`Placement.actor_options`); None asks for no resources."""
     return (
         ray.remote(cls)
         .options(
@@ -48,7 +68,7 @@ def _named(cls: type, name: str, cfg: RollflowConfig, *args: Any) -> Any:
             lifetime="detached",
             get_if_exists=True,
             max_restarts=0,
-            num_cpus=0,
+            **(pin or {"num_cpus": 0}),
         )
         .remote(*args)
     )
@@ -61,15 +81,20 @@ class RunActors:
     engines: list[Any]
 
 
-def _engine(cfg: RollflowConfig, i: int) -> Any:
+def _engine(cfg: RollflowConfig, i: int, placement: Placement | None) -> Any:
     """Engine i: an embedded/mock engine actor, a launched SGLang server, or a handle on an
-    external SGLang server (`engine.urls`)."""
+    external SGLang server (`engine.urls`, which holds no resources of its own)."""
     name = actor_name(cfg.storage.run_name, f"engine-{i}")
-    if cfg.engine.backend != "sglang":
-        return _named(EngineActor, name, cfg, cfg.engine, i, cfg.cluster.actor_num_threads)
-    if cfg.engine.urls:
+    if cfg.engine.backend == "sglang" and cfg.engine.urls:
         return _named(ExternalSGLangEngine, name, cfg, cfg.engine.urls[i])
-    return _named(SGLangServerActor, name, cfg, cfg.engine, i)
+    pin = None
+    if placement is not None:
+        share = ENGINE_SHARE[cfg.cluster.colocate]
+        pin = placement.actor_options(placement.engine_bundles(i)[0], share)
+    if cfg.engine.backend != "sglang":
+        return _named(EngineActor, name, cfg, cfg.engine, i, cfg.cluster.actor_num_threads,
+                      pin=pin)
+    return _named(SGLangServerActor, name, cfg, cfg.engine, i, pin=pin)
 
 
 def num_engines(cfg: RollflowConfig) -> int:
@@ -79,26 +104,75 @@ def num_engines(cfg: RollflowConfig) -> int:
         cfg.engine.num_engines)
 
 
+def num_train_ranks(cfg: RollflowConfig) -> int:
+    """Data-parallel trainer processes; a rollout-only run has one null trainer."""
+    if cfg.rollout.debug_rollout_only:
+        return 1
+    return cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node
+
+
+def rank_names(cfg: RollflowConfig) -> list[str]:
+    """One rank keeps the plain `trainer` name; a group's ranks never do, so nothing can
+    call one rank alone (it would wait forever in a collective)."""
+    n, run = num_train_ranks(cfg), cfg.storage.run_name
+    if n == 1:
+        return [actor_name(run, "trainer")]
+    return [actor_name(run, f"trainer-rank{i}") for i in range(n)]
+
+
+def run_placement(cfg: RollflowConfig) -> Placement | None:
+    """The run's placement group (reserved on first use), or None when placement is off."""
+    if not use_placement(cfg.cluster):
+        return None
+    plan = plan_resources(cfg.cluster)
+    if num_engines(cfg) > plan.num_engines and not cfg.engine.urls:
+        raise ConfigError(
+            f"engine.num_engines={num_engines(cfg)} needs more bundles than the cluster "
+            f"section reserves for rollout ({plan.num_engines} engines of "
+            f"{plan.gpus_per_engine}); raise cluster.rollout_num_gpus"
+        )
+    return create_placement(cfg.cluster, name=actor_name(cfg.storage.run_name, "placement"))
+
+
+def _trainer(cfg: RollflowConfig, placement: Placement | None) -> Any:
+    names = rank_names(cfg)
+    share = TRAIN_SHARE[cfg.cluster.colocate]
+
+    def pin(rank: int) -> dict[str, Any] | None:
+        return None if placement is None else placement.actor_options(
+            placement.train_bundles[rank], share)
+
+    if cfg.rollout.debug_rollout_only:
+        return _named(NullTrainActor, names[0], cfg, cfg)
+    if len(names) == 1:
+        return _named(TrainActor, names[0], cfg, cfg, pin=pin(0))
+    return get_or_create_group(
+        names, cfg.cluster.namespace,
+        lambda rank, world: _named(TrainActor, names[rank], cfg, cfg, rank, world, pin=pin(rank)),
+    )
+
+
 def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
     run = cfg.storage.run_name
-    engines = [_engine(cfg, i) for i in range(num_engines(cfg))]
+    placement = run_placement(cfg)
+    engines = [_engine(cfg, i, placement) for i in range(num_engines(cfg))]
     rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)
-    trainer_cls = NullTrainActor if cfg.rollout.debug_rollout_only else TrainActor
-    trainer = _named(trainer_cls, actor_name(run, "trainer"), cfg, cfg)
+    trainer = _trainer(cfg, placement)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get(rollout.set_engines.remote(urls))
     return RunActors(rollout=rollout, trainer=trainer, engines=engines)
 
 
 def kill_run_actors(cfg: RollflowConfig) -> int:
-    """Kill the run's actors; returns how many were alive."""
+    """Kill the run's actors and release its placement group; returns actors killed."""
     run = cfg.storage.run_name
-    roles = ["rollout", "trainer"] + [f"engine-{i}" for i in range(num_engines(cfg))]
-    killed = 0
+    roles = ["rollout"] + [f"engine-{i}" for i in range(num_engines(cfg))]
+    killed = kill_group(rank_names(cfg), cfg.cluster.namespace)  # names free on return
     for role in roles:
         try:
             ray.kill(ray.get_actor(actor_name(run, role), namespace=cfg.cluster.namespace))
             killed += 1
         except ValueError:
             pass
+    remove_named_placement(actor_name(run, "placement"))
     return killed

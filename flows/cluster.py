@@ -102,19 +102,33 @@ def stop_local_head() -> bool:
 
 
 def status(cfg: ClusterConfig) -> dict[str, Any]:
-    """Address, liveness and the named actors of the namespace."""
+    """Address, liveness, the named actors of the namespace (with the placement-group bundle
+    each is pinned to) and the placement groups. Only GCS calls: `ray.util.state` needs the
+    dashboard, which the local head runs without."""
     address = cluster_address(cfg, start=False)
     if address is None or not _alive(address):
-        return {"address": address, "alive": False, "actors": []}
+        return {"address": address, "alive": False, "actors": [], "placement_groups": []}
     import ray
-    from ray.util.state import list_actors
+    from ray._private.state import actors as actor_table
+    from ray.util import placement_group_table
+
+    from engines.placement import actor_bundle
 
     _ray_env()
     if not ray.is_initialized():
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
-    actors = [
-        {"name": a.name, "state": a.state, "class": a.class_name}
-        for a in list_actors(filters=[("ray_namespace", "=", cfg.namespace)])
-        if a.name
+    rows = []
+    for name in sorted(ray.util.list_named_actors()):
+        try:
+            handle = ray.get_actor(name, namespace=cfg.namespace)
+        except ValueError:  # died meanwhile
+            continue
+        info = actor_table(handle._actor_id.hex())
+        pin = actor_bundle(handle)
+        rows.append({"name": name, "state": info.get("State"), "class": info.get("ActorClassName"),
+                     "bundle": None if pin is None else pin[1]})
+    groups = [
+        {"name": g["name"], "id": pg_id, "state": g["state"], "bundles": len(g["bundles"])}
+        for pg_id, g in placement_group_table().items() if g["state"] != "REMOVED"
     ]
-    return {"address": address, "alive": True, "actors": actors}
+    return {"address": address, "alive": True, "actors": rows, "placement_groups": groups}

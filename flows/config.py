@@ -49,6 +49,12 @@ class ClusterConfig(Section):
         "else one engine's worth (rollout_num_gpus_per_engine).",
     )
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs of one engine (TP).")
+    placement: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Pin the train ranks and engines to the run's placement-group bundles "
+        "(auto: only when the cluster has GPUs; on CPU-only machines actors otherwise take "
+        "no CPU slot).",
+    )
     colocate: bool = Field(
         False,
         description="Engines and trainer share the same bundles (offload/onload between "

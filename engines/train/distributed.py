@@ -10,13 +10,20 @@ computes the step's denominator from the whole step (it has all samples), so
 DDP *averages* gradients over ranks, so each rank's loss is multiplied by the world size to
 turn that average back into the sum. Without an initialised group (the CPU default) all of
 this collapses to one rank and no wrapping.
+
+`init_data_parallel` is what a train-group rank (`train_group.py`) calls before building its
+backend: gloo on CPU, NCCL on GPU (Ray gives each rank one GPU, so it is device 0), with
+rank 0's address and port as the rendezvous.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,3 +72,32 @@ class DataParallel:
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """This node's IP and a free port on it: where rank 0 hosts the process-group store."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return ip, int(s.getsockname()[1])
+
+
+def init_data_parallel(
+    master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float = 1800.0
+) -> None:
+    """Join the default process group (blocks until all `world_size` ranks are in)."""
+    if dist.is_initialized():
+        return
+    os.environ.update(
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+        world_size=world_size, timeout=timedelta(seconds=timeout_s),
+    )

@@ -3,6 +3,11 @@
 It reads each step's `train.arrow` from the run directory, so a step can be (re)trained from
 storage alone, and it knows how to get back to any committed weight version after losing
 its state: load the last checkpoint, then replay the committed batches after it.
+
+In a train group (`train_group.py`) there is one TrainActor per rank: each is built with its
+rank and the world size, joins the process group in `join_group` (only then is its backend
+built, since DDP wraps the model at construction), and trains on the same step as the others.
+Rank 0 alone writes to storage (checkpoints, LATEST) and sends weights to the engines.
 """
 
 from __future__ import annotations
@@ -49,18 +54,56 @@ TRAIN_BACKENDS: dict[str, Callable[[RollflowConfig], Any]] = {
 
 
 class TrainActor:
-    def __init__(self, cfg: RollflowConfig) -> None:
+    def __init__(self, cfg: RollflowConfig, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
         self.layout = RunLayout.open(
             cfg.storage.uri, cfg.storage.run_name, cfg.storage.endpoint_url,
             cfg.storage.storage_options,
         )
-        self.backend = TRAIN_BACKENDS[cfg.train.backend](cfg)
+        self._backend: Any = None
+        self._rendezvous: tuple[str, int] | None = None
+        if world_size == 1:
+            self._backend = TRAIN_BACKENDS[cfg.train.backend](cfg)
         self.replayed_steps: list[int] = []
         self._trained_indices: list[int] = []
         self._last_trained: int | None = None
         self._sender: Any = None
         self._sender_urls: list[str] = []
+
+    @property
+    def backend(self) -> Any:
+        if self._backend is None:
+            raise RuntimeError(
+                f"train rank {self.rank}/{self.world_size} has not joined its group yet"
+            )
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: Any) -> None:
+        self._backend = value
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0: the rendezvous of the group's process group (the same on every call)."""
+        from engines.train.distributed import rendezvous_address
+
+        if self._rendezvous is None:
+            self._rendezvous = rendezvous_address()
+        return self._rendezvous
+
+    def join_group(self, master_addr: str, master_port: int) -> int:
+        """Join the process group, then build the backend (DDP-wrapped); idempotent."""
+        from engines.train.distributed import init_data_parallel
+
+        if self._backend is None:
+            threads = self.cfg.cluster.actor_num_threads
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+            init_data_parallel(master_addr, master_port, self.rank, self.world_size)
+            self._backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
+        return self.rank
 
     def version(self) -> int:
         return int(self.backend.version)
@@ -113,7 +156,9 @@ class TrainActor:
         """Checkpoint of the weights after step `rollout_id`; LATEST is moved last."""
         parts = self.layout.checkpoint_parts(rollout_id)
         with tempfile.TemporaryDirectory() as tmp:
-            self.backend.save_checkpoint(tmp)
+            self.backend.save_checkpoint(tmp)  # every rank: a backend may save collectively
+            if self.rank != 0:
+                return ""
             uri = self.layout.store.put_dir(tmp, *parts)
         self.layout.set_latest_checkpoint(rollout_id)
         return uri

@@ -1,0 +1,52 @@
+"""Rollout steps with a two-rank data-parallel torch trainer (gloo, mock engine): the step
+tasks drive the group through their usual `trainer.<method>.remote(...)` calls; a rank lost
+between runs takes the group down and the rerun rebuilds it from the checkpoint."""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+
+from flows.actors import actor_name, kill_run_actors, rank_names
+from storage.run_layout import RunLayout
+from tests.flow.configs import arithmetic_config
+
+
+def test_steps_with_two_train_ranks_and_a_lost_rank(
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    from flows.train import train
+
+    def config(num_rollout: int):
+        return arithmetic_config(
+            run_name=run, runs_root=str(tmp_path / "runs"), data=arithmetic_data,
+            model_dir=tiny_model_dir, ray_address=ray_address, overrides=[
+                "train.backend=torch", "cluster.actor_num_gpus_per_node=2",
+                "cluster.keep_actors=true", "train.save_interval=1",
+                f"rollout.num_rollout={num_rollout}",
+            ],
+        )
+
+    run = f"dp-{uuid.uuid4().hex[:8]}"
+    cfg = config(2)
+    names = rank_names(cfg)
+    assert names == [actor_name(run, "trainer-rank0"), actor_name(run, "trainer-rank1")]
+    try:
+        train(cfg)
+        layout = RunLayout.open(cfg.storage.uri, run)
+        assert layout.committed_steps() == [0, 1] and layout.latest_checkpoint() == 1
+        assert all("train/loss" in layout.step_metrics(k) for k in (0, 1))
+        ranks = [ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names]
+        assert ray.get([r.version.remote() for r in ranks]) == [2, 2]
+        engine = ray.get_actor(actor_name(run, "engine-0"), namespace=cfg.cluster.namespace)
+        assert ray.get(engine.weight_version.remote()) == 2
+
+        ray.kill(ranks[1])  # a lost rank: the rerun must rebuild the whole group
+        result = train(config(3))
+        assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": []}
+        assert layout.committed_steps() == [0, 1, 2]
+        ranks = [ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names]
+        assert ray.get([r.version.remote() for r in ranks]) == [3, 3]
+    finally:
+        kill_run_actors(cfg)

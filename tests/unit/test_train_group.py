@@ -1,0 +1,115 @@
+"""The data-parallel train group on CPU: two gloo ranks of the tiny model train one step to
+the same weights as one rank (DDP math, see `engines/train/distributed.py`), answer through
+one handle like a single trainer, and a killed rank takes the whole group down, which the
+next attach rebuilds at the run's weight version."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import ray
+import torch
+
+from engines.train.train_actor import TrainActor
+from engines.train.train_group import TrainGroup, TrainGroupError, get_or_create_group
+from storage.batch_io import write_samples
+from storage.run_layout import RunLayout, step_dir
+from tests.flow.configs import arithmetic_config
+from tests.unit.test_torch_backend import make_samples
+
+NAMESPACE = "rollflow-tests"
+
+
+@pytest.fixture
+def torch_config(ray_address, arithmetic_data, tiny_model_dir, tmp_path):
+    cfg = arithmetic_config(
+        run_name=f"group-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
+        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
+        backend="embedded", overrides=["train.lr=1e-3", "train.global_batch_size=4"],
+    )
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    for k in range(2):
+        write_samples(layout.store, make_samples(8, seed=k), step_dir(k), "train.arrow")
+    return cfg
+
+
+def _rank(cfg, name: str, rank: int, world: int):
+    return ray.remote(TrainActor).options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_restarts=0, num_cpus=0,
+    ).remote(cfg, rank, world)
+
+
+def _group(cfg, world: int = 2) -> tuple[TrainGroup, list[str]]:
+    names = [f"{cfg.storage.run_name}:rank{i}" for i in range(world)]
+    group = get_or_create_group(
+        names, NAMESPACE, lambda rank, n: _rank(cfg, names[rank], rank, n))
+    return group, names
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_two_gloo_ranks_match_one_rank_and_rank0_writes(torch_config):
+    cfg = torch_config
+    single = ray.remote(TrainActor).options(num_cpus=0).remote(cfg)
+    initial = ray.get(single.weights.remote())
+    one = ray.get(single.train_step.remote(0))
+    start = time.perf_counter()
+    group, names = _group(cfg)
+    created_s = time.perf_counter() - start
+    try:
+        two = ray.get(group.train_step.remote(0))
+        assert ray.get(group.version.remote()) == 1
+        w1, w2 = ray.get(single.weights.remote()), ray.get(group.weights.remote())
+        w2_rank1 = ray.get(group.ranks[1].weights.remote())
+        assert _max_diff(initial, w1) > 1e-4  # the step moved the weights
+        assert _max_diff(w1, w2) < 1e-5
+        assert _max_diff(w2, w2_rank1) == 0.0  # DDP keeps the ranks identical
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+        # rank 0 alone writes the checkpoint and LATEST
+        uri = ray.get(group.save_checkpoint.remote(0))
+        assert uri and RunLayout.open(cfg.storage.uri, cfg.storage.run_name).latest_checkpoint() == 0
+        assert ray.get(group.ranks[1].save_checkpoint.remote(0)) == ""
+    finally:
+        group.kill()
+        ray.kill(single)
+    print(f"2-rank group created in {created_s:.1f}s")
+
+
+def test_a_killed_rank_fails_the_call_and_the_group_is_rebuilt(torch_config):
+    cfg = torch_config
+    group, names = _group(cfg)
+    try:
+        ray.get(group.train_step.remote(0))
+        ray.kill(group.ranks[1])
+        with pytest.raises(ray.exceptions.RayTaskError) as err:
+            ray.get(group.train_step.remote(1))
+        assert isinstance(err.value.as_instanceof_cause(), TrainGroupError)
+        assert not any(_exists(n) for n in names)  # survivors killed, names free
+        rebuilt, _ = _group(cfg)
+        restored = ray.get(rebuilt.ensure_version.remote(1))
+        assert restored == {"rebuilt": True, "version": 1, "replayed": [0]}
+        assert "loss" in ray.get(rebuilt.train_step.remote(1))
+        assert ray.get(rebuilt.train_step.remote(1)) == {"skipped": 1.0}  # idempotent
+        assert ray.get(rebuilt.version.remote()) == 2
+    finally:
+        _group_kill(names)
+
+
+def _exists(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def _group_kill(names: list[str]) -> None:
+    from engines.train.train_group import kill_group
+
+    kill_group(names, NAMESPACE)
