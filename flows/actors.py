@@ -152,6 +152,11 @@ def _trainer(cfg: RollflowConfig, placement: Placement | None) -> Any:
     )
 
 
+def get_or_create_trainer(cfg: RollflowConfig) -> Any:
+    """The run's trainer alone (a plain actor or a TrainGroup), e.g. for a replay: no engines."""
+    return _trainer(cfg, run_placement(cfg))
+
+
 def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
     run = cfg.storage.run_name
     placement = run_placement(cfg)

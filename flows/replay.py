@@ -22,8 +22,7 @@ import ray
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.train.train_actor import TrainActor
-from flows.actors import actor_name
+from flows.actors import get_or_create_trainer, kill_run_actors
 from flows.cluster import connect
 from flows.config import ConfigError, RollflowConfig
 from flows.config_loader import dump_config
@@ -123,21 +122,6 @@ def prepare_replay(source: RunLayout, layout: RunLayout, plan: ReplayPlan) -> di
     return {"batches_copied": copied, "checkpoint": plan.checkpoint}
 
 
-def get_or_create_trainer(cfg: RollflowConfig) -> Any:
-    return (
-        ray.remote(TrainActor)
-        .options(
-            name=actor_name(cfg.storage.run_name, "trainer"),
-            namespace=cfg.cluster.namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_restarts=0,
-        )
-        .remote(cfg)
-    )
-
-
 def step_metrics(rollout_id: int, train_metrics: dict[str, Any]) -> dict[str, Any]:
     """Same keys as a rollout step's metrics.json (`train/loss`, ...), so runs compare."""
     out: dict[str, Any] = {"rollout_id": rollout_id}
@@ -191,6 +175,6 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     publish_step_table(rows, key=f"{config.storage.run_name}-replay-metrics")
     report = publish_run_report(layout, make_plot=config.logging.plot)
     if not config.cluster.keep_actors:
-        ray.kill(trainer)
+        kill_run_actors(config)
     return {"run_dir": layout.uri, "plan": asdict(plan), "prepared": prepared,
             "restored": restored, "losses": [r.get("train/loss") for r in rows], **report}
