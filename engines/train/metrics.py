@@ -19,6 +19,16 @@ SKIPPED: dict[str, float] = {"skipped": 1.0}
 """Returned by `train()` when the policy is already past the rollout (idempotent replays)."""
 
 
+def already_trained(version: int, samples: list[Sample], rollout_id: int) -> bool:
+    """Every backend's `train()` guard: True when the policy (at `version`) is past
+    `rollout_id`, so the call returns SKIPPED; an empty batch is a caller's bug."""
+    if version > rollout_id:
+        return True
+    if not samples:
+        raise ValueError(f"rollout {rollout_id}: train() got no samples")
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class TrainMetrics:
     """One `train()` call. Loss-type terms are averaged over its optimizer steps (each step's

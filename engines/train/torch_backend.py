@@ -44,7 +44,7 @@ from engines.train.batching import (
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
 from engines.train.lr_schedule import make_scheduler
-from engines.train.metrics import SKIPPED, summarise
+from engines.train.metrics import SKIPPED, already_trained, summarise
 from engines.train.optim_step import Optimized, optimizer_step
 from engines.train.rollout_prep import PreparedBatch, Scorers, prepare_batch
 from engines.train.torch_models import (
@@ -283,10 +283,8 @@ class TorchTrainBackend:
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned."""
-        if self.version > rollout_id:
+        if already_trained(self.version, samples, rollout_id):
             return dict(SKIPPED)
-        if not samples:
-            raise ValueError(f"rollout {rollout_id}: train() got no samples")
         start = time.perf_counter()
         epochs = [
             self._step_partitions(len(samples))

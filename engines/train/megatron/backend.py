@@ -46,7 +46,7 @@ from engines.train.megatron.hf_convert import (
     stage_layers,
 )
 from engines.train.megatron.model import transformer_config
-from engines.train.metrics import SKIPPED, TrainMetrics
+from engines.train.metrics import SKIPPED, TrainMetrics, already_trained
 from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
@@ -294,10 +294,8 @@ class MegatronTrainBackend:
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned."""
-        if self.version > rollout_id:
+        if already_trained(self.version, samples, rollout_id):
             return dict(SKIPPED)
-        if not samples:
-            raise ValueError(f"rollout {rollout_id}: train() got no samples")
         start = time.perf_counter()
         n, size = len(samples), self.train_cfg.global_batch_size or len(samples)
         epochs = []
