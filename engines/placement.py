@@ -127,6 +127,20 @@ class Placement:
         n = self.plan.gpus_per_engine
         return self.rollout_bundles[engine * n : (engine + 1) * n]
 
+    def engine_gpus(self, engine: int) -> list[int]:
+        """GPU ids of engine `engine`'s bundles. One SGLang server drives them all, from
+        `--base-gpu-id` up, so they must be consecutive GPUs of one node."""
+        by_index = {b.index: b for b in self.bundles}
+        infos = [by_index[i] for i in self.engine_bundles(engine)]
+        gpus = [b.gpu_id for b in infos]
+        if len({b.node_ip for b in infos}) > 1 or gpus != list(range(gpus[0], gpus[0] + len(gpus))):
+            where = ", ".join(f"{b.node_ip}:gpu{b.gpu_id}" for b in infos)
+            raise ConfigError(
+                f"engine {engine} needs cluster.rollout_num_gpus_per_engine="
+                f"{self.plan.gpus_per_engine} consecutive GPUs of one node, got {where}"
+            )
+        return gpus
+
     def actor_options(self, bundle_index: int, fraction: float = 1.0) -> dict[str, Any]:
         """`.options(**...)` for an actor pinned to one bundle; `fraction` < 1 lets a
         colocated trainer and engine share a GPU (slime gives each 0.4 / 0.2)."""

@@ -94,7 +94,9 @@ def _engine(cfg: RollflowConfig, i: int, placement: Placement | None) -> Any:
     if cfg.engine.backend != "sglang":
         return _named(EngineActor, name, cfg, cfg.engine, i, cfg.cluster.actor_num_threads,
                       pin=pin)
-    return _named(SGLangServerActor, name, cfg, cfg.engine, i, pin=pin)
+    tp_size = cfg.cluster.rollout_num_gpus_per_engine
+    base_gpu_id = placement.engine_gpus(i)[0] if placement is not None and placement.use_gpu else None
+    return _named(SGLangServerActor, name, cfg, cfg.engine, i, tp_size, base_gpu_id, pin=pin)
 
 
 def num_engines(cfg: RollflowConfig) -> int:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 
 import httpx
 
@@ -19,8 +20,11 @@ from flows.cluster import free_port
 from flows.config import EngineConfig
 
 
-def launch_command(cfg: EngineConfig, port: int, tp_size: int = 1) -> list[str]:
-    """The `sglang.launch_server` command line of one engine (SGLang's own flag names)."""
+def launch_command(
+    cfg: EngineConfig, port: int, tp_size: int = 1, base_gpu_id: int | None = None
+) -> list[str]:
+    """The `sglang.launch_server` command line of one engine (SGLang's own flag names);
+    `base_gpu_id`: the first of the engine's `tp_size` consecutive GPUs (placement)."""
     if cfg.model_path is None:
         raise ValueError("engine.model_path is required to launch SGLang servers")
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.dtype]
@@ -34,7 +38,17 @@ def launch_command(cfg: EngineConfig, port: int, tp_size: int = 1) -> list[str]:
         "--max-running-requests", str(cfg.max_batch_size),
         "--enable-memory-saver",  # lets colocated runs release/resume GPU memory
         "--skip-server-warmup",
+        *(["--base-gpu-id", str(base_gpu_id)] if base_gpu_id is not None else []),
     ]
+
+
+def server_env(base_gpu_id: int | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment. Ray narrows CUDA_VISIBLE_DEVICES to the actor's own GPU;
+    a server placed by GPU id (`--base-gpu-id`, possibly spanning several) must see them all."""
+    env = dict(environ)
+    if base_gpu_id is not None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -70,7 +84,10 @@ class ExternalSGLangEngine:
 class SGLangServerActor(ExternalSGLangEngine):
     """Owns one SGLang server process (GPU machines with `sglang` installed)."""
 
-    def __init__(self, cfg: EngineConfig, engine_index: int, startup_timeout_s: float = 900.0):
+    def __init__(
+        self, cfg: EngineConfig, engine_index: int, tp_size: int = 1,
+        base_gpu_id: int | None = None, startup_timeout_s: float = 900.0,
+    ):
         try:
             import sglang  # noqa: F401
         except ImportError as e:
@@ -82,7 +99,8 @@ class SGLangServerActor(ExternalSGLangEngine):
         fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-{engine_index}-", suffix=".log")
         with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                launch_command(cfg, self.port), stdout=log, stderr=subprocess.STDOUT
+                launch_command(cfg, self.port, tp_size, base_gpu_id), stdout=log,
+                stderr=subprocess.STDOUT, env=server_env(base_gpu_id, os.environ),
             )
         self._url = f"http://{cfg.host}:{self.port}"
         wait_healthy(self._url, self.proc, startup_timeout_s)

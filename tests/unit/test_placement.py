@@ -138,3 +138,21 @@ if __name__ == "__main__":
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     print(json.dumps(_run_multi_node_cluster()))
+
+
+def test_engine_gpus_are_consecutive_gpus_of_one_node():
+    from engines.placement import Placement
+
+    cluster = ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4,
+                            rollout_num_gpus_per_engine=2)
+    bundles = order_bundles([BundleInfo(i, "10.0.0.1", i) for i in range(4)]
+                            + [BundleInfo(4, "10.0.0.2", 0), BundleInfo(5, "10.0.0.2", 1)])
+    placed = Placement(pg=None, plan=plan_resources(cluster), bundles=bundles, use_gpu=True)
+    assert placed.engine_gpus(0) == [2, 3]  # after the two train GPUs of node 1
+    assert placed.engine_gpus(1) == [0, 1]  # node 2
+    split = order_bundles([BundleInfo(i, "10.0.0.1", i) for i in range(3)]
+                          + [BundleInfo(3, "10.0.0.2", 0), BundleInfo(4, "10.0.0.2", 1),
+                             BundleInfo(5, "10.0.0.2", 2)])
+    across = Placement(pg=None, plan=plan_resources(cluster), bundles=split, use_gpu=True)
+    with pytest.raises(ConfigError, match="rollout_num_gpus_per_engine=2 consecutive GPUs"):
+        across.engine_gpus(0)  # GPU 2 of node 1 and GPU 0 of node 2

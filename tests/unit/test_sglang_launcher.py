@@ -26,3 +26,16 @@ def test_launch_needs_a_model():
 def test_wait_healthy_times_out_on_a_dead_url():
     with pytest.raises(TimeoutError, match="did not become healthy"):
         wait_healthy("http://127.0.0.1:9", None, timeout_s=1.5)
+
+
+def test_a_placed_multi_gpu_engine_sees_its_gpus_by_id():
+    from engines.rollout.sglang_launcher import server_env
+
+    cfg = EngineConfig(backend="sglang", model_path="/models/qwen")
+    cmd = launch_command(cfg, port=31000, tp_size=2, base_gpu_id=4)
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert flags["--tp-size"] == "2" and flags["--base-gpu-id"] == "4"
+    assert "--base-gpu-id" not in launch_command(cfg, port=31000)
+    ray_env = {"CUDA_VISIBLE_DEVICES": "4", "PATH": "/bin"}
+    assert server_env(4, ray_env) == {"PATH": "/bin"}  # Ray's narrowing is undone
+    assert server_env(None, ray_env) == ray_env
