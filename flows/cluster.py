@@ -30,9 +30,10 @@ def _ray_env() -> dict[str, str]:
     return dict(os.environ)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now ("" = every interface), for a server about to start."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -20,7 +20,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 
 from engines.rollout.health import ServerExited, wait_for_health
+from flows.cluster import free_port
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -41,12 +41,6 @@ STICKY_ROUTING_HEADER = "x-smg-routing-key"
 def sticky_headers(session_id: str) -> dict[str, str]:
     """Headers that pin a multi-turn session to one engine behind a manual-policy router."""
     return {STICKY_ROUTING_HEADER: session_id}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -78,10 +77,10 @@ def rendezvous_address() -> tuple[str, int]:
     """This node's IP and a free port on it: where rank 0 hosts the process-group store."""
     import ray
 
+    from flows.cluster import free_port
+
     ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return ip, int(s.getsockname()[1])
+    return ip, free_port(ip)
 
 
 def init_data_parallel(

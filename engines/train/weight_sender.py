@@ -16,7 +16,6 @@ same sender works for embedded engines and real SGLang servers.
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +33,7 @@ from engines.weight_sync import (
     encode_named_tensors,
     weights_checksum,
 )
+from flows.cluster import free_port
 from flows.config import TrainConfig
 
 
@@ -49,12 +49,6 @@ class WeightSender(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class _HTTPSender:
@@ -144,7 +138,7 @@ class DistributedWeightSender(_HTTPSender):
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.backend, self.master_address = backend, master_address
-        self.master_port, self.group_name = master_port or free_port(), group_name
+        self.master_port, self.group_name = master_port or free_port(""), group_name
         self.group: WeightUpdateGroup | None = None
 
     def connect(self) -> None:

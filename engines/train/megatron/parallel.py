@@ -7,7 +7,6 @@ process) `init_parallel` starts a one-rank NCCL group itself. Megatron is import
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,12 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.train.megatron.hf_convert import merge_stages, merge_tp, stage_layers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from flows.cluster import free_port
 
 
 def init_parallel(tp: int, pp: int, seed: int) -> None:
@@ -31,7 +25,7 @@ def init_parallel(tp: int, pp: int, seed: int) -> None:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", rank=rank, world_size=world)
