@@ -96,11 +96,6 @@ class TrainActor:
         from engines.train.distributed import init_data_parallel
 
         if self._backend is None:
-            threads = self.cfg.cluster.actor_num_threads
-            if threads:
-                import torch
-
-                torch.set_num_threads(threads)
             init_data_parallel(master_addr, master_port, self.rank, self.world_size)
             self._backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
         return self.rank
