@@ -16,9 +16,16 @@ from storage.sample import Sample
 
 
 class DatasetError(ValueError):
+    """A bad dataset file or row; `line` 0 means the whole file."""
+
     def __init__(self, path: str, line: int, field: str, problem: str) -> None:
         super().__init__(f"{path}, line {line}, field {field!r}: {problem}")
-        self.path, self.line, self.field = path, line, field
+        self.path, self.line, self.field, self.problem = path, line, field, problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the init arguments: the default pickles `args` (the one message),
+        # which this __init__ cannot take, and Ray would show `UnserializableException`.
+        return type(self), (self.path, self.line, self.field, self.problem), vars(self)
 
 
 class PromptTokenizer(Protocol):

@@ -20,6 +20,11 @@ class SGLangError(RuntimeError):
         super().__init__(f"{path} -> HTTP {status_code}: {message}")
         self.status_code = status_code
         self.message = message
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the init arguments, so that Ray can carry it across processes.
+        return type(self), (self.status_code, self.message, self.path), vars(self)
 
 
 @dataclass(frozen=True, slots=True)
