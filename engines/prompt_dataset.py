@@ -7,12 +7,15 @@ field instead of deep inside a rollout hours later.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from storage.sample import Sample
+
+logger = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -42,6 +45,16 @@ class DatasetSpec:
     metadata_key: str | None = "metadata"
     apply_chat_template: bool = False
     max_prompt_len: int | None = None
+    config_key: str = "data"
+    """The config section these settings came from (e.g. `eval.datasets[0]`), so that an
+    error names the key the user has to change."""
+
+
+@dataclass(frozen=True)
+class LoadedPrompts:
+    samples: list[Sample]
+    dropped_too_long: int
+    """Rows dropped for prompts over `max_prompt_len` tokens: reported, never silent."""
 
 
 def iter_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -49,24 +62,63 @@ def iter_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     parquet)."""
     suffix = Path(path).suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(path, lineno, "(row)", f"not valid JSON: {e}") from None
-                if not isinstance(row, dict):
-                    raise DatasetError(path, lineno, "(row)", "a row must be a JSON object")
-                yield lineno, row
+        yield from _jsonl_rows(path)
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, row
+        yield from enumerate(_read_parquet(path).to_pylist(), start=1)
     else:
         raise DatasetError(path, 0, "(file)", "expected a .jsonl or .parquet file")
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        data = Path(path).read_bytes()  # bytes, so that a decoding error has an exact line
+    except OSError as e:
+        raise DatasetError(path, 0, "(file)", e.strerror or str(e)) from None
+    for lineno, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DatasetError(path, lineno, "(row)", "not UTF-8 text") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(path, lineno, "(row)", f"not valid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise DatasetError(path, lineno, "(row)", "a row must be a JSON object")
+        yield lineno, row
+
+
+def _read_parquet(path: str) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path)
+    except OSError as e:
+        raise DatasetError(path, 0, "(file)", e.strerror or str(e)) from None
+    except pa.ArrowException as e:
+        raise DatasetError(path, 0, "(file)", f"not a readable parquet file: {e}") from None
+
+
+def _check_columns(spec: DatasetSpec) -> None:
+    """A parquet file without the prompt column fails once, listing what it has, instead of
+    once per row."""
+    if Path(spec.path).suffix.lower() != ".parquet":
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        columns = pq.read_schema(spec.path).names
+    except (OSError, pa.ArrowException):  # unreadable: _read_parquet says why
+        return
+    if spec.input_key not in columns:
+        raise DatasetError(
+            spec.path, 0, spec.input_key,
+            f"no such column; columns: {columns} (set {spec.config_key}.input_key)",
+        )
 
 
 def _check_messages(path: str, line: int, field: str, prompt: list[Any]) -> None:
@@ -75,23 +127,42 @@ def _check_messages(path: str, line: int, field: str, prompt: list[Any]) -> None
             raise DatasetError(path, line, field, "chat messages need 'role' and 'content'")
 
 
-def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> list[Sample]:
+def _is_blank(content: Any) -> bool:
+    return content is None or (isinstance(content, str) and not content.strip())
+
+
+def _check_prompt(spec: DatasetSpec, line: int, prompt: Any) -> None:
+    """Reject prompts that would fail (or train on nothing) only once a step generates."""
+    if isinstance(prompt, list):
+        _check_messages(spec.path, line, spec.input_key, prompt)
+        if all(_is_blank(m["content"]) for m in prompt):
+            raise DatasetError(spec.path, line, spec.input_key, "empty prompt")
+        if not spec.apply_chat_template:
+            raise DatasetError(
+                spec.path, line, spec.input_key,
+                f"chat messages need {spec.config_key}.apply_chat_template: true",
+            )
+    elif not isinstance(prompt, str):
+        raise DatasetError(spec.path, line, spec.input_key, "must be a string or messages")
+    elif _is_blank(prompt):
+        raise DatasetError(spec.path, line, spec.input_key, "empty prompt")
+
+
+def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> LoadedPrompts:
     """Pending samples, one per usable row; `tokens` holds the prompt ids when a tokenizer
-    is given. Prompts over `max_prompt_len` tokens are dropped, as slime does."""
+    is given. Prompts over `max_prompt_len` tokens are dropped, as slime does, and counted
+    (a warning, and `LoadedPrompts.dropped_too_long`)."""
+    _check_columns(spec)
     samples: list[Sample] = []
+    rows = dropped = 0
     for line, row in iter_rows(spec.path):
+        rows += 1
         if spec.input_key not in row:
-            raise DatasetError(spec.path, line, spec.input_key, "missing")
+            raise DatasetError(
+                spec.path, line, spec.input_key, f"missing (set {spec.config_key}.input_key)"
+            )
         prompt = row[spec.input_key]
-        if isinstance(prompt, list):
-            _check_messages(spec.path, line, spec.input_key, prompt)
-            if not spec.apply_chat_template:
-                raise DatasetError(
-                    spec.path, line, spec.input_key,
-                    "chat messages need data.apply_chat_template: true",
-                )
-        elif not isinstance(prompt, str):
-            raise DatasetError(spec.path, line, spec.input_key, "must be a string or messages")
+        _check_prompt(spec, line, prompt)
         label = None
         if spec.label_key is not None and spec.label_key in row:
             raw_label = row[spec.label_key]
@@ -111,11 +182,20 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) ->
             )
         tokens = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
         if spec.max_prompt_len is not None and len(tokens) > spec.max_prompt_len:
+            dropped += 1
             continue
         samples.append(
             Sample(index=-1, group_index=-1, prompt=text, tokens=tokens, label=label,
                    metadata={**metadata, "source_line": line})
         )
+    if rows == 0:
+        raise DatasetError(spec.path, 0, "(file)", "no rows")
+    if dropped:
+        logger.warning("%s: dropped %d of %d prompts longer than %d tokens",
+                       spec.path, dropped, rows, spec.max_prompt_len)
     if not samples:
-        raise DatasetError(spec.path, 0, "(file)", "no usable rows")
-    return samples
+        raise DatasetError(
+            spec.path, 0, spec.input_key,
+            f"no usable rows: all {rows} prompts are longer than {spec.max_prompt_len} tokens",
+        )
+    return LoadedPrompts(samples, dropped)

@@ -29,7 +29,7 @@ def eval_groups(ds: EvalDataset, tokenizer: Any) -> list[Group]:
         metadata_key=ds.metadata_key,
         apply_chat_template=ds.apply_chat_template,
     )
-    prompts = load_prompt_samples(spec, tokenizer)[: ds.max_prompts]
+    prompts = load_prompt_samples(spec, tokenizer).samples[: ds.max_prompts]
     groups: list[Group] = []
     index = 0
     for gi, p in enumerate(prompts):

@@ -134,7 +134,7 @@ class RolloutManager:
             else pop_first
         )
         self.data_source = RolloutDataSourceWithBuffer(
-            load_prompt_samples(spec, self.tokenizer),
+            load_prompt_samples(spec, self.tokenizer).samples,
             n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             seed=cfg.data.seed,
             shuffle=cfg.data.shuffle,

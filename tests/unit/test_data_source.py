@@ -125,8 +125,9 @@ def test_dataset_keys_chat_template_and_length_filter(tmp_path):
     ])
     spec = DatasetSpec(path, input_key="q", label_key="a", metadata_key="meta",
                        apply_chat_template=True, max_prompt_len=30)
-    samples = load_prompt_samples(spec, CharTokenizer())
-    assert len(samples) == 1
+    loaded = load_prompt_samples(spec, CharTokenizer())
+    samples = loaded.samples
+    assert len(samples) == 1 and loaded.dropped_too_long == 1
     assert samples[0].prompt == "user:hi|assistant:"
     assert samples[0].tokens == [ord(c) for c in "user:hi|assistant:"]
     assert samples[0].label == "3" and samples[0].metadata["k"] == 1
@@ -135,7 +136,7 @@ def test_dataset_keys_chat_template_and_length_filter(tmp_path):
 def test_parquet_dataset(tmp_path):
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "label": ["2", "4"]}), path)
-    samples = load_prompt_samples(DatasetSpec(path), CharTokenizer())
+    samples = load_prompt_samples(DatasetSpec(path), CharTokenizer()).samples
     assert [s.label for s in samples] == ["2", "4"]
 
 

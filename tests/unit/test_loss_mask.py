@@ -94,7 +94,7 @@ def test_sft_rollout_handles_conversations_and_prompt_label_rows(
         }
     )
     spec = DatasetSpec(path=str(path), input_key="messages", apply_chat_template=True)
-    samples = load_prompt_samples(spec, tokenizer)
+    samples = load_prompt_samples(spec, tokenizer).samples
     for i, s in enumerate(samples):
         s.index = s.group_index = i
     chat, labelled = (g[0] for g in sft_rollout(args, 0, ListSource([[s] for s in samples])))
