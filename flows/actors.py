@@ -13,10 +13,7 @@ data-parallel `TrainGroup`; one rank is the plain actor, exactly as before.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,7 +24,6 @@ from engines.placement import (
     Placement,
     create_placement,
     plan_resources,
-    remove_named_placement,
     use_placement,
 )
 from engines.rollout.engine_actor import EngineActor
@@ -35,25 +31,15 @@ from engines.rollout.rollout_manager import RolloutManager
 from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.train.null_trainer import NullTrainActor
 from engines.train.train_actor import TrainActor
-from engines.train.train_group import get_or_create_group, kill_group
+from engines.train.train_group import get_or_create_group
 from flows.config import ConfigError, RollflowConfig
-
-
-@functools.cache
-def code_digest() -> str:
-    """Hash of rollflow's own source. Detached actors outlive the driver, so after an upgrade
-    (or a `git pull`) a rerun must not attach to actors still running the old code."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha1()
-    for package in ("flows", "tasks", "engines", "storage"):
-        for path in sorted((root / package).rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:8]
-
-
-def actor_name(run_name: str, role: str) -> str:
-    return f"{run_name}:{role}@{code_digest()}"
+from flows.run_registry import (
+    actor_name,
+    actor_runtime_env,
+    remember_config,
+    retire_stale_actors,
+    stop_run,
+)
 
 
 def _named(
@@ -68,6 +54,7 @@ def _named(
             lifetime="detached",
             get_if_exists=True,
             max_restarts=0,
+            runtime_env=actor_runtime_env(cfg),
             **(pin or {"num_cpus": 0}),
         )
         .remote(*args)
@@ -84,7 +71,7 @@ class RunActors:
 def _engine(cfg: RollflowConfig, i: int, placement: Placement | None) -> Any:
     """Engine i: an embedded/mock engine actor, a launched SGLang server, or a handle on an
     external SGLang server (`engine.urls`, which holds no resources of its own)."""
-    name = actor_name(cfg.storage.run_name, f"engine-{i}")
+    name = actor_name(cfg, f"engine-{i}")
     if cfg.engine.backend == "sglang" and cfg.engine.urls:
         return _named(ExternalSGLangEngine, name, cfg, cfg.engine.urls[i])
     pin = None
@@ -116,10 +103,10 @@ def num_train_ranks(cfg: RollflowConfig) -> int:
 def rank_names(cfg: RollflowConfig) -> list[str]:
     """One rank keeps the plain `trainer` name; a group's ranks never do, so nothing can
     call one rank alone (it would wait forever in a collective)."""
-    n, run = num_train_ranks(cfg), cfg.storage.run_name
+    n = num_train_ranks(cfg)
     if n == 1:
-        return [actor_name(run, "trainer")]
-    return [actor_name(run, f"trainer-rank{i}") for i in range(n)]
+        return [actor_name(cfg, "trainer")]
+    return [actor_name(cfg, f"trainer-rank{i}") for i in range(n)]
 
 
 def run_placement(cfg: RollflowConfig) -> Placement | None:
@@ -133,7 +120,7 @@ def run_placement(cfg: RollflowConfig) -> Placement | None:
             f"section reserves for rollout ({plan.num_engines} engines of "
             f"{plan.gpus_per_engine}); raise cluster.rollout_num_gpus"
         )
-    return create_placement(cfg.cluster, name=actor_name(cfg.storage.run_name, "placement"))
+    return create_placement(cfg.cluster, name=actor_name(cfg, "placement"))
 
 
 def _trainer(cfg: RollflowConfig, placement: Placement | None) -> Any:
@@ -154,16 +141,22 @@ def _trainer(cfg: RollflowConfig, placement: Placement | None) -> Any:
     )
 
 
+def _attach(cfg: RollflowConfig) -> Placement | None:
+    """Replace the run's actors of other code or config, then reserve its placement."""
+    retire_stale_actors(cfg)
+    remember_config(cfg)
+    return run_placement(cfg)
+
+
 def get_or_create_trainer(cfg: RollflowConfig) -> Any:
     """The run's trainer alone (a plain actor or a TrainGroup), e.g. for a replay: no engines."""
-    return _trainer(cfg, run_placement(cfg))
+    return _trainer(cfg, _attach(cfg))
 
 
 def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
-    run = cfg.storage.run_name
-    placement = run_placement(cfg)
+    placement = _attach(cfg)
     engines = [_engine(cfg, i, placement) for i in range(num_engines(cfg))]
-    rollout = _named(RolloutManager, actor_name(run, "rollout"), cfg, cfg)
+    rollout = _named(RolloutManager, actor_name(cfg, "rollout"), cfg, cfg)
     trainer = _trainer(cfg, placement)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get(rollout.set_engines.remote(urls))
@@ -171,15 +164,6 @@ def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
 
 
 def kill_run_actors(cfg: RollflowConfig) -> int:
-    """Kill the run's actors and release its placement group; returns actors killed."""
-    run = cfg.storage.run_name
-    roles = ["rollout"] + [f"engine-{i}" for i in range(num_engines(cfg))]
-    killed = kill_group(rank_names(cfg), cfg.cluster.namespace)  # names free on return
-    for role in roles:
-        try:
-            ray.kill(ray.get_actor(actor_name(run, role), namespace=cfg.cluster.namespace))
-            killed += 1
-        except ValueError:
-            pass
-    remove_named_placement(actor_name(run, "placement"))
-    return killed
+    """Kill the run's actors (of any code or config) and release its placement group;
+    returns actors killed. Other runs are untouched."""
+    return stop_run(cfg.cluster.namespace, cfg.storage.run_name)

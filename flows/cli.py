@@ -6,9 +6,10 @@ import argparse
 import json
 import os
 import sys
+from contextlib import nullcontext
 from typing import Any
 
-from flows.config import ConfigError
+from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
 
 
 def _prefect_env() -> None:
@@ -16,10 +17,18 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
+def _user_code_importable() -> None:
+    """Hooks named in a config (`myreward:score`) import from the directory the command
+    was run from, as with `python -m`; actors get the same directory (flows.run_registry)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.config_loader import load_config
 
     _prefect_env()
+    _user_code_importable()
     cfg = load_config(args.config, args.set)
     from flows.train import train
 
@@ -33,6 +42,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from storage.object_store import open_store
 
     _prefect_env()
+    _user_code_importable()
     steps = parse_steps(args.steps)
     source = open_store(args.root, args.endpoint_url).child(args.run)
     if not source.exists("config.yaml"):
@@ -55,13 +65,46 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from flows import cluster
     from flows.config import ClusterConfig
 
-    cfg = ClusterConfig(address=args.address)
+    cfg = ClusterConfig(address=args.address, namespace=args.namespace)
     if args.action == "up":
         print(cluster.cluster_address(cfg, start=True))
     elif args.action == "down":
         print("stopped" if cluster.stop_local_head() else "no local cluster recorded")
-    else:
+    elif args.json:
         print(json.dumps(cluster.status(cfg), indent=1))
+    else:
+        print(format_status(cluster.status(cfg)))
+    return 0
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """`cluster status` for people: the head, then each run's actors with their age."""
+    lines = [f"head {status['address']} ({'alive' if status['alive'] else 'not running'})"]
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for actor in status["actors"]:
+        by_run.setdefault(actor.get("run") or "(other)", []).append(actor)
+    for run, actors in sorted(by_run.items()):
+        lines.append(f"run {run}: {len(actors)} actor(s)")
+        lines += [f"  {a.get('role') or a['name']:<16} {a['state']:<8} {a['class']:<22} "
+                  f"age {a['age_s']:.0f}s" for a in actors]
+    lines += [f"placement group {g['name']}: {g['bundles']} bundle(s), {g['state']}"
+              for g in status["placement_groups"]]
+    return "\n".join(lines)
+
+
+def cmd_stop_run(args: argparse.Namespace) -> int:
+    """`runs stop RUN`: that run's actors and placement group only; other runs go on."""
+    from flows import cluster
+    from flows.config import ClusterConfig
+    from flows.run_registry import stop_run
+
+    cfg = ClusterConfig(address=args.address, namespace=args.namespace)
+    address = cluster.cluster_address(cfg, start=False)
+    if address is None:
+        print("no cluster running: nothing to stop")
+        return 0
+    cluster.connect(cfg)
+    print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)")
     return 0
 
 
@@ -76,6 +119,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from storage.object_store import open_store
     from storage.run_layout import RunLayout
 
+    if args.action == "stop":
+        return cmd_stop_run(args)
     root = open_store(args.root, args.endpoint_url)
     if args.action == "list":
         for name in root.list():
@@ -104,13 +149,16 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollflow", description=__doc__)
+    parser.add_argument("--verbose", action="store_true",
+                        help="on failure, print the full traceback (always kept in a log file)")
+    parser.set_defaults(runs_flows=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="run (or resume) the train flow")
     p.add_argument("--config", required=True, help="YAML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. rollout.num_rollout=4 (repeatable)")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, runs_flows=True)
 
     p = sub.add_parser("replay", help="train again on the saved batches of a run, no engines")
     p.add_argument("run", help="source run under --root")
@@ -119,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override of the source run's config (new run: <run>-replay-A-B)")
     p.add_argument("--root", default="./runs", help="storage root of the runs")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
-    p.set_defaults(func=cmd_replay)
+    p.set_defaults(func=cmd_replay, runs_flows=True)
 
     p = sub.add_parser("server", help="a Prefect server with its UI on 127.0.0.1")
     p.add_argument("--host", default="127.0.0.1")
@@ -130,26 +178,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="the persistent local Ray cluster")
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--address", default=None)
+    p.add_argument("--namespace", default="rollflow", help="Ray namespace of the actors")
+    p.add_argument("--json", action="store_true", help="status as JSON")
     p.set_defaults(func=cmd_cluster)
 
-    p = sub.add_parser("runs", help="runs in a storage root")
-    p.add_argument("action", choices=["list", "show"])
+    p = sub.add_parser("runs", help="runs in a storage root; `stop RUN` frees its actors")
+    p.add_argument("action", choices=["list", "show", "stop"])
     p.add_argument("run", nargs="?")
     p.add_argument("--root", default="./runs")
     p.add_argument("--endpoint-url", default=None)
+    p.add_argument("--address", default=None, help="stop: Ray address (default: local head)")
+    p.add_argument("--namespace", default="rollflow", help="stop: Ray namespace of the run")
     p.set_defaults(func=cmd_runs)
+
+    for p in sub.choices.values():  # --verbose after the subcommand too; SUPPRESS keeps one given before
+        p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "runs" and args.action == "show" and not args.run:
-        build_parser().error("runs show needs RUN")
-    try:
-        return int(args.func(args))
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
+    if args.command == "runs" and args.action in ("show", "stop") and not args.run:
+        build_parser().error(f"runs {args.action} needs RUN")
+    if args.runs_flows:
+        _prefect_env()  # before quiet_prefect_failures makes Prefect set up its logging
+    # Failures print their cause in one line first, the traceback goes to a log file.
+    with quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
+        try:
+            return int(args.func(args))
+        except Exception as e:
+            return report_failure(e, run_dir=run_dir_of(args), verbose=args.verbose, held=held,
+                                  command=argv)
 
 
 if __name__ == "__main__":

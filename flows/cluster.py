@@ -68,16 +68,44 @@ def start_local_head(num_cpus: int | None = None) -> str:
     subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True)
     address = f"127.0.0.1:{port}"
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    STATE_FILE.write_text(json.dumps({"address": address, "started_at": time.time()}))
+    STATE_FILE.write_text(json.dumps(
+        {"address": address, "started_at": time.time(), **environment()}
+    ))
     return address
 
 
+def environment() -> dict[str, str]:
+    """What a local head's workers run: they use the interpreter (and so the packages and
+    rollflow checkout) of the process that started the head."""
+    return {"python": sys.executable, "rollflow": str(Path(__file__).resolve().parents[1])}
+
+
+class ClusterMismatch(RuntimeError):
+    """The running local head belongs to another Python environment or rollflow checkout."""
+
+
+def check_environment(state: dict[str, Any]) -> None:
+    """Raise unless the head recorded in `state` runs this interpreter and checkout: its
+    workers would otherwise import another rollflow (or another venv's packages)."""
+    here = environment()
+    differ = [f"{key}: head {state.get(key)!r}, here {value!r}"
+              for key, value in here.items() if state.get(key, value) != value]
+    if differ:
+        raise ClusterMismatch(
+            f"the local Ray head at {state['address']} belongs to another environment ("
+            + "; ".join(differ) + "). Stop it with `rollflow cluster down`, or set cluster.address to a cluster "
+            "of this environment"
+        )
+
+
 def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
-    """The configured address, else the running local head, else a new one (if `start`)."""
+    """The configured address, else the running local head (of this environment), else a
+    new one (if `start`)."""
     if cfg.address:
         return cfg.address
     state = read_state()
     if state and _alive(state["address"]):
+        check_environment(state)
         return str(state["address"])
     return start_local_head(cfg.num_cpus) if start else None
 
@@ -114,11 +142,13 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
     from ray.util import placement_group_table
 
     from engines.placement import actor_bundle
+    from flows.run_registry import RunActor
 
     _ray_env()
     if not ray.is_initialized():
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
     rows = []
+    now_ms = time.time() * 1000
     for name in sorted(ray.util.list_named_actors()):
         try:
             handle = ray.get_actor(name, namespace=cfg.namespace)
@@ -126,7 +156,10 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
             continue
         info = actor_table(handle._actor_id.hex())
         pin = actor_bundle(handle)
-        rows.append({"name": name, "state": info.get("State"), "class": info.get("ActorClassName"),
+        parsed = RunActor.parse(name)
+        rows.append({"name": name, "run": parsed and parsed.run, "role": parsed and parsed.role,
+                     "state": info.get("State"), "class": info.get("ActorClassName"),
+                     "age_s": round((now_ms - float(info.get("StartTime") or now_ms)) / 1000, 1),
                      "bundle": None if pin is None else pin[1]})
     groups = [
         {"name": g["name"], "id": pg_id, "state": g["state"], "bundles": len(g["bundles"])}

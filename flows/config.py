@@ -7,6 +7,7 @@ reference documentation (`rollflow config --help` prints them).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -15,6 +16,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_serializer,
+    field_validator,
     model_validator,
 )
 
@@ -29,9 +31,18 @@ class ClusterConfig(Section):
         description="Ray address to join; None starts (or reuses) a local head on demand.",
     )
     namespace: str = Field("rollflow", description="Ray namespace of every named actor.")
-    num_cpus: int | None = Field(None, description="CPUs of a local head started on demand.")
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a local head started on demand."
+    )
     actor_num_threads: int | None = Field(
-        None, description="torch threads per actor (None: all cores of the machine)."
+        None, ge=1, description="torch threads per actor (None: all cores of the machine)."
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra Ray runtime_env of the run's actors (e.g. {py_modules: [...]} or "
+        "{working_dir: ...} on a cluster without a shared filesystem). Actors always get the "
+        "driver's working directory and PYTHONPATH on their PYTHONPATH, so hooks like "
+        "`myreward:score` next to the config import in every actor.",
     )
     keep_actors: bool = Field(
         False,
@@ -71,7 +82,9 @@ class DataConfig(Section):
         False, description="Render prompts through the tokenizer's chat template."
     )
     rollout_max_prompt_len: int | None = Field(
-        None, description="Drop prompts longer than this many tokens (at load time)."
+        None, ge=1,
+        description="Drop prompts longer than this many tokens (at load time, counted); "
+        "default: the model's context minus rollout.max_response_len.",
     )
     shuffle: bool = Field(True, description="Shuffle the dataset at every epoch.")
     seed: int = Field(42, description="Seed of the per-epoch shuffle.")
@@ -82,11 +95,11 @@ class RolloutConfig(Section):
     rollout_batch_size: int = Field(..., ge=1, description="Groups (prompts) trained per step.")
     n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (group size).")
     over_sampling_batch_size: int | None = Field(
-        None, description="Groups submitted at a time (default: rollout_batch_size)."
+        None, ge=1, description="Groups submitted at a time (default: rollout_batch_size)."
     )
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, description="-1 disables top-k.")
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
     max_response_len: int = Field(64, ge=1, description="max_new_tokens of each request.")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
@@ -131,6 +144,12 @@ class RolloutConfig(Section):
     )
     rm_backoff_s: float = Field(
         1.0, ge=0.0, description="remote_rm: first retry delay, doubled each retry (cap 30 s)."
+    )
+    rm_rule_timeout_s: float = Field(
+        10.0, gt=0.0,
+        description="Deadline to grade one sample with a math rule (math, deepscaler, dapo and "
+        "their boxed_ forms), which run in worker processes; past it the sample scores as a "
+        "failure and counts in rollout/reward_timeouts.",
     )
     reward_key: str | None = Field(None, description="Key picked from dict rewards.")
     sglang_server_concurrency: int = Field(
@@ -321,7 +340,7 @@ class TrainConfig(Section):
     adam_betas: tuple[float, float] = (0.9, 0.98)
     clip_grad: float = Field(1.0, gt=0.0)
     global_batch_size: int | None = Field(
-        None, description="Samples per optimizer step (default: the whole rollout batch)."
+        None, ge=1, description="Samples per optimizer step (default: the whole rollout batch)."
     )
     num_steps_per_rollout: int | None = Field(
         None, ge=1, description="Optimizer steps per rollout batch (sets global_batch_size)."
@@ -331,7 +350,9 @@ class TrainConfig(Section):
         0, ge=0, description="First N rollouts train only the critic (ppo)."
     )
     max_tokens_per_micro_batch: int = Field(16384, ge=1)
-    save_interval: int | None = Field(None, description="Checkpoint every N steps.")
+    save_interval: int | None = Field(
+        None, ge=1, description="Checkpoint every N steps (None: only the last step)."
+    )
     seed: int = 1234
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype; bfloat16 autocasts over float32 master weights."
@@ -369,9 +390,16 @@ class TrainConfig(Section):
         return self
 
 
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
 class StorageConfig(Section):
     uri: str = Field("./runs", description="Root of all runs: a path or s3://bucket/prefix.")
-    run_name: str = Field("run", description="Run directory under the root.")
+    run_name: str = Field(
+        "run",
+        description="Run directory under the root: letters, digits, '.', '_' and '-', starting "
+        "with a letter or digit (so it stays inside the root and names actors and artifacts).",
+    )
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto).")
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -381,6 +409,16 @@ class StorageConfig(Section):
         "(prefer AWS_* env vars or instance credentials on every Ray node).",
     )
     compression: Literal["zstd", "lz4"] | None = "zstd"
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_run_name(cls, name: str) -> str:
+        if not re.fullmatch(RUN_NAME_PATTERN, name):
+            raise ValueError(
+                f"{name!r} must be 1-100 letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit (it names a directory under storage.uri, actors and artifacts)"
+            )
+        return name
 
     @field_serializer("storage_options")
     def _redact(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -417,13 +455,21 @@ class EvalDataset(Section):
 
     name: str = Field(..., description="Metric prefix: eval/{name}.")
     path: str = Field(..., description="A .jsonl or .parquet file.")
-    input_key: str = Field("prompt", description="Column/key holding the prompt.")
-    label_key: str = Field("label", description="Column/key holding the label.")
-    metadata_key: str | None = Field(
-        "metadata", description="Column/key with a metadata dict (e.g. a per-row rm_type)."
+    input_key: str | None = Field(
+        None, description="Column/key holding the prompt (default: data.input_key)."
     )
-    apply_chat_template: bool = Field(
-        False, description="Render prompts through the tokenizer's chat template."
+    label_key: str | None = Field(
+        None, description="Column/key holding the label (default: data.label_key)."
+    )
+    metadata_key: str | None = Field(
+        None,
+        description="Column/key with a metadata dict, e.g. a per-row rm_type (default: "
+        "data.metadata_key).",
+    )
+    apply_chat_template: bool | None = Field(
+        None,
+        description="Render prompts through the tokenizer's chat template (default: "
+        "data.apply_chat_template).",
     )
     n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per prompt.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0: greedy).")
@@ -441,8 +487,24 @@ class EvalDataset(Section):
 
 class EvalConfig(Section):
     datasets: list[EvalDataset] = Field(default_factory=list)
-    eval_interval: int | None = Field(None, description="Evaluate every N steps.")
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate every N steps.")
     before_train: bool = Field(True, description="Evaluate the initial policy too.")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> EvalConfig:
+        names = [d.name for d in self.datasets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"eval.datasets: names must be unique (repeated: {duplicates})")
+        return self
+
+    def inherit_data_keys(self, data: DataConfig) -> None:
+        """Fill each dataset's unset row keys and chat-template flag from the data section,
+        so an eval set shaped like the training set needs only name and path."""
+        for ds in self.datasets:
+            for key in ("input_key", "label_key", "metadata_key", "apply_chat_template"):
+                if getattr(ds, key) is None:
+                    object.__setattr__(ds, key, getattr(data, key))
 
 
 class LoggingConfig(Section):
@@ -486,6 +548,7 @@ class RollflowConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> RollflowConfig:
+        self.eval.inherit_data_keys(self.data)
         if self.engine.backend == "embedded" and not self.engine.model_path:
             self.engine.model_path = self.train.model_path
         if self.train.backend != "mock" and not (self.train.model_path or self.train.load):
@@ -537,6 +600,13 @@ class ConfigError(ValueError):
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(root)"
-        lines.append(f"  {key}: {e['msg']}")
+        lines.append(f"  {dotted_key(e['loc'])}: {e['msg'].removeprefix('Value error, ')}")
     return "invalid config:\n" + "\n".join(lines)
+
+
+def dotted_key(loc: tuple[Any, ...] | list[Any]) -> str:
+    """('eval', 'datasets', 0, 'path') -> 'eval.datasets[0].path', as a user writes it."""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key or "(root)"

@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from flows.config import ConfigError, RollflowConfig, format_validation_error
+from flows.config_paths import resolve_paths
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -45,17 +46,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def config_from_dict(data: dict[str, Any]) -> RollflowConfig:
+def config_from_dict(data: dict[str, Any], base: str | Path | None = None) -> RollflowConfig:
+    """Validate `data`, then make its local paths absolute relative to `base` (default: the
+    current directory, where the user ran the command)."""
     try:
-        return RollflowConfig.model_validate(data)
+        config = RollflowConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    return resolve_paths(config, base)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RollflowConfig:
     data: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"--config {path}: {e.strerror}") from None
         try:
             loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:

@@ -21,8 +21,10 @@ from flows.actors import get_or_create_actors, kill_run_actors
 from flows.cluster import connect
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
+from flows.config_paths import resolve_paths
 from flows.logging_sinks import open_sinks
-from flows.reporting import publish_run_report
+from flows.preflight import preflight
+from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
 from storage.run_layout import RunLayout
 from tasks import step_tasks as t
@@ -68,23 +70,48 @@ def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: S
             done(rollout_id, in_flight[rollout_id].result())  # re-raises the first failure
 
 
+def save_config(layout: RunLayout, config: RollflowConfig) -> None:
+    """config.yaml is the config the run goes on with; a rerun with a changed config keeps
+    the one it replaces as configs/<n>.yaml, so the run directory tells its whole story."""
+    text = dump_config(config)
+    if layout.store.exists("config.yaml"):
+        old = layout.store.read_text("config.yaml")
+        if old == text:
+            return
+        n = len(layout.store.list("configs"))
+        layout.store.write_text(old, "configs", f"{n:03d}.yaml")
+    layout.store.write_text(text, "config.yaml")
+
+
+def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext, int, Any]:
+    """Actors attached (or created) and the trainer at the version the run resumes from.
+    A run that fails here tears its actors down: there is nothing warm worth keeping, and
+    they would hold the machine's memory until `rollflow cluster down`."""
+    try:
+        ctx = t.StepContext(config, layout, get_or_create_actors(config))
+        start = layout.next_rollout_id()
+        restored = ray.get(ctx.actors.trainer.ensure_version.remote(start))
+        t.sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)
+    except BaseException:
+        kill_run_actors(config)
+        raise
+    return ctx, start, restored
+
+
 @flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False)
 def train(config: RollflowConfig) -> dict[str, Any]:
+    config, checked = preflight(resolve_paths(config))
     connect(config.cluster)
     layout = open_layout(config)
-    if not layout.store.exists("config.yaml"):
-        layout.store.write_text(dump_config(config), "config.yaml")
-    ctx = t.StepContext(config, layout, get_or_create_actors(config))
-    start = layout.next_rollout_id()
-    restored = ray.get(ctx.actors.trainer.ensure_version.remote(start))
-    t.sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)
+    save_config(layout, config)
+    ctx, start, restored = start_run(config, layout)
 
     evaluate_now = bool(config.eval.datasets)
     if evaluate_now and config.eval.before_train:
         t.evaluate(ctx, start)
     total = config.rollout.num_rollout
     progress_id = cast(UUID, create_progress_artifact(
-        100.0 * start / total, key=f"{config.storage.run_name.lower()}-steps".replace("_", "-"),
+        100.0 * start / total, key=artifact_key(config.storage.run_name, "steps"),
         description="rollout steps committed",
     ))
     bar = _progress_bar(config, start)
@@ -111,4 +138,6 @@ def train(config: RollflowConfig) -> dict[str, Any]:
     report = publish_run_report(layout, make_plot=config.logging.plot)
     if not config.cluster.keep_actors:
         kill_run_actors(config)
-    return {"run_dir": layout.uri, "resumed_at": start, "restored": restored, **report}
+    return {"run_dir": layout.uri, "resumed_at": start, "restored": restored,
+            "prompts": checked.prompts, "prompts_dropped_too_long": checked.dropped_too_long,
+            **report}

@@ -21,15 +21,22 @@ from tasks.rewards.hub import RewardHub
 from tasks.rm_hub import resolve_reward_fn
 
 
-def eval_groups(ds: EvalDataset, tokenizer: Any) -> list[Group]:
-    spec = DatasetSpec(
+def eval_spec(ds: EvalDataset, index: int, max_prompt_len: int | None = None) -> DatasetSpec:
+    """How eval set `index` is read; its errors name `eval.datasets[index].*` keys. Row keys
+    left unset were filled from the data section when the config was validated."""
+    return DatasetSpec(
         path=ds.path,
-        input_key=ds.input_key,
+        input_key=ds.input_key or "prompt",
         label_key=ds.label_key,
         metadata_key=ds.metadata_key,
-        apply_chat_template=ds.apply_chat_template,
+        apply_chat_template=bool(ds.apply_chat_template),
+        max_prompt_len=max_prompt_len,
+        config_key=f"eval.datasets[{index}]",
     )
-    prompts = load_prompt_samples(spec, tokenizer).samples[: ds.max_prompts]
+
+
+def eval_groups(ds: EvalDataset, tokenizer: Any, index: int = 0) -> list[Group]:
+    prompts = load_prompt_samples(eval_spec(ds, index), tokenizer).samples[: ds.max_prompts]
     groups: list[Group] = []
     index = 0
     for gi, p in enumerate(prompts):
@@ -91,11 +98,11 @@ async def evaluate_datasets(
     hook_args: Any,
 ) -> dict[str, float]:
     metrics: dict[str, float] = {}
-    for ds in datasets:
+    for index, ds in enumerate(datasets):
         loop = GenerationLoop(
             eval_rollout_config(ds, rollout_cfg), clients, eval_reward_fn(ds, reward_fn), hook_args
         )
-        groups, stats = await loop.run(eval_groups(ds, tokenizer))
+        groups, stats = await loop.run(eval_groups(ds, tokenizer, index))
         metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))
         metrics[f"eval/{ds.name}/seconds"] = stats.seconds
     return metrics

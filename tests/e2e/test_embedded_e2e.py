@@ -7,7 +7,7 @@ import uuid
 import pytest
 import ray
 
-from flows.actors import actor_name
+from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
@@ -48,7 +48,7 @@ def test_two_steps_embedded_engine_and_torch_trainer(
         assert all(s.tokens[: s.prompt_length] == s.tokens[: len(s.tokens) - s.response_length]
                    for s in rollout)
 
-    engine = ray.get_actor(actor_name(cfg.storage.run_name, "engine-0"), namespace=cfg.cluster.namespace)
+    engine = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "engine-0")
     assert ray.get(engine.weight_version.remote()) == 2
     assert set(result["evals"]) == {0, 2}
     assert 0.0 <= result["evals"][2]["eval/test"] <= 1.0

@@ -7,7 +7,7 @@ import uuid
 
 import ray
 
-from flows.actors import actor_name
+from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import regroup
@@ -45,8 +45,7 @@ def test_dynamic_filter_drops_and_over_sampling_refills(
         assert m["filter/over_sampling_dropped"] == 2
         assert m["rollout/groups_drawn"] >= 11
     assert len(set(trained_groups)) == 8
-    trainer = ray.get_actor(actor_name(cfg.storage.run_name, "trainer"),
-                            namespace=cfg.cluster.namespace)
+    trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")
     indices = ray.get(trainer.trained_indices.remote())
     assert len(indices) == len(set(indices)) == 16
     # Groups that were still running at the abort wait in the buffer, whole.

@@ -12,7 +12,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from flows.actors import actor_name
+from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
@@ -54,7 +54,7 @@ def run_with_fault(cfg, when: Callable[[RunLayout], bool], fault: Callable[[], N
 
 
 def kill(cfg, role):
-    ray.kill(ray.get_actor(actor_name(cfg.storage.run_name, role), namespace=cfg.cluster.namespace))
+    ray.kill(get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, role))
 
 
 def test_task_raising_once_is_retried(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path):

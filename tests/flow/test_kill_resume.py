@@ -12,8 +12,8 @@ import uuid
 
 import ray
 
-from flows.actors import actor_name
 from flows.config_loader import dump_config
+from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.conftest import REPO_ROOT
@@ -74,5 +74,5 @@ def test_killed_driver_resumes_after_last_committed_step(
     assert layout.committed_steps() == [0, 1, 2, 3, 4]
     assert os.stat(step1).st_mtime_ns == mtime
     assert trained_indices(layout) == expected
-    trainer = ray.get_actor(actor_name(cfg.storage.run_name, "trainer"), namespace=cfg.cluster.namespace)
+    trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")
     assert ray.get(trainer.trained_indices.remote()) == expected

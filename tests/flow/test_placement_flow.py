@@ -15,8 +15,9 @@ import pytest
 import ray
 
 from engines.placement import actor_bundle, create_placement
-from flows.actors import actor_name, get_or_create_actors, kill_run_actors, run_placement
+from flows.actors import get_or_create_actors, kill_run_actors, run_placement
 from flows.config import ClusterConfig
+from flows.run_registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 
@@ -51,7 +52,7 @@ def test_two_steps_with_actors_pinned_to_the_runs_bundles(mock_config):
         assert placement.pg.bundle_specs == [{"CPU": 1.0}] * 3
         run = cfg.storage.run_name
         where = {
-            role: actor_bundle(ray.get_actor(actor_name(run, role), namespace="rollflow-tests"))
+            role: actor_bundle(get_run_actor("rollflow-tests", run, role))
             for role in ("trainer-rank0", "trainer-rank1", "engine-0", "rollout")
         }
         assert where == {
@@ -65,11 +66,11 @@ def test_two_steps_with_actors_pinned_to_the_runs_bundles(mock_config):
         actors = get_or_create_actors(cfg)
         reattach_s = time.perf_counter() - start
         assert ray.get(actors.trainer.version.remote()) == 2
-        assert get_placement_group(actor_name(run, "placement")).id.hex() == pg_id
+        assert get_placement_group(actor_name(cfg, "placement")).id.hex() == pg_id
     finally:
         assert kill_run_actors(cfg) == 4  # rollout, 2 ranks, engine-0
     with pytest.raises(ValueError):
-        get_placement_group(actor_name(cfg.storage.run_name, "placement"))
+        get_placement_group(actor_name(cfg, "placement"))
     print(f"placement group {placement_s:.2f}s, reattach {reattach_s:.2f}s")
 
 
@@ -92,7 +93,7 @@ def test_cluster_status_lists_actors_and_bundles_without_a_dashboard(mock_config
         get_or_create_actors(cfg)
         out = status(cfg.cluster)
         mine = {a["name"]: a for a in out["actors"] if a["name"].startswith(cfg.storage.run_name)}
-        trainer = mine[actor_name(cfg.storage.run_name, "trainer")]
+        trainer = mine[actor_name(cfg, "trainer")]
         assert trainer["state"] == "ALIVE" and trainer["bundle"] == placement.train_bundles[0]
         assert any(g["id"] == placement.pg.id.hex() for g in out["placement_groups"])
     finally:

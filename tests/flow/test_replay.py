@@ -11,10 +11,10 @@ import uuid
 import pytest
 import ray
 
-from flows.actors import actor_name
 from flows.cli import main
 from flows.config import ConfigError
 from flows.replay import parse_steps, plan_replay, replay, replay_config
+from flows.run_registry import get_run_actor
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 
@@ -62,7 +62,7 @@ def test_mock_replay_reproduces_losses_and_starts_from_checkpoints(run_source, c
         source, [0, 1, 2], "train/index_checksum")
     assert out.store.read_json("replay.json")["source_run"] == cfg.storage.run_name
     with pytest.raises(ValueError):  # no engines, and the trainer is released
-        ray.get_actor(actor_name(full.storage.run_name, "trainer"), namespace=cfg.cluster.namespace)
+        get_run_actor(cfg.cluster.namespace, full.storage.run_name, "trainer")
 
     # Steps 1..2 without a checkpoint before step 1: step 0 is trained first, unreported.
     assert main(["replay", cfg.storage.run_name, "--steps", "1:3", "--root", cfg.storage.uri,
@@ -73,8 +73,7 @@ def test_mock_replay_reproduces_losses_and_starts_from_checkpoints(run_source, c
     tail = RunLayout.open(cfg.storage.uri, f"{cfg.storage.run_name}-replay-1-3")
     assert tail.committed_steps() == [1, 2]
     assert losses(tail, [1, 2]) == losses(source, [1, 2])
-    trainer = ray.get_actor(actor_name(f"{cfg.storage.run_name}-replay-1-3", "trainer"),
-                            namespace=cfg.cluster.namespace)
+    trainer = get_run_actor(cfg.cluster.namespace, f"{cfg.storage.run_name}-replay-1-3", "trainer")
     per_step = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     assert ray.get(trainer.trained_indices.remote()) == list(range(3 * per_step))
     ray.kill(trainer)

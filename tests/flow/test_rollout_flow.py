@@ -8,8 +8,8 @@ import uuid
 import pytest
 import ray
 
-from flows.actors import actor_name
 from flows.reporting import artifact_key
+from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
@@ -30,7 +30,7 @@ def mock_config(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_p
 
 
 def actor(cfg, role):
-    return ray.get_actor(actor_name(cfg.storage.run_name, role), namespace=cfg.cluster.namespace)
+    return get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, role)
 
 
 def read_artifacts(key):

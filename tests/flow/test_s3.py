@@ -8,10 +8,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import ray
 
-from flows.actors import actor_name, kill_run_actors
+from flows.actors import kill_run_actors
 from flows.cli import main
+from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
@@ -112,4 +112,4 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
     assert layout.store.read_json("datasource", "000002.json")["sample_index"] == 3 * per_step
     assert layout.step_metrics(2)["train/weight_version"] == 3.0
     with pytest.raises(ValueError):  # released after the successful rerun
-        ray.get_actor(actor_name(run, "trainer"), namespace=cfg.cluster.namespace)
+        get_run_actor(cfg.cluster.namespace, run, "trainer")

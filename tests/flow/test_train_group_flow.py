@@ -8,7 +8,8 @@ import uuid
 
 import ray
 
-from flows.actors import actor_name, kill_run_actors, rank_names
+from flows.actors import kill_run_actors, rank_names
+from flows.run_registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 
@@ -31,7 +32,7 @@ def test_steps_with_two_train_ranks_and_a_lost_rank(
     run = f"dp-{uuid.uuid4().hex[:8]}"
     cfg = config(2)
     names = rank_names(cfg)
-    assert names == [actor_name(run, "trainer-rank0"), actor_name(run, "trainer-rank1")]
+    assert names == [actor_name(cfg, "trainer-rank0"), actor_name(cfg, "trainer-rank1")]
     try:
         train(cfg)
         layout = RunLayout.open(cfg.storage.uri, run)
@@ -39,7 +40,7 @@ def test_steps_with_two_train_ranks_and_a_lost_rank(
         assert all("train/loss" in layout.step_metrics(k) for k in (0, 1))
         ranks = [ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names]
         assert ray.get([r.version.remote() for r in ranks]) == [2, 2]
-        engine = ray.get_actor(actor_name(run, "engine-0"), namespace=cfg.cluster.namespace)
+        engine = get_run_actor(cfg.cluster.namespace, run, "engine-0")
         assert ray.get(engine.weight_version.remote()) == 2
 
         ray.kill(ranks[1])  # a lost rank: the rerun must rebuild the whole group

@@ -1,0 +1,161 @@
+"""Everything that can be checked before step 0, checked in the driver, in seconds.
+
+Without this, a bad row, an unimportable hook or an eval-set mistake surfaced only inside an
+actor's constructor (after the models loaded) or after the last training step, wrapped in Ray
+and Prefect tracebacks. Each check names the config key, or the file, line and field, at
+fault. `preflight` also resolves the one default that depends on the model: prompts longer
+than its context minus `rollout.max_response_len` are dropped (counted), as slime drops
+prompts over `rollout_max_prompt_len`, instead of generating empty responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.hooks import load_hook, validate_hooks
+from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.rollout.evaluation import eval_spec
+from engines.rollout.protocols import RewardFn
+from flows.config import ConfigError, EvalDataset, RollflowConfig
+from storage.run_layout import RunLayout
+from storage.sample import Sample
+from tasks.rewards.hub import RewardHub, builtin_reward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What the checks found: usable prompts per dataset and the prompts dropped as too long."""
+
+    prompts: int
+    dropped_too_long: int
+    max_prompt_len: int | None
+    eval_prompts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def model_dir(cfg: RollflowConfig) -> tuple[str, str] | None:
+    """(config key, path) of the model whose tokenizer and context the run uses."""
+    for key, path in (("engine.model_path", cfg.engine.model_path),
+                      ("train.model_path", cfg.train.model_path), ("train.load", cfg.train.load)):
+        if path:
+            return key, path
+    return None
+
+
+def load_tokenizer_and_context(cfg: RollflowConfig) -> tuple[Any, int | None]:
+    """The run's tokenizer and the model's context length (None: no model, e.g. mock)."""
+    found = model_dir(cfg)
+    if found is None:
+        return None, None
+    key, path = found
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a tokenizer and model config from {path!r}: "
+                          f"{str(e).splitlines()[0]}") from None
+    context = getattr(model_config, "max_position_embeddings", None)
+    return tokenizer, int(context) if context else None
+
+
+def with_prompt_limit(cfg: RollflowConfig, context: int | None) -> RollflowConfig:
+    """`data.rollout_max_prompt_len` defaulted to what the model's context leaves after the
+    response budget."""
+    if context is None or cfg.data.rollout_max_prompt_len is not None:
+        return cfg
+    room = context - cfg.rollout.max_response_len
+    if room < 1:
+        raise ConfigError(
+            f"rollout.max_response_len={cfg.rollout.max_response_len} leaves no room for a "
+            f"prompt in the model's context of {context} tokens"
+        )
+    data = cfg.data.model_copy(update={"rollout_max_prompt_len": room})
+    return cfg.model_copy(update={"data": data})
+
+
+def _load(spec: DatasetSpec, tokenizer: Any) -> tuple[list[Sample], int]:
+    loaded = load_prompt_samples(spec, tokenizer)
+    return list(loaded.samples), loaded.dropped_too_long
+
+
+def check_storage(cfg: RollflowConfig) -> RunLayout:
+    """The run directory exists (or can be made) and takes a write."""
+    s = cfg.storage
+    try:
+        layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
+        layout.store.write_text("ok", ".preflight")
+        layout.store.delete(".preflight")
+    except (OSError, PermissionError) as e:
+        raise ConfigError(f"storage.uri: cannot write the run directory under {s.uri!r}: "
+                          f"{e}") from None
+    return layout
+
+
+def check_rewards(cfg: RollflowConfig, hub: RewardHub, samples: list[Sample]) -> None:
+    """Every training sample has a reward function: the run's, or its metadata.rm_type."""
+    if cfg.rollout.function_path or cfg.rollout.debug_train_only or hub.configured:
+        return
+    for s in samples:
+        if not s.metadata.get("rm_type"):
+            raise ConfigError(
+                "rollout.rm_type: no reward function (set rollout.rm_type or "
+                f"rollout.custom_rm_path); {cfg.data.prompt_data}, line "
+                f"{s.metadata.get('source_line')} has no metadata.rm_type either"
+            )
+    for s in samples:
+        hub.for_sample(s)  # an unknown per-row rm_type fails here, naming its line
+
+
+def check_eval_reward(ds: EvalDataset, index: int, hub: RewardHub) -> None:
+    key = f"eval.datasets[{index}]"
+    if ds.custom_rm_path:
+        load_hook(ds.custom_rm_path, f"{key}.custom_rm_path", RewardFn)
+    elif ds.rm_type:
+        builtin_reward(ds.rm_type, f"{key}.rm_type", hub.remote)
+    elif not hub.configured:
+        raise ConfigError(f"{key}.rm_type: no reward function for eval set {ds.name!r} (set "
+                          "it, or rollout.rm_type / rollout.custom_rm_path)")
+
+
+def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
+    """Check the run before any actor starts; returns the config with its model-dependent
+    defaults resolved, and what was found."""
+    start = time.perf_counter()
+    check_storage(cfg)
+    validate_hooks(cfg)
+    hub = RewardHub.from_config(cfg.rollout)
+    tokenizer, context = load_tokenizer_and_context(cfg)
+    cfg = with_prompt_limit(cfg, context)
+    d = cfg.data
+    spec = DatasetSpec(path=d.prompt_data, input_key=d.input_key, label_key=d.label_key,
+                       metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
+                       max_prompt_len=d.rollout_max_prompt_len, config_key="data")
+    samples, dropped = _load(spec, tokenizer)
+    if dropped:
+        log.warning("%s: dropped %d of %d prompts longer than data.rollout_max_prompt_len=%d "
+                    "tokens", d.prompt_data, dropped, dropped + len(samples),
+                    d.rollout_max_prompt_len)
+    check_rewards(cfg, hub, samples)
+    groups_needed = cfg.rollout.submit_batch_size
+    if not cfg.rollout.debug_train_only and len(samples) < groups_needed:
+        log.warning("%s: %d usable prompts, fewer than the %d groups a step draws; prompts "
+                    "repeat within a step", d.prompt_data, len(samples), groups_needed)
+    eval_prompts = {}
+    for i, ds in enumerate(cfg.eval.datasets):
+        check_eval_reward(ds, i, hub)
+        eval_samples, eval_dropped = _load(eval_spec(ds, i, d.rollout_max_prompt_len), tokenizer)
+        if eval_dropped:
+            log.warning("eval.datasets[%d] (%s): %d prompts longer than %d tokens will get no "
+                        "room to answer", i, ds.path, eval_dropped, d.rollout_max_prompt_len)
+        eval_prompts[ds.name] = len(eval_samples) + eval_dropped
+    report = PreflightReport(len(samples), dropped, d.rollout_max_prompt_len, eval_prompts,
+                             time.perf_counter() - start)
+    return cfg, report
+

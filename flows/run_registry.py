@@ -1,0 +1,218 @@
+"""Names of a run's detached actors, and finding, replacing and stopping them.
+
+A run's actors are named `{run}:{role}@{code}.{config}`: `code` hashes rollflow's source and
+`config` the config sections that shaped the actors. Detached actors outlive the driver, so
+a rerun with the same code and config attaches to them warm (resume stays fast), while a
+rerun after a code change or a config fix must not: `retire_stale_actors` kills every actor
+(and placement group) of the run whose suffix differs, and says which sections changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from flows.config import RollflowConfig
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+_KV_NAMESPACE = "rollflow-configs"
+
+# Fields only the driver reads: changing them (e.g. more steps to extend a run) keeps the
+# run's actors. A section mapped to None is driver-only as a whole.
+DRIVER_ONLY: dict[str, set[str] | None] = {
+    "rollout": {"num_rollout"},
+    "cluster": {"keep_actors", "address"},
+    "eval": {"eval_interval", "before_train"},
+    "logging": None,
+}
+
+
+@functools.cache
+def code_digest() -> str:
+    """Hash of rollflow's own source. Detached actors outlive the driver, so after an upgrade
+    (or a `git pull`) a rerun must not attach to actors still running the old code."""
+    h = hashlib.sha1()
+    for package in ("flows", "tasks", "engines", "storage"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            h.update(path.relative_to(ROOT).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:8]
+
+
+def actor_runtime_env(cfg: RollflowConfig) -> dict[str, Any]:
+    """The Ray runtime_env of the run's actors: the driver's working directory, its
+    PYTHONPATH and rollflow itself on PYTHONPATH (so a hook next to the user's config imports
+    in every actor, wherever the Ray head was started), plus `cluster.runtime_env`."""
+    entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep), str(ROOT)]
+    paths = list(dict.fromkeys(p for p in entries if p))
+    user = dict(cfg.cluster.runtime_env)
+    env_vars = {**user.pop("env_vars", {}), "PYTHONPATH": os.pathsep.join(paths)}
+    return {**user, "env_vars": env_vars}
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def section_digests(cfg: RollflowConfig) -> dict[str, str]:
+    """Section -> digest of what the actors see of it (driver-only fields left out)."""
+    out: dict[str, str] = {}
+    for name in type(cfg).model_fields:
+        skip = DRIVER_ONLY.get(name, set())
+        if skip is None:
+            continue
+        out[name] = _digest(getattr(cfg, name).model_dump(mode="json", exclude=skip))
+    # config dumps redact secrets; a changed credential must still replace the actors
+    out["storage"] = _digest([out["storage"], cfg.storage.storage_options])
+    out["runtime_env"] = _digest(actor_runtime_env(cfg))
+    return out
+
+
+def config_digest(cfg: RollflowConfig) -> str:
+    return _digest(section_digests(cfg))
+
+
+def run_suffix(cfg: RollflowConfig) -> str:
+    return f"{code_digest()}.{config_digest(cfg)}"
+
+
+def actor_name(cfg: RollflowConfig, role: str) -> str:
+    return f"{cfg.storage.run_name}:{role}@{run_suffix(cfg)}"
+
+
+def remember_config(cfg: RollflowConfig) -> None:
+    """Keep the section digests behind this suffix in Ray's KV store, so a later rerun with a
+    different config can say which sections changed."""
+    from ray.experimental import internal_kv
+
+    key = f"{cfg.cluster.namespace}/{cfg.storage.run_name}@{run_suffix(cfg)}"
+    internal_kv._internal_kv_put(key, json.dumps(section_digests(cfg)), overwrite=True,
+                                 namespace=_KV_NAMESPACE)
+
+
+def _remembered(namespace: str, run: str, suffix: str) -> dict[str, str] | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(f"{namespace}/{run}@{suffix}", namespace=_KV_NAMESPACE)
+    return None if raw is None else dict(json.loads(raw))
+
+
+def _forget(namespace: str, run: str, suffix: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(f"{namespace}/{run}@{suffix}", namespace=_KV_NAMESPACE)
+
+
+@dataclass(frozen=True)
+class RunActor:
+    run: str
+    role: str
+    suffix: str
+    name: str
+
+    @staticmethod
+    def parse(name: str) -> RunActor | None:
+        run, sep, rest = name.partition(":")
+        role, at, suffix = rest.partition("@")
+        if not (sep and at and run and role):
+            return None
+        return RunActor(run, role, suffix, name)
+
+
+def run_actors(namespace: str, run: str | None = None) -> list[RunActor]:
+    """The rollflow actors alive in `namespace` (of one run, if given)."""
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace:
+            continue
+        actor = RunActor.parse(entry["name"])
+        if actor is not None and (run is None or actor.run == run):
+            found.append(actor)
+    return sorted(found, key=lambda a: a.name)
+
+
+def _placement_groups(run: str) -> list[RunActor]:
+    from ray.util import placement_group_table
+
+    groups = []
+    for g in placement_group_table().values():
+        parsed = RunActor.parse(g.get("name") or "")
+        if g["state"] != "REMOVED" and parsed and parsed.run == run:
+            groups.append(parsed)
+    return groups
+
+
+def kill_actors(names: list[str], namespace: str, wait_s: float = 30.0) -> int:
+    """Kill the named actors still alive and wait until their names are free."""
+    killed = 0
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace))
+            killed += 1
+        except ValueError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        alive = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                 if e["namespace"] == namespace}
+        if not alive.intersection(names):
+            break
+        time.sleep(0.1)
+    return killed
+
+
+def stop_run(namespace: str, run: str, keep_suffix: str | None = None) -> int:
+    """Kill run `run`'s actors and release its placement groups (those of `keep_suffix`
+    excepted); other runs are untouched. Returns actors killed."""
+    from engines.placement import remove_named_placement
+
+    stale = [a for a in run_actors(namespace, run) if a.suffix != keep_suffix]
+    killed = kill_actors([a.name for a in stale], namespace)
+    for group in _placement_groups(run):
+        if group.suffix != keep_suffix:
+            remove_named_placement(group.name)
+    for suffix in {a.suffix for a in stale}:
+        _forget(namespace, run, suffix)
+    return killed
+
+
+def changed_sections(cfg: RollflowConfig, old_suffix: str) -> list[str]:
+    """What differs between the actors of `old_suffix` and `cfg`, in words."""
+    old_code, _, _ = old_suffix.partition(".")
+    what = [] if old_code == code_digest() else ["rollflow code"]
+    before = _remembered(cfg.cluster.namespace, cfg.storage.run_name, old_suffix) or {}
+    now = section_digests(cfg)
+    what += [name for name, digest in now.items() if before and before.get(name) != digest]
+    return what or ["config"]
+
+
+def retire_stale_actors(cfg: RollflowConfig) -> int:
+    """Replace, rather than reuse, actors this run left with other code or config: kill them
+    (and their placement group) and say so in one line. Returns actors killed."""
+    ns, run, current = cfg.cluster.namespace, cfg.storage.run_name, run_suffix(cfg)
+    stale = {a.suffix for a in run_actors(ns, run) if a.suffix != current}
+    if not stale:
+        return 0
+    what = sorted({w for s in stale for w in changed_sections(cfg, s)})
+    killed = stop_run(ns, run, keep_suffix=current)
+    log.warning("run %r: replaced %d actor(s) started with different %s", run, killed,
+                ", ".join(what))
+    return killed
+
+
+def get_run_actor(namespace: str, run: str, role: str) -> Any:
+    """The live actor playing `role` in run `run`, whatever its suffix (ValueError if none)."""
+    matches = [a for a in run_actors(namespace, run) if a.role == role]
+    if len(matches) != 1:
+        raise ValueError(f"run {run!r} has {len(matches)} live {role!r} actors in {namespace!r}")
+    return ray.get_actor(matches[0].name, namespace=namespace)

@@ -1,0 +1,71 @@
+"""Local paths become absolute against the directory the command ran in; nothing else moves."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flows.config import ConfigError
+from flows.config_loader import config_from_dict, load_config
+from flows.config_paths import resolve_paths
+
+
+def _raw(**sections):
+    raw = {
+        "data": {"prompt_data": "data/train.jsonl"},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+        "train": {"model_path": "Qwen/Qwen2-0.5B"},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def test_relative_paths_are_anchored_at_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_dict(_raw(
+        storage={"uri": "./runs"},
+        train={"model_path": "model", "load": "./ckpt"},
+        eval={"datasets": [{"name": "t", "path": "../held/test.jsonl"}]},
+        logging={"tensorboard_dir": "~/tb"},
+    ))
+    assert cfg.data.prompt_data == str(tmp_path / "data" / "train.jsonl")
+    assert cfg.storage.uri == str(tmp_path / "runs")
+    assert cfg.train.model_path == str(tmp_path / "model")  # exists: a local directory
+    assert cfg.engine.model_path == str(tmp_path / "model")  # copied from train, resolved too
+    assert cfg.train.load == str(tmp_path / "ckpt")  # explicit ./ : local even if missing
+    assert cfg.eval.datasets[0].path == str(tmp_path.parent / "held" / "test.jsonl")
+    assert cfg.logging.tensorboard_dir == os.path.expanduser("~/tb")
+
+
+def test_uris_and_hub_ids_are_left_alone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_dict(_raw(storage={"uri": "s3://bucket/runs"},
+                                data={"prompt_data": "s3://bucket/train.parquet"}))
+    assert cfg.storage.uri == "s3://bucket/runs"
+    assert cfg.data.prompt_data == "s3://bucket/train.parquet"
+    assert cfg.train.model_path == "Qwen/Qwen2-0.5B"  # not on disk: a hub id
+
+
+def test_resolving_twice_changes_nothing(tmp_path):
+    cfg = config_from_dict(_raw(), base=tmp_path)
+    assert resolve_paths(cfg, "/elsewhere") == cfg
+
+
+def test_a_config_file_resolves_against_the_shell_not_the_file(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "run.yaml").write_text(
+        "data: {prompt_data: data/train.jsonl}\n"
+        "rollout: {num_rollout: 1, rollout_batch_size: 1}\n"
+        "train: {model_path: m}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("conf/run.yaml")
+    assert cfg.data.prompt_data == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_a_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="--config .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")

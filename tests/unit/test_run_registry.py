@@ -1,0 +1,77 @@
+"""Actor names carry what shaped the actors; heads belong to one environment."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from flows.cluster import ClusterMismatch, check_environment, environment
+from flows.config_loader import config_from_dict
+from flows.run_registry import (
+    RunActor,
+    actor_name,
+    actor_runtime_env,
+    config_digest,
+    section_digests,
+)
+
+
+def _cfg(*overrides: tuple[str, str, object]):
+    raw = {
+        "data": {"prompt_data": "/d/train.jsonl"},
+        "rollout": {"num_rollout": 3, "rollout_batch_size": 2},
+        "train": {"model_path": "/m"},
+        "storage": {"uri": "/runs", "run_name": "exp-1"},
+    }
+    for section, key, value in overrides:
+        raw.setdefault(section, {})[key] = value
+    return config_from_dict(raw)
+
+
+def test_driver_only_fields_keep_the_actors():
+    base = config_digest(_cfg())
+    assert config_digest(_cfg(("rollout", "num_rollout", 30))) == base  # extend a run
+    assert config_digest(_cfg(("logging", "progress", False))) == base
+    assert config_digest(_cfg(("cluster", "keep_actors", True))) == base
+    assert config_digest(_cfg(("eval", "eval_interval", 5))) == base
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("data", "prompt_data", "/d/fixed.jsonl"),
+    ("rollout", "custom_rm_path", "myreward:score"),
+    ("train", "lr", 1e-3),
+    ("storage", "storage_options", {"secret": "new"}),  # redacted in dumps, still counted
+])
+def test_what_actors_read_changes_the_digest(section, key, value):
+    before, after = section_digests(_cfg()), section_digests(_cfg((section, key, value)))
+    assert before[section] != after[section]
+    assert [s for s in before if before[s] != after[s]] == [section]
+
+
+def test_names_parse_back_into_run_role_and_suffix():
+    cfg = _cfg()
+    parsed = RunActor.parse(actor_name(cfg, "trainer-rank1"))
+    assert parsed is not None
+    assert (parsed.run, parsed.role) == ("exp-1", "trainer-rank1")
+    assert parsed.suffix.endswith(config_digest(cfg))
+    assert RunActor.parse("someone-elses-actor") is None
+
+
+def test_actors_import_from_the_drivers_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "/opt/mine")
+    cfg = _cfg(("cluster", "runtime_env", {"env_vars": {"A": "1"}, "py_modules": ["/x"]}))
+    env = actor_runtime_env(cfg)
+    paths = env["env_vars"]["PYTHONPATH"].split(":")
+    assert paths[:2] == [str(tmp_path), "/opt/mine"]
+    assert env["env_vars"]["A"] == "1" and env["py_modules"] == ["/x"]
+
+
+def test_a_head_of_another_environment_is_named_not_joined():
+    state = {"address": "127.0.0.1:1", **environment()}
+    check_environment(state)  # ours: fine
+    with pytest.raises(ClusterMismatch, match="python: head '/other/bin/python', here"):
+        check_environment({**state, "python": "/other/bin/python"})
+    check_environment({"address": "127.0.0.1:1"})  # recorded by an older rollflow: no facts
+    assert environment()["python"] == sys.executable
