@@ -39,6 +39,11 @@ def read_table(store: ObjectStore, *parts: str) -> pa.Table:
 def write_samples(
     store: ObjectStore, samples: list[Sample], *parts: str, compression: str | None = "zstd"
 ) -> str:
+    """Refuses a batch holding a NaN/inf reward (`RewardError` naming the sample): generation
+    writes its rollout here, so a bad reward hook fails the generate stage before anything
+    is stored or trained, and a rerun after fixing the hook generates the step again."""
+    for s in samples:
+        s.check_reward()
     return write_table(store, samples_to_table(samples), *parts, compression=compression)
 
 

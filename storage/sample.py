@@ -7,12 +7,21 @@ never split across steps (`Group` is simply `list[Sample]`).
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 ChatMessages = list[dict[str, Any]]
 Prompt = str | ChatMessages
+
+
+class RewardError(ValueError):
+    """A reward that cannot be trained on: missing where one is needed, or not a finite
+    number. Raised, never scored as zero: one NaN reward turns every weight into NaN a step
+    later, and the hook that returned it has to be fixed (rerunning the step then regenerates
+    it, since nothing non-finite was stored)."""
 
 
 class Status(StrEnum):
@@ -58,8 +67,37 @@ class Sample:
     def response_tokens(self) -> list[int]:
         return self.tokens[self.prompt_length :]
 
+    def describe(self) -> str:
+        """How errors name this sample: its index and the dataset line of its prompt."""
+        line = self.metadata.get("source_line")
+        return f"sample {self.index}" + (f" (prompt line {line})" if line is not None else "")
+
+    def check_reward(self, source: str | None = None) -> None:
+        """Raise `RewardError` if the reward is NaN, inf or not a number, or a dict reward
+        has a number that is not finite; `source` names the reward function. A sample not
+        scored yet (None) passes: only `scalar_reward` needs one."""
+        if self.reward is None:
+            return
+        items = self.reward.items() if isinstance(self.reward, dict) else [("", self.reward)]
+        for key, value in items:
+            is_number = isinstance(value, numbers.Real)
+            if key and not is_number:
+                continue  # a side field of a reward model's answer; never trained on
+            if is_number and math.isfinite(value):
+                continue
+            by = source or self.metadata.get("rm_type") or (
+                "the reward function (rollout.custom_rm_path or rollout.rm_type)"
+            )
+            what = f"reward[{key!r}]" if key else "reward"
+            raise RewardError(
+                f"{self.describe()}: {what} is {value!r}, not a finite number; returned by {by}"
+            )
+
     def scalar_reward(self, reward_key: str | None = None) -> float:
         """The reward the algorithm trains on; a dict reward needs `reward_key`."""
+        if self.reward is None:
+            raise RewardError(f"{self.describe()}: reward is missing")
+        self.check_reward()
         if isinstance(self.reward, dict):
             if reward_key is None or reward_key not in self.reward:
                 raise KeyError(
@@ -67,8 +105,6 @@ class Sample:
                     f"set rollout.reward_key to one of them (got {reward_key!r})"
                 )
             return float(self.reward[reward_key])
-        if self.reward is None:
-            raise ValueError(f"sample {self.index}: reward is missing")
         return float(self.reward)
 
     def append_response(self, token_ids: list[int], log_probs: list[float], text: str) -> None:

@@ -50,6 +50,11 @@ class TrainMetrics:
     train_tokens_per_s: float
     weight_version: float
     skipped: float = 0.0
+    skipped_steps: float = 0.0
+    """Optimizer steps not taken because the gradient norm was NaN/inf (a count, not a
+    mean; the critic's is `critic/skipped_steps`). Loss terms and grad_norm average the
+    steps taken."""
+
     rollout_logprob_abs_diff: float = float("nan")
     """Mean |old log-prob - engine log-prob| over response tokens: ~0 when the engine runs
     the trainer's weights and numerics (slime's train/rollout mismatch metric)."""
@@ -82,6 +87,7 @@ class TrainBackend(Protocol):
 
 
 _CORE_STEP_KEYS = ("loss", "pg_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "grad_norm")
+_COUNTED_STEP_KEYS = ("skipped_steps", "critic/skipped_steps")  # summed over steps, not means
 
 
 def summarise(
@@ -100,7 +106,11 @@ def summarise(
         values = [s[key] for s in steps if key in s]
         return sum(values) / len(values) if values else 0.0
 
-    extra_keys = sorted({k for s in steps for k in s} - set(_CORE_STEP_KEYS))
+    def step_sum(key: str) -> float:
+        return float(sum(s.get(key, 0.0) for s in steps))
+
+    extra_keys = sorted({k for s in steps for k in s} - {*_CORE_STEP_KEYS, "skipped_steps"})
+    extra = {k: step_sum(k) if k in _COUNTED_STEP_KEYS else step_mean(k) for k in extra_keys}
     per_sample_adv = [float(a.mean()) if a.numel() else 0.0 for a in advantages]
     return TrainMetrics(
         **{k: step_mean(k) for k in _CORE_STEP_KEYS},
@@ -112,8 +122,9 @@ def summarise(
         num_optimizer_steps=float(len(steps)),
         train_tokens_per_s=tokens_per_s,
         weight_version=float(version),
+        skipped_steps=step_sum("skipped_steps"),
         rollout_logprob_abs_diff=rollout_logprob_abs_diff(samples, old_log_probs),
-        extra={k: step_mean(k) for k in extra_keys},
+        extra=extra,
     )
 
 

@@ -1,8 +1,10 @@
 """One optimizer step over a global batch split into micro-batches, shared by actor and
-critic: zero grads, accumulate scaled micro-batch losses, clip, step, advance the LR."""
+critic: zero grads, accumulate scaled micro-batch losses, clip, step, advance the LR --
+unless the loss or the gradient norm is not finite (see `finite.py`)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,8 +13,11 @@ import torch
 from torch import Tensor
 
 from engines.train.distributed import DataParallel
+from engines.train.finite import NonFiniteError
 
 MicroBatchLoss = Callable[[list[int]], tuple[Tensor, dict[str, Tensor]]]
+SKIPPED_STEPS = "skipped_steps"
+_TRAINED_LOSS = "__trained_loss__"  # summed over ranks with the metrics, then dropped
 
 
 @dataclass(slots=True)
@@ -38,6 +43,11 @@ def optimizer_step(
 
     A rank without samples still runs one zero-weighted micro-batch (`[]` is passed and the
     caller maps it to some sample), so DDP's collective gradient all-reduce never hangs.
+
+    A non-finite gradient norm skips the step (weights, optimizer state and LR schedule
+    untouched; `skipped_steps` is 1); a non-finite loss also raises `NonFiniteError`. Both
+    tests use values every rank shares (the all-reduced gradient, the summed loss), so all
+    data-parallel ranks decide alike.
     """
     opt.optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = defaultdict(float)
@@ -48,14 +58,26 @@ def optimizer_step(
             weight = float(dp.world_size) if mb else 0.0
             (loss * weight).backward()
         if mb:
+            totals[_TRAINED_LOSS] += float(loss.detach())
             for key, value in terms.items():
                 totals[prefix + key] += float(value)
     params = [p for p in opt.module.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, opt.clip_grad)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opt.clip_grad))
     lr = opt.optimizer.param_groups[0]["lr"]
-    opt.optimizer.step()
-    opt.scheduler.step()
     out = dp.sum_metrics(dict(totals), device)
-    out[prefix + "grad_norm"] = float(grad_norm)
+    loss_value = out.pop(_TRAINED_LOSS, 0.0)
+    skip = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
+    if skip:
+        opt.optimizer.zero_grad(set_to_none=True)
+    else:
+        opt.optimizer.step()
+        opt.scheduler.step()
+        out[prefix + "grad_norm"] = grad_norm  # absent when skipped: step means leave it out
+    if not math.isfinite(loss_value):
+        raise NonFiniteError(
+            f"{prefix or 'actor '}loss is {loss_value} (grad norm {grad_norm}); the optimizer "
+            f"step was not taken. Look for NaN/inf advantages, log-probs or a custom loss"
+        )
+    out[prefix + SKIPPED_STEPS] = float(skip)
     out[prefix + "lr"] = float(lr)
     return out

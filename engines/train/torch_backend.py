@@ -43,6 +43,7 @@ from engines.train.batching import (
 )
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
+from engines.train.finite import STALE_VERSION, NonFiniteError, check_finite, check_not_stale
 from engines.train.lr_schedule import make_scheduler
 from engines.train.metrics import SKIPPED, already_trained, summarise
 from engines.train.optim_step import Optimized, optimizer_step
@@ -282,9 +283,23 @@ class TorchTrainBackend:
         return out
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned."""
+        """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned.
+
+        Raises before the version moves on if a loss or a weight is not finite; any failure
+        part-way leaves the backend at `STALE_VERSION` (see `finite.py`)."""
         if already_trained(self.version, samples, rollout_id):
             return dict(SKIPPED)
+        check_not_stale(self.version)
+        try:
+            return self._train(samples, rollout_id)
+        except NonFiniteError as exc:
+            self.version = STALE_VERSION
+            raise NonFiniteError(f"rollout {rollout_id}: {exc}") from exc
+        except BaseException:
+            self.version = STALE_VERSION
+            raise
+
+    def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()
         epochs = [
             self._step_partitions(len(samples))
@@ -303,6 +318,7 @@ class TorchTrainBackend:
             self.critic is not None and rollout_id < self.train_cfg.num_critic_only_steps
         )
         steps = [self._step(samples, prep, idx, train_actor) for ep in epochs for idx in ep]
+        check_finite(self._named_weights(), "weights after training")
         elapsed = max(time.perf_counter() - start, 1e-9)
         self.version = rollout_id + 1
         tokens = sum(len(s.tokens) for s in samples) * len(epochs)
@@ -315,6 +331,13 @@ class TorchTrainBackend:
             tokens / elapsed,
             self.version,
         ).to_dict()
+
+    def _named_weights(self) -> list[tuple[str, Tensor]]:
+        """Every trained tensor (actor, then critic), as a checkpoint would hold them."""
+        named: list[tuple[str, Tensor]] = list(self.model.named_parameters())
+        if self.critic_model is not None:
+            named += [(f"critic.{n}", p) for n, p in self.critic_model.named_parameters()]
+        return named
 
     # -- colocation -----------------------------------------------------------------------
     def offload(self) -> None:
@@ -337,12 +360,15 @@ class TorchTrainBackend:
 
     # -- weights and checkpoints ----------------------------------------------------------
     def state_dict_for_engine(self) -> dict[str, Tensor]:
-        """A detached CPU copy named like the HF model's own state_dict."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """A detached CPU copy named like the HF model's own state_dict; never NaN/inf."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        check_finite(state.items(), "weights for the engines")
+        return state
 
     def save_checkpoint(self, local_dir: str) -> None:
         if self.dp.rank != 0:
             return  # every rank holds the same weights and states
+        check_finite(self._named_weights(), f"checkpoint {local_dir}")
         os.makedirs(local_dir, exist_ok=True)
         self.model.save_pretrained(local_dir)
         tokenizer = self._load_tokenizer()

@@ -12,11 +12,14 @@ methods with the same samples. One `train(samples, rollout_id)`:
 Losses are divided by the *global* step denominator, and the model config sets
 `calculate_per_token_loss`, so megatron sums gradients over micro-batches and DP ranks
 instead of averaging them: the gradient is the unsplit batch's, as in the torch backend.
+Non-finite losses, gradients and weights are handled as `engines/train/finite.py` says; every
+such decision is reduced over all ranks first, so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -34,6 +37,13 @@ from engines.train.batching import (
     gather_response_logits,
     pad_response_values,
     split_micro_batches,
+)
+from engines.train.finite import (
+    STALE_VERSION,
+    NonFiniteError,
+    check_finite,
+    check_not_stale,
+    nonfinite_names,
 )
 from engines.train.megatron import parallel
 from engines.train.megatron.hf_convert import (
@@ -281,7 +291,6 @@ class MegatronTrainBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outs = self._run(self.model, [samples[i] for i in mine], loss_fn, False)
-        _, grad_norm, _ = self.optimizer.step()
         totals: dict[str, float] = defaultdict(float)
         for out in outs:
             for k, v in out.items():
@@ -289,13 +298,58 @@ class MegatronTrainBackend:
         summed = parallel.all_gather_dp(dict(totals))
         result = {k: sum(p.get(k, 0.0) for p in summed) for k in set().union(*summed)}
         result = parallel.broadcast_from_last_stage(result)
-        result["grad_norm"] = float(grad_norm or 0.0)
+        loss = result.get("loss", 0.0)
+        if not math.isfinite(loss):  # the same value on every rank
+            raise NonFiniteError(f"actor loss is {loss}; the optimizer step was not taken. "
+                                 f"Look for NaN/inf advantages or log-probs")
+        # megatron checks for inf/nan only with an fp16 loss scaler: bf16/fp32 would step.
+        stepped = self._grads_finite()
+        if stepped:
+            stepped, grad_norm, _ = self.optimizer.step()
+            result["grad_norm"] = float(grad_norm or 0.0)  # absent when skipped
+        result["skipped_steps"] = float(not stepped)
         return result
 
+    def _any_rank(self, local_flag: bool) -> bool:
+        """True if `local_flag` is set on any rank (one all-reduce, so every rank agrees)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor(float(local_flag), device="cuda")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _grads_finite(self) -> bool:
+        """No rank's gradient buffer holds NaN/inf. With the distributed optimizer a rank
+        keeps its own contribution outside its shard, so a NaN anywhere is seen somewhere."""
+        bad = torch.zeros((), device="cuda")
+        for p in self.model.module.parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is not None:
+                bad = torch.maximum(bad, torch.logical_not(torch.isfinite(grad)).any().float())
+        return not self._any_rank(bool(bad.item()))
+
+    def _check_weights_finite(self) -> None:
+        local = nonfinite_names(self.model.module.named_parameters())
+        if self._any_rank(bool(local)):
+            where = ", ".join(local[:5]) if local else "on another rank"
+            raise NonFiniteError(f"weights after training hold NaN/inf ({where})")
+
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned."""
+        """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned.
+        A failure part-way leaves the backend at `STALE_VERSION` (see `finite.py`)."""
         if already_trained(self.version, samples, rollout_id):
             return dict(SKIPPED)
+        check_not_stale(self.version)
+        try:
+            return self._train(samples, rollout_id)
+        except NonFiniteError as exc:
+            self.version = STALE_VERSION
+            raise NonFiniteError(f"rollout {rollout_id}: {exc}") from exc
+        except BaseException:
+            self.version = STALE_VERSION
+            raise
+
+    def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()
         n, size = len(samples), self.train_cfg.global_batch_size or len(samples)
         epochs = []
@@ -304,6 +358,7 @@ class MegatronTrainBackend:
             epochs.append([order[i : i + size] for i in range(0, n, size)])
         prep = self._prepare(samples, epochs[0])
         steps = [self._optimizer_step(samples, prep, idx) for epoch in epochs for idx in epoch]
+        self._check_weights_finite()
         torch.cuda.synchronize()
         elapsed = max(time.perf_counter() - start, 1e-9)
         self.version = rollout_id + 1
@@ -314,7 +369,9 @@ class MegatronTrainBackend:
     def state_dict_for_engine(self) -> dict[str, Tensor]:
         """Full HF-named weights on CPU (TP shards and PP stages gathered), every rank."""
         full = parallel.gather_full_state(self.model.module, self.shape.num_layers)
-        return {k: v.contiguous() for k, v in mcore_to_hf(full, self.shape).items()}
+        state = {k: v.contiguous() for k, v in mcore_to_hf(full, self.shape).items()}
+        check_finite(state.items(), "weights for the engines")  # same full state on every rank
+        return state
 
     def _sharded_state(self, loading: bool) -> dict[str, Any]:
         model_sd = self.model.module.sharded_state_dict()
@@ -323,7 +380,8 @@ class MegatronTrainBackend:
                     model_sd, is_loading=loading, metadata=_OPTIM_META)}
 
     def save_checkpoint(self, local_dir: str) -> None:
-        """`dist_checkpointing` (model + distributed optimizer) plus an HF export on rank 0."""
+        """`dist_checkpointing` (model + distributed optimizer) plus an HF export on rank 0;
+        refused (on every rank, before any write) if a weight is not finite."""
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
         from transformers import AutoModelForCausalLM
@@ -404,8 +462,9 @@ def _summarise(
 ) -> dict[str, float]:
     """The same `TrainMetrics` keys as the torch backend (loss terms: mean over steps)."""
 
-    def mean(key: str) -> float:
-        return sum(s.get(key, 0.0) for s in steps) / len(steps)
+    def mean(key: str) -> float:  # over the steps that report `key` (grad_norm: those taken)
+        values = [s[key] for s in steps if key in s]
+        return sum(values) / len(values) if values else 0.0
 
     return TrainMetrics(
         loss=mean("loss"), pg_loss=mean("pg_loss"), kl_loss=mean("kl_loss"),
@@ -416,4 +475,5 @@ def _summarise(
         adv_mean=float(prep.advantages.mean()), num_samples=float(len(samples)),
         num_optimizer_steps=float(len(steps)), train_tokens_per_s=tokens_per_s,
         weight_version=float(version),
+        skipped_steps=float(sum(s.get("skipped_steps", 0.0) for s in steps)),
     ).to_dict()

@@ -1,0 +1,53 @@
+"""Non-finite values never reach the weights, a checkpoint or the engines.
+
+One NaN (a reward, an advantage, an overflowing log-ratio) makes the loss NaN, the gradient
+NaN and, after one optimizer step, every parameter NaN -- and a run that saves and pushes
+them still exits 0. So, in every train backend:
+
+    grad norm not finite (loss finite)  -> the optimizer step is skipped and counted
+                                           (`skipped_steps`), as megatron does on fp16 overflow
+    loss not finite                     -> the step is skipped and train() raises
+    a parameter not finite after train  -> train() raises, before the version moves on
+    weights for the engines / checkpoint -> checked again, refused if not finite
+
+A train() that raises part-way has already taken some optimizer steps: its backend is marked
+`STALE_VERSION`, which no rollout id equals, so the train actor rebuilds it from the last
+checkpoint plus replay before training again instead of training on half-updated weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+STALE_VERSION = -1
+"""The weight version of a backend whose train() failed after changing its weights."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss, gradient or weight that is NaN or inf, where continuing would store or
+    broadcast it. The run stays resumable: nothing corrupt was checkpointed."""
+
+
+def nonfinite_names(named: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """Names of the tensors holding any NaN or inf."""
+    return [name for name, t in named if not bool(torch.isfinite(t).all())]
+
+
+def check_finite(named: Iterable[tuple[str, Tensor]], what: str) -> None:
+    """Raise `NonFiniteError` naming (the first few of) the non-finite tensors of `what`."""
+    bad = nonfinite_names(named)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN/inf ({shown})")
+
+
+def check_not_stale(version: int) -> None:
+    """Refuse to train on the half-updated weights a failed train() left behind."""
+    if version == STALE_VERSION:
+        raise RuntimeError(
+            "this train backend's last train() failed part-way, so its weights belong to no "
+            "weight version; rebuild it from a checkpoint (TrainActor.ensure_version) first"
+        )
