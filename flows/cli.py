@@ -30,6 +30,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     _prefect_env()
     _user_code_importable()
     cfg = load_config(args.config, args.set)
+    from flows.preflight import preflight_once
+
+    cfg, _ = preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
     from flows.train import train
 
     result = train(cfg)
@@ -191,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="rollflow", help="stop: Ray namespace of the run")
     p.set_defaults(func=cmd_runs)
 
-    for p in sub.choices.values():  # --verbose after the subcommand too; SUPPRESS keeps one given before
+    # --verbose after the subcommand too; SUPPRESS keeps one given before it.
+    for p in sub.choices.values():
         p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
     return parser
