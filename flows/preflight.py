@@ -10,7 +10,9 @@ prompts over `rollout_max_prompt_len`, instead of generating empty responses.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.protocols import RewardFn
 from flows.config import ConfigError, EvalDataset, RollflowConfig
+from flows.config_paths import MODEL_FIELDS, is_uri
 from storage.run_layout import RunLayout
 from storage.sample import Sample
 from tasks.rewards.hub import RewardHub, builtin_reward
@@ -85,6 +88,27 @@ def _load(spec: DatasetSpec, tokenizer: Any) -> tuple[list[Sample], int]:
     return list(loaded.samples), loaded.dropped_too_long
 
 
+def input_files(cfg: RollflowConfig) -> dict[str, str]:
+    """Config key -> local file or directory the run reads (URIs and hub ids excluded)."""
+    files = {"data.prompt_data": cfg.data.prompt_data}
+    files.update({f"eval.datasets[{i}].path": ds.path for i, ds in enumerate(cfg.eval.datasets)})
+    if cfg.rollout.debug_rollout_data:
+        files["rollout.debug_rollout_data"] = cfg.rollout.debug_rollout_data
+    for section, names in MODEL_FIELDS.items():
+        for name in names:
+            path = getattr(getattr(cfg, section), name)
+            if path and os.path.isabs(path):  # resolve_paths keeps hub ids relative
+                files[f"{section}.{name}"] = path
+    return {key: path for key, path in files.items() if not is_uri(path)}
+
+
+def check_files_exist(cfg: RollflowConfig) -> None:
+    missing = [f"{key}: no such file or directory: {path}"
+               for key, path in input_files(cfg).items() if not os.path.exists(path)]
+    if missing:
+        raise ConfigError("\n".join(missing))
+
+
 def check_storage(cfg: RollflowConfig) -> RunLayout:
     """The run directory exists (or can be made) and takes a write."""
     s = cfg.storage
@@ -128,6 +152,7 @@ def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
     """Check the run before any actor starts; returns the config with its model-dependent
     defaults resolved, and what was found."""
     start = time.perf_counter()
+    check_files_exist(cfg)
     check_storage(cfg)
     validate_hooks(cfg)
     hub = RewardHub.from_config(cfg.rollout)
@@ -158,4 +183,29 @@ def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
     report = PreflightReport(len(samples), dropped, d.rollout_max_prompt_len, eval_prompts,
                              time.perf_counter() - start)
     return cfg, report
+
+
+_last_passed: dict[str, tuple[RollflowConfig, PreflightReport]] = {}
+
+
+def _fingerprint(cfg: RollflowConfig) -> str:
+    """The config (secrets included) and the size and mtime of every input it names."""
+    files = {k: (os.path.getsize(p), os.path.getmtime(p)) if os.path.isfile(p) else None
+             for k, p in input_files(cfg).items()}
+    dumped = cfg.model_dump(mode="json")
+    return json.dumps([dumped, cfg.storage.storage_options, files], sort_keys=True, default=str)
+
+
+def preflight_once(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
+    """`preflight`, skipped when this process already checked the same config and inputs:
+    the CLI checks before starting Prefect (a mistake then fails in seconds, not after the
+    ~10 s a Prefect server takes to start), and the train flow, which deployments start
+    without the CLI, checks again."""
+    key = _fingerprint(cfg)
+    if key not in _last_passed:
+        result = preflight(cfg)
+        _last_passed.clear()
+        _last_passed[key] = result
+        _last_passed[_fingerprint(result[0])] = result  # the resolved config is checked too
+    return _last_passed[key]
 

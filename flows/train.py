@@ -23,7 +23,7 @@ from flows.config import RollflowConfig
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
 from flows.logging_sinks import open_sinks
-from flows.preflight import preflight
+from flows.preflight import preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
 from storage.run_layout import RunLayout
@@ -100,7 +100,7 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
 
 @flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False)
 def train(config: RollflowConfig) -> dict[str, Any]:
-    config, checked = preflight(resolve_paths(config))
+    config, checked = preflight_once(resolve_paths(config))
     connect(config.cluster)
     layout = open_layout(config)
     save_config(layout, config)

@@ -1,0 +1,108 @@
+"""Checks that run in the driver before any actor starts (no Ray, no Prefect)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines.hooks import HookError
+from engines.prompt_dataset import DatasetError
+from flows.config import ConfigError
+from flows.config_loader import config_from_dict
+from flows.preflight import preflight
+from tasks.rewards.hub import RewardConfigError
+
+
+@pytest.fixture
+def make(tmp_path, tiny_model_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n"
+                            for i in range(8)))
+
+    def build(**sections):
+        raw = {
+            "data": {"prompt_data": str(data)},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 2, "rm_type": "exact_match",
+                        "max_response_len": 8},
+            "train": {"model_path": tiny_model_dir},
+            "storage": {"uri": str(tmp_path / "runs"), "run_name": "pf"},
+        }
+        for name, values in sections.items():
+            raw.setdefault(name, {}).update(values)
+        return config_from_dict(raw)
+
+    return build, data
+
+
+def test_a_clean_config_passes_and_gets_the_models_prompt_limit(make):
+    build, _ = make
+    cfg, report = preflight(build())
+    assert report.prompts == 8 and report.dropped_too_long == 0
+    assert cfg.data.rollout_max_prompt_len == 128 - 8  # tiny model: 128 positions
+
+
+def test_prompts_longer_than_the_context_are_dropped_and_counted(make):
+    build, data = make
+    with data.open("a") as f:
+        f.write(json.dumps({"prompt": "1+" * 250, "label": "x"}) + "\n")
+    cfg, report = preflight(build())
+    assert report.dropped_too_long == 1 and report.prompts == 8
+
+
+def test_a_response_budget_over_the_context_is_a_config_error(make):
+    build, _ = make
+    with pytest.raises(ConfigError, match=r"rollout.max_response_len=200 leaves no room"):
+        preflight(build(rollout={"max_response_len": 200}))
+
+
+def test_no_reward_function_is_named_before_step_0(make):
+    build, _ = make
+    with pytest.raises(ConfigError, match=r"rollout.rm_type: no reward function.*line 1"):
+        preflight(build(rollout={"rm_type": None}))
+    with pytest.raises(RewardConfigError, match=r"rollout.rm_type: unknown reward 'exact'"):
+        preflight(build(rollout={"rm_type": "exact"}))
+
+
+def test_an_unimportable_hook_is_named_before_step_0(make):
+    build, _ = make
+    with pytest.raises(HookError, match=r"rollout.custom_rm_path: cannot import 'nowhere'"):
+        preflight(build(rollout={"custom_rm_path": "nowhere:score"}))
+
+
+def test_eval_set_errors_name_their_own_keys(make, tmp_path):
+    build, _ = make
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DatasetError, match=r"eval.datasets\[1\].apply_chat_template"):
+        preflight(build(eval={"datasets": [{"name": "a", "path": str(chat),
+                                            "apply_chat_template": True},
+                                           {"name": "b", "path": str(chat)}]}))
+    with pytest.raises(ValueError, match=r"eval.datasets\[0\].rm_type: unknown reward"):
+        preflight(build(eval={"datasets": [{"name": "a", "path": str(chat), "rm_type": "nope"}]}))
+
+
+def test_a_model_that_does_not_load_names_its_key(make, tmp_path):
+    build, _ = make
+    (tmp_path / "empty-model").mkdir()
+    with pytest.raises(ConfigError, match=r"engine.model_path: cannot load a tokenizer"):
+        preflight(build(train={"model_path": str(tmp_path / "empty-model")}))
+
+
+def test_an_unwritable_storage_root_is_named(make, tmp_path):
+    build, _ = make
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"storage.uri: cannot write"):
+        preflight(build(storage={"uri": str(blocker)}))
+
+
+def test_missing_inputs_are_all_named_by_key(make, tmp_path):
+    build, _ = make
+    with pytest.raises(ConfigError) as err:
+        preflight(build(data={"prompt_data": str(tmp_path / "tain.jsonl")},
+                        eval={"datasets": [{"name": "t", "path": str(tmp_path / "tst.jsonl")}]}))
+    assert str(err.value).splitlines() == [
+        f"data.prompt_data: no such file or directory: {tmp_path / 'tain.jsonl'}",
+        f"eval.datasets[0].path: no such file or directory: {tmp_path / 'tst.jsonl'}",
+    ]
