@@ -96,16 +96,17 @@ def engine_url(args: Any, sample: Sample) -> str:
     """Where a custom generate function sends `/generate`.
 
     In order: `sample.metadata["engine_url"]` (sticky routing: the loop may pin a multi-turn
-    session to one engine), `args.url` (the router, or first engine, that the generation
-    loop's `HookArgs` carries), then `args.engine.urls[0]` (external SGLang servers).
+    session to one engine), `args.engine_url` (the router, or first engine, that the
+    generation loop's `HookArgs` carries), then `args.engine.urls[0]` (external SGLang
+    servers, for a hook called with the bare run config).
     """
-    url = sample.metadata.get("engine_url") or getattr(args, "url", None)
+    url = sample.metadata.get("engine_url") or getattr(args, "engine_url", None)
     if not url:
         urls = getattr(getattr(args, "engine", None), "urls", None) or []
         url = urls[0] if urls else None
     if not url:
         raise EngineUrlError(
             f"sample {sample.index}: no engine URL for the custom generate function (set "
-            "sample.metadata['engine_url'], args.url or engine.urls)"
+            "sample.metadata['engine_url'], args.engine_url or engine.urls)"
         )
     return str(url)

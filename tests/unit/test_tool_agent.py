@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.hooks import check_protocol
 from engines.rollout.engine_actor import EngineActor
-from engines.rollout.protocols import GenerateFn
+from engines.rollout.generation import HookArgs
+from engines.rollout.protocols import EngineUrlError, GenerateFn
+from engines.rollout.protocols import engine_url as resolve_engine_url
 from engines.rollout.sglang_client import GenerateOutput, SGLangClient
 from examples.tool_agent import agent
 from examples.tool_agent.calculator import evaluate, find_call, observe
@@ -28,6 +30,24 @@ def test_calculator_parses_only_arithmetic() -> None:
     assert observe("x 7+8=") == "15\n" and observe("1/0=") == "error\n"
     assert observe("__import__('os')=") == "error\n"  # never evaluated as Python
     assert observe("9*9*9*9*9*9*9*9*9*9*9*9*9*9=") == "error\n"  # too large
+
+
+def test_engine_url_comes_from_the_loops_hook_args() -> None:
+    """The generation loop hands hooks a `HookArgs`: its `engine_url` is where they send."""
+    cfg = RollflowConfig.model_validate({
+        "data": {"prompt_data": "unused.jsonl"},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+        "engine": {"backend": "sglang", "urls": ["http://external:1"]},
+        "train": {"backend": "mock", "weight_sync": "distributed"},
+    })
+    s = Sample(index=0, group_index=0, prompt="p")
+    assert resolve_engine_url(HookArgs(cfg, "http://router:2"), s) == "http://router:2"
+    assert resolve_engine_url(cfg, s) == "http://external:1"  # the bare config: engine.urls
+    s.metadata["engine_url"] = "http://pinned:3"  # sticky routing wins
+    assert resolve_engine_url(HookArgs(cfg, "http://router:2"), s) == "http://pinned:3"
+    bare = cfg.model_copy(update={"engine": EngineConfig(backend="embedded")})
+    with pytest.raises(EngineUrlError, match="args.engine_url"):
+        resolve_engine_url(HookArgs(bare), Sample(index=1, group_index=0, prompt="p"))
 
 
 class ScriptedEngine:
