@@ -21,6 +21,7 @@ from tasks.rewards import (
     exact_match_score,
     last_number_score,
 )
+from tasks.rewards.deadline import DEFAULT_TIMEOUT_S
 from tasks.rewards.text_rules import normalize_answer
 
 __all__ = [
@@ -45,14 +46,17 @@ exact_match: RewardFn = REWARD_FUNCTIONS["exact_match"]
 last_number: RewardFn = REWARD_FUNCTIONS["last_number"]
 
 
-def resolve_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> RewardFn | None:
-    """The run's default per-sample reward function (None when neither key is set)."""
+def resolve_reward_fn(
+    rm_type: str | None, custom_rm_path: str | None, rule_timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RewardFn | None:
+    """The run's default per-sample reward function (None when neither key is set);
+    `rule_timeout_s` is the grading deadline of rule rewards (`rollout.rm_rule_timeout_s`)."""
     if custom_rm_path:
         fn: RewardFn = load_hook(custom_rm_path, "rollout.custom_rm_path", RewardFn)
         return fn
     if rm_type is None:
         return None
-    return builtin_reward(rm_type, "rollout.rm_type")
+    return builtin_reward(rm_type, "rollout.rm_type", rule_timeout_s=rule_timeout_s)
 
 
 async def compute_reward(args: Any, sample: Sample, default: RewardFn | None) -> Reward:

@@ -36,6 +36,7 @@ from engines.rollout.sglang_client import GenerateOutput
 from flows.config import RolloutConfig
 from storage.sample import Group, Sample, Status
 from tasks.filter_hub import DynamicFilter
+from tasks.rewards.deadline import TIMEOUT_FLAG
 from tasks.rewards.hub import RewardHub
 from tasks.rm_hub import RewardFn
 
@@ -80,6 +81,7 @@ class GenerationStats:
     aborted: int = 0
     seconds: float = 0.0
     abort_seconds: float = 0.0
+    reward_timeouts: int = 0  # samples whose rule reward passed rollout.rm_rule_timeout_s
     response_lengths: list[int] = field(default_factory=list)
 
     def add_groups(self, groups: list[Group]) -> None:
@@ -107,6 +109,7 @@ class GenerationStats:
             "rollout/response_len_max": float(max(lengths)),
             "rollout/seconds": self.seconds,
             "rollout/abort_seconds": self.abort_seconds,
+            "rollout/reward_timeouts": float(self.reward_timeouts),
         }
 
 
@@ -204,6 +207,7 @@ class GenerationLoop:
         self._aborting = False
         self.generated_tokens = 0
         self.resumed_samples = 0
+        self.reward_timeouts = 0  # every group scored, kept or not: each one stalled the step
 
     # -- one group -----------------------------------------------------------------------
     def _prepare(self, s: Sample) -> dict[str, Any] | None:
@@ -258,6 +262,7 @@ class GenerationLoop:
             self.rewards.configured or any("rm_type" in s.metadata for s in group)
         ):
             await self.rewards.assign(self.hook_args, group)
+            self.reward_timeouts += sum(bool(s.metadata.get(TIMEOUT_FLAG)) for s in group)
         return group
 
     # -- a fixed list of groups (evaluation) ---------------------------------------------
@@ -267,6 +272,7 @@ class GenerationLoop:
         stats = GenerationStats(seconds=time.perf_counter() - start)
         stats.add_groups(done)
         stats.generated_tokens = self.generated_tokens
+        stats.reward_timeouts = self.reward_timeouts
         return sorted(done, key=first_index), stats
 
     # -- dynamic sampling with abort (training) ------------------------------------------
@@ -333,6 +339,7 @@ class GenerationLoop:
         stats = GenerationStats(seconds=time.perf_counter() - start)
         stats.add_groups(kept)
         stats.generated_tokens = self.generated_tokens
+        stats.reward_timeouts = self.reward_timeouts
         stats.abort_seconds = time.perf_counter() - abort_start
         counts["resumed_samples"] = self.resumed_samples
         counts["stale_regenerated_samples"] = self.stale_regenerated

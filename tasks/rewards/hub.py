@@ -10,11 +10,18 @@
 Built-ins live in `RULES` (pure `(response, label) -> reward`) plus `remote_rm`, which needs
 `rollout.rm_url`. Names are resolved once and cached; an unknown name fails with the config
 key (or sample) that named it.
+
+Rules that can hang (the math-verify ones: sympy on an adversarial answer) are graded in worker
+processes with a deadline, `rollout.rm_rule_timeout_s` (`tasks.rewards.deadline`); past it the
+sample gets the rule's failure value and is counted. `IN_PROCESS` rules stay in the actor:
+they are linear scans (split, lower, Counter, and regexes without nested repetition) of a
+response bounded by max_response_len, so they cannot hang, and a process hop would only cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,10 +29,12 @@ from engines.hooks import load_hook
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
 from flows.config import RolloutConfig
 from storage.sample import Sample
+from tasks.rewards.deadline import DEFAULT_TIMEOUT_S, SHARED_POOL, TIMEOUT_FLAG, GradingPool
 from tasks.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
 from tasks.rewards.remote import RemoteRewardModel
 from tasks.rewards.text_rules import exact_match_score, f1_score, last_number_score
 
+log = logging.getLogger(__name__)
 RuleFn = Callable[[str, str | None], Reward]
 
 RULES: dict[str, RuleFn] = {
@@ -36,6 +45,7 @@ RULES: dict[str, RuleFn] = {
     "exact_match": exact_match_score,
     "last_number": last_number_score,
 }
+IN_PROCESS: frozenset[RuleFn] = frozenset({f1_score, exact_match_score, last_number_score})
 BOXED_PREFIX = "boxed_"
 REMOTE = "remote_rm"
 
@@ -44,13 +54,31 @@ class RewardConfigError(ValueError):
     pass
 
 
-def rule_reward(rule: RuleFn, boxed: bool = False) -> RewardFn:
+def rule_reward(
+    rule: RuleFn,
+    boxed: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pool: GradingPool | None = None,
+) -> RewardFn:
     """A rule as a reward function; `boxed` first cuts the response down to its last box
-    (no box: the empty string, which no rule rewards)."""
+    (no box: the empty string, which no rule rewards). Rules outside `IN_PROCESS` run in
+    `pool` (default: the process's) with a `timeout_s` deadline; a timeout scores
+    `rule("", None)`, the rule's failure value (0.0; dapo's -1), and flags the sample."""
+    isolated = rule not in IN_PROCESS
+    grading = pool or SHARED_POOL
 
     async def reward(args: Any, sample: Sample, /) -> Reward:
         response = (last_boxed(sample.response) or "") if boxed else sample.response
-        return rule(response, sample.label)
+        if not isolated:
+            return rule(response, sample.label)
+        score = await grading.grade(rule, response, sample.label, timeout_s)
+        if score is None:
+            log.warning("sample %d: %s took over %.3g s to grade; scored as a failure",
+                        sample.index, reward.__qualname__, timeout_s)
+            sample.metadata[TIMEOUT_FLAG] = True
+            return rule("", None)
+        sample.metadata.pop(TIMEOUT_FLAG, None)
+        return score
 
     reward.__qualname__ = f"{BOXED_PREFIX if boxed else ''}{getattr(rule, '__name__', 'rule')}"
     return reward
@@ -59,7 +87,12 @@ def rule_reward(rule: RuleFn, boxed: bool = False) -> RewardFn:
 REWARD_FUNCTIONS: dict[str, RewardFn] = {name: rule_reward(fn) for name, fn in RULES.items()}
 
 
-def builtin_reward(name: str, where: str, remote: RemoteRewardModel | None = None) -> RewardFn:
+def builtin_reward(
+    name: str,
+    where: str,
+    remote: RemoteRewardModel | None = None,
+    rule_timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> RewardFn:
     """The built-in called `name` (`boxed_` prefix allowed); `where` names the config key or
     sample in errors."""
     boxed = name.startswith(BOXED_PREFIX)
@@ -75,7 +108,7 @@ def builtin_reward(name: str, where: str, remote: RemoteRewardModel | None = Non
             f"{where}: unknown reward {name!r}; built-ins: {sorted([*RULES, REMOTE])} "
             f"(rules also as {BOXED_PREFIX}<rule>)"
         )
-    return REWARD_FUNCTIONS[base] if not boxed else rule_reward(RULES[base], boxed=True)
+    return rule_reward(RULES[base], boxed, rule_timeout_s)
 
 
 class RewardHub:
@@ -86,10 +119,12 @@ class RewardHub:
         default: RewardFn | None = None,
         group_fn: GroupRewardFn | None = None,
         remote: RemoteRewardModel | None = None,
+        rule_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.default = default
         self.group_fn = group_fn
         self.remote = remote
+        self.rule_timeout_s = rule_timeout_s
         self._by_type: dict[str, RewardFn] = {}
 
     @classmethod
@@ -109,9 +144,14 @@ class RewardHub:
         if cfg.custom_rm_path:
             protocol = GroupRewardFn if cfg.group_rm else RewardFn
             fn = load_hook(cfg.custom_rm_path, "rollout.custom_rm_path", protocol)
-            return cls(None if cfg.group_rm else fn, fn if cfg.group_rm else None, remote)
-        default = builtin_reward(cfg.rm_type, "rollout.rm_type", remote) if cfg.rm_type else None
-        return cls(default, None, remote)
+            return cls(None if cfg.group_rm else fn, fn if cfg.group_rm else None, remote,
+                       cfg.rm_rule_timeout_s)
+        default = (
+            builtin_reward(cfg.rm_type, "rollout.rm_type", remote, cfg.rm_rule_timeout_s)
+            if cfg.rm_type
+            else None
+        )
+        return cls(default, None, remote, cfg.rm_rule_timeout_s)
 
     @property
     def configured(self) -> bool:
@@ -123,7 +163,9 @@ class RewardHub:
         if rm_type:
             if rm_type not in self._by_type:
                 where = f"sample {sample.index} (line {sample.metadata.get('source_line')}) metadata.rm_type"
-                self._by_type[rm_type] = builtin_reward(str(rm_type), where, self.remote)
+                self._by_type[rm_type] = builtin_reward(
+                    str(rm_type), where, self.remote, self.rule_timeout_s
+                )
             return self._by_type[rm_type]
         if self.default is None:
             raise RewardConfigError(
