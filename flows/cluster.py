@@ -3,13 +3,22 @@
 A head started here outlives the driver (it is a `ray start --head` process, not an
 in-process `ray.init()`), so detached actors holding models survive between flow runs and
 between invocations of the CLI. Its address is kept in `~/.rollflow/cluster.json`;
-`rollflow cluster down` stops it.
+`rollflow cluster down` stops it (and only it: its processes are found by its own temp dir).
+
+Closed by default: Ray's listeners (GCS, raylet, workers) bind every interface whatever
+`--node-ip-address` says, and anyone who can reach them can run code as this user. So the
+local head requires Ray's token authentication (`RAY_AUTH_MODE=token`) with a token rollflow
+generates once into `~/.rollflow/ray_token` (mode 0600) and hands to its drivers; workers
+inherit it from the head. A cluster you name with `cluster.address` keeps your own
+`RAY_AUTH_MODE` / `RAY_AUTH_TOKEN` settings.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -20,13 +29,35 @@ from typing import Any
 
 from flows.config import ClusterConfig
 
-STATE_FILE = Path(os.environ.get("ROLLFLOW_HOME", Path.home() / ".rollflow")) / "cluster.json"
+log = logging.getLogger(__name__)
+HOME = Path(os.environ.get("ROLLFLOW_HOME", Path.home() / ".rollflow"))
+STATE_FILE = HOME / "cluster.json"
+TOKEN_FILE = HOME / "ray_token"
 
 
-def _ray_env() -> dict[str, str]:
-    # Drivers and the cluster must agree on auth; CPU-only machines must not look for GPUs.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def auth_token_file() -> Path:
+    """The token of rollflow's local heads: made once, readable by its owner only."""
+    if not TOKEN_FILE.exists():
+        HOME.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it meanwhile
+            return TOKEN_FILE
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return TOKEN_FILE
+
+
+def _ray_env(auth: str | None = None) -> dict[str, str]:
+    """This process's environment made ready for Ray. `auth="token"`: the local head's
+    token auth (for the head itself and every driver attaching to it); "disabled": a head
+    recorded by an older rollflow without auth; None: leave the user's settings alone."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if auth == "token":
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the token file
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(auth_token_file()))
+    elif auth == "disabled":
+        os.environ["RAY_AUTH_MODE"] = "disabled"
     return dict(os.environ)
 
 
@@ -58,19 +89,22 @@ def _alive(address: str) -> bool:
 
 
 def start_local_head(num_cpus: int | None = None) -> str:
-    """`ray start --head` on loopback; returns the GCS address."""
+    """`ray start --head` with token auth, its session files under ROLLFLOW_HOME/ray;
+    returns the GCS address."""
     port = free_port()
+    temp_dir = HOME / "ray"
     cmd = [
         _ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-        "--include-dashboard=false", "--disable-usage-stats",
+        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
         f"--num-cpus={num_cpus or max(os.cpu_count() or 1, 4)}", "--num-gpus=0",
     ]
-    subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True)
+    subprocess.run(cmd, check=True, env=_ray_env("token"), capture_output=True)
     address = f"127.0.0.1:{port}"
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    STATE_FILE.write_text(json.dumps(
-        {"address": address, "started_at": time.time(), **environment()}
-    ))
+    STATE_FILE.write_text(json.dumps({
+        "address": address, "started_at": time.time(), "auth": "token",
+        "temp_dir": str(temp_dir), **environment(),
+    }))
     return address
 
 
@@ -106,6 +140,12 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
     state = read_state()
     if state and _alive(state["address"]):
         check_environment(state)
+        auth = state.get("auth", "disabled")
+        if auth != "token":
+            log.warning("the local Ray head at %s accepts code from anyone who can reach it "
+                        "(no auth): `rollflow cluster down`, and the next run starts a closed "
+                        "one", state["address"])
+        _ray_env(auth)
         return str(state["address"])
     return start_local_head(cfg.num_cpus) if start else None
 
@@ -115,19 +155,39 @@ def connect(cfg: ClusterConfig) -> str:
     import ray
 
     _ray_env()
-    address = cluster_address(cfg)
+    address = cluster_address(cfg)  # a local head sets its token auth here
     if not ray.is_initialized():
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
     return address or ""
 
 
 def stop_local_head() -> bool:
+    """Stop the head rollflow started, leaving any other Ray on the machine running."""
     state = read_state()
     if state is None:
         return False
-    subprocess.run([_ray_cli(), "stop", "--force"], env=_ray_env(), capture_output=True)
+    temp_dir = state.get("temp_dir")
+    if temp_dir:
+        _stop_processes_of(temp_dir)
+    else:  # recorded by an older rollflow: all we can do is stop every Ray here
+        subprocess.run([_ray_cli(), "stop", "--force"], env=_ray_env(), capture_output=True)
     STATE_FILE.unlink(missing_ok=True)
     return True
+
+
+def _stop_processes_of(temp_dir: str, wait_s: float = 10.0) -> None:
+    """Terminate the head's processes (GCS, raylet, monitors: each names its session dir
+    under `temp_dir` on its command line); its workers exit with the raylet."""
+    import psutil
+
+    procs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+            procs.append(proc)
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    for proc in alive:
+        proc.kill()
 
 
 def status(cfg: ClusterConfig) -> dict[str, Any]:

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_AUTH_MODE=disabled
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
 exec .venv/bin/python -m examples.arithmetic.run "$@"

@@ -9,7 +9,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 export PATH="$repo/.venv/bin:$PATH" PREFECT_SERVER_ANALYTICS_ENABLED=false
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false
 work="$(mktemp -d /tmp/rollflow-newcomer.XXXX)"
 cd "$work"
 echo "== working in $work"

@@ -1,0 +1,70 @@
+"""The local Ray head rollflow starts is closed: without its token, nobody runs code on it.
+
+Ray's listeners bind every interface, so the probe connects over the machine's own
+non-loopback address (traffic never leaves the machine). Each client is a subprocess:
+Ray reads its auth settings once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+PROBE = ("import os, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
+         "print('uid', ray.get(ray.remote(lambda: os.getuid()).remote()))")
+
+
+def machine_address() -> str:
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not a.address.startswith("127."):
+                return str(a.address)
+    pytest.skip("no non-loopback IPv4 address on this machine")
+
+
+def rollflow_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    return {**env, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_client_without_the_token_cannot_run_code_on_rollflows_head():
+    home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))  # short: Ray's socket paths
+    env = rollflow_env(home)
+    start = python("from flows.cluster import start_local_head; print(start_local_head(1))", env)
+    out, err = start.communicate(timeout=120)
+    assert start.returncode == 0, err
+    port = out.strip().rsplit(":", 1)[1]
+    target = f"{machine_address()}:{port}"
+    try:
+        token = home / "ray_token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        no_auth = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="disabled"), target)
+        wrong = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="x" * 64),
+                       target)
+        right = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="token",
+                                           RAY_AUTH_TOKEN_PATH=str(token)), target)
+        right_out, right_err = right.communicate(timeout=120)
+        assert f"uid {os.getuid()}" in right_out, right_err
+        for denied in (no_auth, wrong):
+            denied_out, _ = denied.communicate(timeout=180)
+            assert denied.returncode != 0 and "uid" not in denied_out
+    finally:
+        stop = python("from flows.cluster import stop_local_head; stop_local_head()", env)
+        stop.communicate(timeout=60)
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"])
+                 if any(str(home) in a for a in p.info["cmdline"] or [])]
+    assert leftovers == []  # `cluster down` stopped its own head, and only it
