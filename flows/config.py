@@ -20,6 +20,15 @@ from pydantic import (
     model_validator,
 )
 
+from flows.secrets import (  # noqa: F401 - REDACTED, drop_redacted: the config's vocabulary
+    REDACTED,
+    drop_redacted,
+    option_secrets,
+    redact_options,
+    redact_url,
+    url_secrets,
+)
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -137,7 +146,10 @@ class RolloutConfig(Section):
     group_rm: bool = Field(
         False, description="Call custom_rm_path once per group with all its samples."
     )
-    rm_url: str | None = Field(None, description="remote_rm: URL receiving the JSON POST.")
+    rm_url: str | None = Field(
+        None, repr=False, description="remote_rm: URL receiving the JSON POST (a password in it is shown "
+        "as REDACTED in config.yaml and the UI)."
+    )
     rm_timeout_s: float = Field(30.0, gt=0.0, description="remote_rm: per-request timeout.")
     rm_max_retries: int = Field(
         5, ge=0, description="remote_rm: retries on timeouts, transport errors, 429 and 5xx."
@@ -212,6 +224,10 @@ class RolloutConfig(Section):
         "debug_train_only.",
     )
 
+    @field_serializer("rm_url")
+    def _redact_rm_url(self, url: str | None) -> str | None:
+        return redact_url(url)
+
     @property
     def submit_batch_size(self) -> int:
         return self.over_sampling_batch_size or self.rollout_batch_size
@@ -239,7 +255,13 @@ class EngineConfig(Section):
     model_path: str | None = Field(None, description="HF-format model directory.")
     num_engines: int = Field(1, ge=1)
     host: str = Field("127.0.0.1", description="Interface the embedded HTTP server binds.")
-    urls: list[str] = Field(default_factory=list, description="External SGLang server URLs.")
+    urls: list[str] = Field(
+        default_factory=list, repr=False, description="External SGLang server URLs."
+    )
+
+    @field_serializer("urls")
+    def _redact_urls(self, urls: list[str]) -> list[str]:
+        return [redact_url(u) or u for u in urls]
     max_batch_size: int = Field(1024, ge=1, description="Requests decoded together.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     mock_response: str = Field(
@@ -400,13 +422,17 @@ class StorageConfig(Section):
         description="Run directory under the root: letters, digits, '.', '_' and '-', starting "
         "with a letter or digit (so it stays inside the root and names actors and artifacts).",
     )
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto).")
+    endpoint_url: str | None = Field(
+        None, repr=False, description="S3-compatible endpoint (MinIO, moto)."
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
+        repr=False,
         description="fsspec/s3fs options, e.g. {key, secret} or {profile}. They travel with "
-        "the config to every actor; config.yaml and the Prefect UI show secret-looking ones "
-        "(key, secret, token, password) as REDACTED, so a replay or a UI retry needs them again "
-        "(prefer AWS_* env vars or instance credentials on every Ray node).",
+        "the config to every actor; config.yaml, the Prefect UI and logs show every string "
+        "value except harmless settings (profile, region_name, ...) as REDACTED, so a replay or "
+        "a UI retry needs them again (prefer AWS_* env vars or instance credentials on every "
+        "Ray node).",
     )
     compression: Literal["zstd", "lz4"] | None = "zstd"
 
@@ -423,31 +449,11 @@ class StorageConfig(Section):
     @field_serializer("storage_options")
     def _redact(self, options: dict[str, Any]) -> dict[str, Any]:
         """Pickling (Ray) keeps the values; every dump (config.yaml, Prefect) hides them."""
-        return redact_secrets(options)
+        return redact_options(options)
 
-
-REDACTED = "REDACTED"
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
-
-
-def redact_secrets(options: dict[str, Any]) -> dict[str, Any]:
-    """`options` with the values of secret-looking keys replaced by REDACTED (nested too)."""
-    out: dict[str, Any] = {}
-    for name, value in options.items():
-        if isinstance(value, dict):
-            out[name] = redact_secrets(value)
-        elif any(word in name.lower() for word in _SECRET_WORDS) and value is not None:
-            out[name] = REDACTED
-        else:
-            out[name] = value
-    return out
-
-
-def drop_redacted(options: dict[str, Any]) -> dict[str, Any]:
-    """Inverse use: a config read back from config.yaml forgets the REDACTED placeholders,
-    so the credentials come from the environment (or `--set`) instead."""
-    return {k: drop_redacted(v) if isinstance(v, dict) else v
-            for k, v in options.items() if v != REDACTED}
+    @field_serializer("endpoint_url")
+    def _redact_endpoint(self, url: str | None) -> str | None:
+        return redact_url(url)
 
 
 class EvalDataset(Section):
@@ -545,6 +551,14 @@ class RollflowConfig(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def secret_values(self) -> set[str]:
+        """Every value the dumps hide: storage options and URL credentials."""
+        urls = [self.rollout.rm_url, self.storage.endpoint_url, *self.engine.urls]
+        found = option_secrets(self.storage.storage_options)
+        for url in urls:
+            found |= url_secrets(url)
+        return found
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> RollflowConfig:

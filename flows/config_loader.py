@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from flows.config import ConfigError, RollflowConfig, format_validation_error
 from flows.config_paths import resolve_paths
+from flows.secrets import register
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -53,6 +54,7 @@ def config_from_dict(data: dict[str, Any], base: str | Path | None = None) -> Ro
         config = RollflowConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    register(config.secret_values())  # this process's logs never show them
     return resolve_paths(config, base)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flows.config import ConfigError
+from flows.secrets import scrub
 
 _RAY_WHERE = re.compile(r"ray::([\w.]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -197,12 +198,12 @@ def report_failure(
     """Print the summary, then where the full traceback went; returns the exit code."""
     stream = stream or sys.stderr
     _close_progress_bars()
-    summary = summarize(exc)
-    details = _ANSI.sub("", "".join(traceback.format_exception(exc)))
+    summary = scrub(summarize(exc))
+    details = scrub(_ANSI.sub("", "".join(traceback.format_exception(exc))))
     parts = [f"rollflow {' '.join(command or sys.argv[1:])}", summary, "", details]
     if held is not None and held.records:
         parts += ["Prefect's log of the failed runs:", _formatted(held.records)]
-    log = write_log("\n".join(parts), run_dir)
+    log = write_log(scrub("\n".join(parts)), run_dir)
     print(summary, file=stream)
     if log is not None:
         print(f"  full traceback: {log}" + ("" if verbose else " (or run with --verbose)"),

@@ -26,6 +26,7 @@ from flows.logging_sinks import open_sinks
 from flows.preflight import preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
+from flows.secrets import register
 from storage.run_layout import RunLayout
 from tasks import step_tasks as t
 
@@ -100,6 +101,7 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
 
 @flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False)
 def train(config: RollflowConfig) -> dict[str, Any]:
+    register(config.secret_values())  # deployments pass the config without the CLI
     config, checked = preflight_once(resolve_paths(config))
     connect(config.cluster)
     layout = open_layout(config)
