@@ -59,7 +59,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
+    from flows.cluster import warn_if_public
     from flows.server import serve_forever
+
+    warn_if_public("rollflow server --host", args.host)
 
     return serve_forever(args.host, args.port, args.home)
 

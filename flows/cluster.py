@@ -68,6 +68,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def warn_if_public(what: str, host: str) -> bool:
+    """Servers rollflow starts bind loopback unless told otherwise; say so when told."""
+    if is_loopback(host):
+        return False
+    log.warning("%s=%s: reachable from the network, with no authentication in front of it "
+                "(bind 127.0.0.1 unless other machines must reach it)", what, host)
+    return True
+
+
 def _ray_cli() -> str:
     local = Path(sys.executable).with_name("ray")
     return str(local) if local.exists() else (shutil.which("ray") or "ray")

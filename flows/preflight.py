@@ -21,6 +21,7 @@ from engines.hooks import load_hook, validate_hooks
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.protocols import RewardFn
+from flows.cluster import warn_if_public
 from flows.config import ConfigError, EvalDataset, RollflowConfig
 from flows.config_paths import MODEL_FIELDS, is_uri
 from storage.run_layout import RunLayout
@@ -152,6 +153,8 @@ def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
     """Check the run before any actor starts; returns the config with its model-dependent
     defaults resolved, and what was found."""
     start = time.perf_counter()
+    if not cfg.engine.urls:  # engines rollflow starts bind engine.host
+        warn_if_public("engine.host", cfg.engine.host)
     check_files_exist(cfg)
     check_storage(cfg)
     validate_hooks(cfg)

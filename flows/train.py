@@ -134,7 +134,7 @@ def train(config: RollflowConfig) -> dict[str, Any]:
         run_steps(config, layout, start, step_done)
     finally:
         sinks.close()
-    bar.close()
+        bar.close()  # a failure's first line must not run on from the bar
     if evaluate_now:
         t.evaluate(ctx, total)
     report = publish_run_report(layout, make_plot=config.logging.plot)

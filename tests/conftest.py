@@ -5,6 +5,7 @@ at the end of the session."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,9 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rollflow's own state (local-head record, Ray token, error logs) stays out of ~/.rollflow;
+# short, under /tmp, because Ray's socket paths are limited in length
+os.environ.setdefault("ROLLFLOW_HOME", tempfile.mkdtemp(prefix="rf-test-", dir="/tmp"))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -66,10 +66,10 @@ def eval_rollout_config(ds: EvalDataset, rollout_cfg: RolloutConfig) -> RolloutC
 
 
 def eval_reward_fn(
-    ds: EvalDataset, default: RewardHub | RewardFn | None
+    ds: EvalDataset, default: RewardHub | RewardFn | None, rule_timeout_s: float
 ) -> RewardHub | RewardFn | None:
     if ds.custom_rm_path or ds.rm_type:
-        return resolve_reward_fn(ds.rm_type, ds.custom_rm_path)
+        return resolve_reward_fn(ds.rm_type, ds.custom_rm_path, rule_timeout_s)
     return default
 
 
@@ -99,9 +99,8 @@ async def evaluate_datasets(
 ) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for index, ds in enumerate(datasets):
-        loop = GenerationLoop(
-            eval_rollout_config(ds, rollout_cfg), clients, eval_reward_fn(ds, reward_fn), hook_args
-        )
+        rewards = eval_reward_fn(ds, reward_fn, rollout_cfg.rm_rule_timeout_s)
+        loop = GenerationLoop(eval_rollout_config(ds, rollout_cfg), clients, rewards, hook_args)
         groups, stats = await loop.run(eval_groups(ds, tokenizer, index))
         metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))
         metrics[f"eval/{ds.name}/seconds"] = stats.seconds

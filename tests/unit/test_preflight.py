@@ -106,3 +106,13 @@ def test_missing_inputs_are_all_named_by_key(make, tmp_path):
         f"data.prompt_data: no such file or directory: {tmp_path / 'tain.jsonl'}",
         f"eval.datasets[0].path: no such file or directory: {tmp_path / 'tst.jsonl'}",
     ]
+
+
+def test_a_public_engine_address_is_warned_about(make, caplog):
+    build, _ = make
+    preflight(build(engine={"host": "0.0.0.0"}))
+    assert any("engine.host=0.0.0.0: reachable from the network" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    preflight(build())
+    assert not any("reachable from the network" in r.getMessage() for r in caplog.records)
