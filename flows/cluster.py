@@ -15,6 +15,7 @@ inherit it from the head. A cluster you name with `cluster.address` keeps your o
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -145,6 +146,12 @@ def check_environment(state: dict[str, Any]) -> None:
         )
 
 
+@functools.cache  # once per process and head
+def _warn_open_head(address: str) -> None:
+    log.warning("the local Ray head at %s accepts code from anyone who can reach it (no "
+                "auth): `rollflow cluster down`, and the next run starts a closed one", address)
+
+
 def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
     """The configured address, else the running local head (of this environment), else a
     new one (if `start`)."""
@@ -155,9 +162,7 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
         check_environment(state)
         auth = state.get("auth", "disabled")
         if auth != "token":
-            log.warning("the local Ray head at %s accepts code from anyone who can reach it "
-                        "(no auth): `rollflow cluster down`, and the next run starts a closed "
-                        "one", state["address"])
+            _warn_open_head(str(state["address"]))
         _ray_env(auth)
         return str(state["address"])
     return start_local_head(cfg.num_cpus) if start else None

@@ -172,7 +172,8 @@ def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
                     d.rollout_max_prompt_len)
     check_rewards(cfg, hub, samples)
     groups_needed = cfg.rollout.submit_batch_size
-    if not cfg.rollout.debug_train_only and len(samples) < groups_needed:
+    generation_loop = not (cfg.rollout.debug_train_only or cfg.rollout.function_path)
+    if generation_loop and len(samples) < groups_needed:
         log.warning("%s: %d usable prompts, fewer than the %d groups a step draws; prompts "
                     "repeat within a step", d.prompt_data, len(samples), groups_needed)
     eval_prompts = {}
