@@ -10,7 +10,9 @@ Replaying steps A..B-1 needs the weights the source run had before step A: the n
 checkpoint before A is copied in, and the steps between it and A are trained first (the
 trainer's own rebuild path, `ensure_version`), without being reported. Each replayed step
 commits like a rollout step (`metrics.json`, then `COMMITTED`), so an interrupted replay
-resumes where it stopped.
+resumes where it stopped. Every source batch is checked (parses; size and sha256 as its step
+recorded) before anything is copied, so a corrupt source fails naming its file and leaves
+nothing behind in the new run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from flows.config_loader import dump_config
 from flows.logging_sinks import open_sinks
 from flows.reporting import publish_run_report, publish_step_table
 from flows.rollout_step import open_layout
+from storage.batch_io import read_table
+from storage.integrity import MANIFEST_FILE
 from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout, step_dir
 
@@ -81,12 +85,7 @@ class ReplayPlan:
 def plan_replay(source: RunLayout, source_run: str, start: int, end: int) -> ReplayPlan:
     """Check the source has what the replay needs; pick the checkpoint to start from."""
     committed = set(source.committed_steps())
-    latest = source.latest_checkpoint()
-    names = source.store.list("checkpoints")
-    # Checkpoints newer than LATEST may be half-written; older ones are complete.
-    usable = [int(n) for n in names if n.isdigit() and int(n) < start
-              and latest is not None and int(n) <= latest]
-    checkpoint = max(usable) if usable else None
+    checkpoint = source.latest_checkpoint(before=start)  # the newest complete one
     warmup = list(range(0 if checkpoint is None else checkpoint + 1, start))
     missing = [k for k in warmup + list(range(start, end)) if k not in committed]
     if missing:
@@ -95,6 +94,20 @@ def plan_replay(source: RunLayout, source_run: str, start: int, end: int) -> Rep
             f"(committed: {sorted(committed) or 'none'})"
         )
     return ReplayPlan(source_run, start, end, checkpoint, warmup)
+
+
+def check_source(source: RunLayout, plan: ReplayPlan) -> None:
+    """Read everything the replay will copy: `CorruptFileError` names the first batch that
+    does not parse or differs from what its step's COMMITTED marker recorded, or the first
+    checkpoint file that differs from its manifest (one saved without a manifest, before
+    they existed, is copied as it is)."""
+    for k in plan.warmup + plan.steps:
+        read_table(source.store, step_dir(k), "train.arrow")
+    c = plan.checkpoint
+    if c is not None and source.store.exists(*source.checkpoint_parts(c), MANIFEST_FILE):
+        problems = source.checkpoint_problems(c, checksums=True)
+        if problems:
+            raise problems[0]
 
 
 def copy_tree(src: ObjectStore, dst: ObjectStore, *parts: str) -> int:
@@ -157,6 +170,7 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     s = config.storage
     source = RunLayout.open(s.uri, source_run, s.endpoint_url, s.storage_options)
     plan = plan_replay(source, source_run, start, end)
+    check_source(source, plan)
     if not layout.store.exists("config.yaml"):
         layout.store.write_text(dump_config(config), "config.yaml")
         layout.store.write_json(asdict(plan), "replay.json")

@@ -1,4 +1,9 @@
-"""Sample batches as Arrow IPC files (compressed), read back zero-copy where possible."""
+"""Sample batches as Arrow IPC files (compressed), read back zero-copy where possible.
+
+Every read that fails raises one error type, `CorruptFileError`, naming the file: a file that
+does not parse as Arrow or as a sample batch, and a file of a committed step whose size or
+sha256 differs from those its step's COMMITTED marker recorded (`integrity.py`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from storage.arrow_schema import samples_to_table, table_to_samples
+from storage.integrity import CorruptFileError, FileDigest, sealed_digest, verify_bytes
 from storage.object_store import ObjectStore
 from storage.sample import Sample
 
@@ -26,14 +32,27 @@ def write_table(
     return store.write_bytes(table_to_ipc_bytes(table, compression), *parts)
 
 
-def read_table(store: ObjectStore, *parts: str) -> pa.Table:
+def read_table(store: ObjectStore, *parts: str, expected: FileDigest | None = None) -> pa.Table:
     """Local files are memory-mapped (zero-copy for uncompressed buffers); remote ones
-    are fetched once into memory."""
-    path = store.path(*parts)
-    if store.protocol == "file":
-        with pa.memory_map(path, "r") as source:
-            return ipc.open_file(source).read_all()
-    return ipc.open_file(pa.BufferReader(store.read_bytes(*parts))).read_all()
+    are fetched once into memory. A file listed by its directory's seal (a committed step)
+    is first checked against the size and sha256 recorded there, or against `expected`."""
+    uri = store.uri(*parts)
+    expected = expected or sealed_digest(store, *parts)
+    if expected is not None and not store.exists(*parts):
+        raise CorruptFileError(uri, "missing, though recorded when its step was committed")
+    try:
+        if store.protocol == "file":
+            with pa.memory_map(store.path(*parts), "r") as source:
+                data = source.read_buffer()
+                if expected is not None:
+                    verify_bytes(memoryview(data), expected, uri)
+                return ipc.open_file(data).read_all()
+        raw = store.read_bytes(*parts)
+        if expected is not None:
+            verify_bytes(raw, expected, uri)
+        return ipc.open_file(pa.BufferReader(raw)).read_all()
+    except pa.ArrowException as exc:
+        raise CorruptFileError(uri, f"not a readable Arrow IPC file ({exc})") from exc
 
 
 def write_samples(
@@ -48,4 +67,8 @@ def write_samples(
 
 
 def read_samples(store: ObjectStore, *parts: str) -> list[Sample]:
-    return table_to_samples(read_table(store, *parts))
+    table = read_table(store, *parts)
+    try:
+        return table_to_samples(table)
+    except (ValueError, KeyError, TypeError) as exc:  # json, missing columns, bad status
+        raise CorruptFileError(store.uri(*parts), f"not a sample batch ({exc})") from exc

@@ -4,21 +4,39 @@
 {run}/config.yaml
 {run}/steps/{rollout_id:06d}/prompts.arrow | rollout.arrow | train.arrow | metrics.json
 {run}/steps/{rollout_id:06d}/tasks/{task}.json      (each finished task's small output)
-{run}/steps/{rollout_id:06d}/COMMITTED
+{run}/steps/{rollout_id:06d}/COMMITTED                (size + sha256 of every file above)
 {run}/datasource/{rollout_id:06d}.json + {rollout_id:06d}.{stage}.buffer.arrow
-{run}/checkpoints/{rollout_id:06d}/...  and  {run}/checkpoints/LATEST
+{run}/checkpoints/{rollout_id:06d}/... MANIFEST.json  and  {run}/checkpoints/LATEST
 {run}/eval/{rollout_id:06d}.json
 ```
-A step is done only when its COMMITTED marker exists; the marker is written last.
+A step is done only when its COMMITTED marker exists; the marker is written last and
+records each file's size and sha256, which every batch read checks (`integrity.py`).
+
+A checkpoint is complete when its MANIFEST.json exists and every file it lists is there with
+the recorded size. LATEST, written last, is a hint: without it, or when it points at an
+incomplete checkpoint, the newest complete one is found by scanning (with a warning).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from storage.integrity import (
+    MANIFEST_FILE,
+    SEAL_FILE,
+    CorruptFileError,
+    check_dir,
+    dir_manifest,
+    manifest_to_json,
+    read_manifest,
+    write_manifest,
+)
 from storage.object_store import ObjectStore, open_store
+
+log = logging.getLogger(__name__)
 
 
 def step_dir(rollout_id: int) -> str:
@@ -49,7 +67,7 @@ class RunLayout:
         return step_dir(rollout_id), name
 
     def is_committed(self, rollout_id: int) -> bool:
-        return self.store.exists(step_dir(rollout_id), "COMMITTED")
+        return self.store.exists(step_dir(rollout_id), SEAL_FILE)
 
     def committed_steps(self) -> list[int]:
         steps = []
@@ -67,7 +85,12 @@ class RunLayout:
         return k
 
     def mark_committed(self, rollout_id: int) -> None:
-        self.store.write_json({"committed_at": time.time()}, step_dir(rollout_id), "COMMITTED")
+        """Seal the step: the marker lists the size and sha256 of every file of the step
+        (read back once; a few batch files), so later reads detect truncation or change."""
+        d = step_dir(rollout_id)
+        files = dir_manifest(self.store, d, skip=(SEAL_FILE, "FAILED"))
+        record = {"committed_at": time.time(), "files": manifest_to_json(files)}
+        self.store.write_json(record, d, SEAL_FILE)
 
     def mark_failed(self, rollout_id: int, error: str) -> None:
         """Tells other flow runs waiting on this step to stop waiting (async mode)."""
@@ -100,13 +123,68 @@ class RunLayout:
     def checkpoint_parts(self, rollout_id: int) -> tuple[str, str]:
         return "checkpoints", f"{rollout_id:06d}"
 
-    def latest_checkpoint(self) -> int | None:
-        """Rollout id whose checkpoint LATEST points at (weights after that step)."""
+    def checkpoint_problems(
+        self, rollout_id: int, checksums: bool = False
+    ) -> list[CorruptFileError]:
+        """Why checkpoint `rollout_id` is not complete (empty if it is): no manifest (saving
+        did not finish), a listed file missing or of another size (one listing), or, with
+        `checksums`, a file whose sha256 differs (reads the whole checkpoint)."""
+        parts = self.checkpoint_parts(rollout_id)
+        manifest = read_manifest(self.store, *parts)
+        if manifest is None:
+            uri = self.store.uri(*parts, MANIFEST_FILE)
+            return [CorruptFileError(uri, "missing or unreadable (saving did not finish)")]
+        return check_dir(self.store, manifest, *parts, checksums=checksums)
+
+    def latest_checkpoint(self, before: int | None = None) -> int | None:
+        """Rollout id of the newest complete checkpoint (weights after that step), only ids
+        `< before` if given: LATEST's if it is complete; else, with a warning, the newest
+        complete one older than it (LATEST missing: the newest complete one at all).
+
+        Checkpoints newer than LATEST are passed over: LATEST moves right after a checkpoint
+        is stored, so they belong to a save that did not finish. A checkpoint without a
+        manifest counts only where LATEST points at it (runs from before manifests)."""
+        pointer = self._latest_pointer()
+        saved = sorted((int(n) for n in self.store.list("checkpoints") if n.isdigit()),
+                       reverse=True)
+        if pointer is None and saved:
+            log.warning("%s: no checkpoints/LATEST; looking for the newest complete checkpoint",
+                        self.uri)
+        elif pointer is not None and pointer not in saved:
+            log.warning("%s: checkpoints/LATEST points at %06d, which is gone; trying older ones",
+                        self.uri, pointer)
+        for k in saved:
+            if (before is not None and k >= before) or (pointer is not None and k > pointer):
+                continue
+            if k == pointer and not self.store.exists(*self.checkpoint_parts(k), MANIFEST_FILE):
+                return k
+            problems = self.checkpoint_problems(k)
+            if not problems:
+                return k
+            log.warning("checkpoint %06d is not complete (%s); trying an older one",
+                        k, "; ".join(str(p) for p in problems[:3]))
+        return None
+
+    def _latest_pointer(self) -> int | None:
         if not self.store.exists("checkpoints", "LATEST"):
             return None
-        return int(self.store.read_text("checkpoints", "LATEST").strip())
+        text = self.store.read_text("checkpoints", "LATEST").strip()
+        if not text.isdigit():
+            log.warning("%s: checkpoints/LATEST holds %r; ignoring it", self.uri, text[:40])
+            return None
+        return int(text)
 
     def set_latest_checkpoint(self, rollout_id: int) -> None:
+        """Point LATEST at a stored checkpoint, after making sure it is complete. A backend
+        that wrote no MANIFEST.json gets one from the stored files (read back once)."""
+        parts = self.checkpoint_parts(rollout_id)
+        manifest = read_manifest(self.store, *parts)
+        if manifest is None:
+            write_manifest(self.store, dir_manifest(self.store, *parts), *parts)
+        else:
+            problems = check_dir(self.store, manifest, *parts)
+            if problems:
+                raise problems[0]
         self.store.write_text(str(rollout_id), "checkpoints", "LATEST")
 
     # -- eval ----------------------------------------------------------------------------

@@ -5,8 +5,12 @@
     critic/, critic_optimizer.pt, critic_scheduler.pt   (ppo only)
     rng.pt                                       global torch (+ CUDA) RNG and the shuffle generator
     meta.json                                    weight version, backend
+    MANIFEST.json                                size + sha256 of every file above, written last
 
-Everything a resumed run needs to take exactly the step an uninterrupted run would.
+Everything a resumed run needs to take exactly the step an uninterrupted run would. The
+manifest makes a stored copy recognisably complete whatever order its files were uploaded
+in (`storage/run_layout.py` scans for complete checkpoints), and lets a load detect a file
+altered since (`verify_checkpoint`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import os
 from typing import Any
 
 import torch
+
+from storage import integrity
+from storage.object_store import ObjectStore
 
 META_FILE = "meta.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -63,3 +70,22 @@ def read_version(local_dir: str) -> int:
 
 def has_checkpoint(local_dir: str) -> bool:
     return os.path.exists(os.path.join(local_dir, META_FILE))
+
+
+def write_manifest(local_dir: str) -> None:
+    """Call last when saving into `local_dir`: every file's size and sha256 (local reads)."""
+    store = ObjectStore(local_dir)
+    manifest = integrity.dir_manifest(store, skip=(integrity.MANIFEST_FILE,))
+    integrity.write_manifest(store, manifest)
+
+
+def verify_checkpoint(local_dir: str) -> None:
+    """Raise `CorruptFileError` naming the first file that is missing or differs (size or
+    sha256) from the manifest; a checkpoint saved without one is taken as it is."""
+    store = ObjectStore(local_dir)
+    manifest = integrity.read_manifest(store)
+    if manifest is None:
+        return
+    problems = integrity.check_dir(store, manifest, checksums=True)
+    if problems:
+        raise problems[0]

@@ -85,6 +85,8 @@ class TorchTrainBackend:
         self.dp = DataParallel.current()
         self._amp = getattr(torch, train_cfg.dtype)
         self._initial = train_cfg.model_path or source
+        if train_cfg.load:
+            ckpt.verify_checkpoint(train_cfg.load)
         torch.manual_seed(train_cfg.seed)
         self._shuffle = torch.Generator().manual_seed(train_cfg.seed)
         self.estimator = load_estimator(algo_cfg)
@@ -386,9 +388,12 @@ class TorchTrainBackend:
             )
         ckpt.save_state(local_dir, ckpt.RNG_FILE, ckpt.rng_state(self._shuffle))
         ckpt.write_meta(local_dir, self.version)
+        ckpt.write_manifest(local_dir)
 
     def load_checkpoint(self, local_dir: str) -> None:
-        """Restore weights, optimizers, schedulers, RNG and version from `save_checkpoint`."""
+        """Restore weights, optimizers, schedulers, RNG and version from `save_checkpoint`,
+        after checking its files against its manifest."""
+        ckpt.verify_checkpoint(local_dir)
         self._build_trainables(local_dir)
         self._restore_state(local_dir)
 

@@ -38,6 +38,7 @@ from engines.train.batching import (
     pad_response_values,
     split_micro_batches,
 )
+from engines.train.checkpoint_io import verify_checkpoint, write_manifest
 from engines.train.finite import (
     STALE_VERSION,
     NonFiniteError,
@@ -403,11 +404,14 @@ class MegatronTrainBackend:
             with open(os.path.join(local_dir, META_FILE), "w") as f:
                 json.dump(meta, f)
         dist.barrier()
+        if dist.get_rank() == 0:  # last, once every rank's shards are written
+            write_manifest(local_dir)
 
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore model, optimizer, RNG and version written by `save_checkpoint`."""
         from megatron.core import dist_checkpointing
 
+        verify_checkpoint(local_dir)
         with open(os.path.join(local_dir, META_FILE)) as f:
             meta = json.load(f)
         # Without apex/TE the optimizer's state_dict() needs Adam state to exist: a fresh one

@@ -1,0 +1,153 @@
+"""Sizes and SHA-256 digests of stored files, so a truncated or altered file is named where
+it is read instead of failing later as an opaque parse error -- or not failing at all.
+
+Two kinds of directory carry a manifest, `{relative path: {size, sha256}}`, of their files:
+
+    steps/{k}/COMMITTED          the step's marker, written last, lists every file of the step
+    checkpoints/{k}/MANIFEST.json written by checkpoint saving; the checkpoint is complete iff
+                                  every file it lists is there with the recorded size
+
+Writes are atomic (temp + rename, one PUT on S3), so a file that disagrees with its manifest
+was changed after it was recorded: a disk fault, a careless copy, a truncation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from storage.object_store import ObjectStore
+
+SEAL_FILE = "COMMITTED"
+"""Seals its directory: written last, it lists the digests of the files beside it."""
+MANIFEST_FILE = "MANIFEST.json"
+_CHUNK = 8 << 20
+
+
+class CorruptFileError(Exception):
+    """A stored file that is missing, truncated, altered or does not parse. The constructor
+    arguments stay in `args`, so it pickles (and crosses Ray) as itself."""
+
+    def __init__(self, uri: str, reason: str) -> None:
+        super().__init__(uri, reason)
+        self.uri, self.reason = uri, reason
+
+    def __str__(self) -> str:
+        return f"{self.uri}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class FileDigest:
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FileDigest:
+        return cls(int(data["size"]), str(data["sha256"]))
+
+
+Manifest = dict[str, FileDigest]
+
+
+def digest_bytes(data: bytes | memoryview) -> FileDigest:
+    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+
+
+def _digest_stream(f: BinaryIO) -> FileDigest:
+    h, size = hashlib.sha256(), 0
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return FileDigest(size, h.hexdigest())
+
+
+def _files(store: ObjectStore, *parts: str) -> dict[str, int]:
+    """Relative path -> size of every file under `parts` (one listing)."""
+    base = store.fs._strip_protocol(store.path(*parts)).rstrip("/")  # as `find` spells it
+    if not store.fs.exists(base):
+        return {}
+    found = store.fs.find(base, detail=True)
+    return {p[len(base):].lstrip("/"): int(info["size"]) for p, info in found.items()
+            if info.get("type") != "directory"}
+
+
+def dir_manifest(store: ObjectStore, *parts: str, skip: Collection[str] = ()) -> Manifest:
+    """Digest every file under `parts` (read back once), except the names in `skip` and
+    leftover temporaries of interrupted writes."""
+    out: Manifest = {}
+    for rel in sorted(_files(store, *parts)):
+        if rel in skip or ".tmp-" in rel:
+            continue
+        with store.fs.open(store.path(*parts, rel), "rb") as f:
+            out[rel] = _digest_stream(f)
+    return out
+
+
+def manifest_to_json(manifest: Manifest) -> dict[str, Any]:
+    return {rel: d.to_json() for rel, d in sorted(manifest.items())}
+
+
+def manifest_from_json(data: dict[str, Any]) -> Manifest:
+    return {rel: FileDigest.from_json(d) for rel, d in data.items()}
+
+
+def write_manifest(store: ObjectStore, manifest: Manifest, *parts: str) -> str:
+    return store.write_json({"files": manifest_to_json(manifest)}, *parts, MANIFEST_FILE)
+
+
+def read_manifest(store: ObjectStore, *parts: str) -> Manifest | None:
+    """The manifest of directory `parts`; None if it has none (or one that does not parse:
+    then the directory is just as unusable)."""
+    if not store.exists(*parts, MANIFEST_FILE):
+        return None
+    try:
+        return manifest_from_json(store.read_json(*parts, MANIFEST_FILE)["files"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def check_dir(
+    store: ObjectStore, manifest: Manifest, *parts: str, checksums: bool = False
+) -> list[CorruptFileError]:
+    """What is wrong with directory `parts` against `manifest`: missing files and sizes from
+    one listing, and, with `checksums`, digests (which reads every file)."""
+    sizes = _files(store, *parts)
+    problems = []
+    for rel, expected in sorted(manifest.items()):
+        uri = store.uri(*parts, rel)
+        if rel not in sizes:
+            problems.append(CorruptFileError(uri, "missing (listed in its manifest)"))
+        elif sizes[rel] != expected.size:
+            problems.append(CorruptFileError(
+                uri, f"{sizes[rel]} bytes, {expected.size} when recorded (truncated?)"))
+        elif checksums:
+            with store.fs.open(store.path(*parts, rel), "rb") as f:
+                if _digest_stream(f).sha256 != expected.sha256:
+                    problems.append(CorruptFileError(uri, "sha256 differs from the recorded one"))
+    return problems
+
+
+def verify_bytes(data: bytes | memoryview, expected: FileDigest, uri: str) -> None:
+    """Raise `CorruptFileError` if `data` (a file's whole content) is not what was recorded."""
+    if len(data) != expected.size:
+        raise CorruptFileError(
+            uri, f"{len(data)} bytes, {expected.size} when recorded (truncated?)")
+    if hashlib.sha256(data).hexdigest() != expected.sha256:
+        raise CorruptFileError(uri, "sha256 differs from the recorded one")
+
+
+def sealed_digest(store: ObjectStore, *parts: str) -> FileDigest | None:
+    """The digest recorded for file `parts` by its directory's seal, if it is sealed."""
+    directory, name = parts[:-1], parts[-1]
+    if not store.exists(*directory, SEAL_FILE):
+        return None
+    try:
+        entry = store.read_json(*directory, SEAL_FILE).get("files", {}).get(name)
+    except ValueError:
+        raise CorruptFileError(store.uri(*directory, SEAL_FILE), "not valid JSON") from None
+    return None if entry is None else FileDigest.from_json(entry)
