@@ -361,6 +361,11 @@ class TrainConfig(Section):
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.98)
     clip_grad: float = Field(1.0, gt=0.0)
+    max_consecutive_skipped_steps: int = Field(
+        5, ge=1,
+        description="Optimizer steps skipped in a row for a non-finite gradient norm before "
+        "the run fails (each skip is counted in train/skipped_steps).",
+    )
     global_batch_size: int | None = Field(
         None, ge=1, description="Samples per optimizer step (default: the whole rollout batch)."
     )

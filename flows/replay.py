@@ -151,6 +151,7 @@ def replay_train(
 ) -> dict[str, Any]:
     if layout.is_committed(rollout_id):
         return layout.step_metrics(rollout_id)
+    ray.get(trainer.ensure_version.remote(rollout_id))  # a retry after a half-done step rebuilds
     metrics = step_metrics(rollout_id, ray.get(trainer.train.remote(rollout_id)))
     if checkpoint:
         metrics["checkpoint"] = ray.get(trainer.save_checkpoint.remote(rollout_id))

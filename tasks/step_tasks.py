@@ -19,12 +19,18 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
+from engines.hooks import HookError
+from engines.prompt_dataset import DatasetError
+from engines.train.finite import NonFiniteError
 from engines.weight_schedule import pushes_weights, required_weight_version
 from flows.actors import RunActors, get_or_create_actors
 from flows.config import RollflowConfig
 from flows.reporting import artifact_key
+from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
+from storage.sample import RewardError
 from tasks import colocate
+from tasks.rewards.hub import RewardConfigError
 
 
 @dataclass
@@ -60,9 +66,29 @@ def run_once(
     return {**record, "from_storage": False}
 
 
+# Failures that come out the same however often they are retried: a bad input or a
+# corrupt file (fix it and rerun) is reported at once instead of after two retries.
+DETERMINISTIC: tuple[type[BaseException], ...] = (
+    CorruptFileError, DatasetError, HookError, NonFiniteError, RewardConfigError, RewardError,
+)
+
+
+def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry_condition_fn: retry unless the failure is deterministic (Ray raises a
+    task's exception as a subclass of the original, so isinstance sees through it)."""
+    try:
+        state.result()
+    except DETERMINISTIC:
+        return False
+    except BaseException:
+        return True
+    return True
+
+
 # Transient faults (an engine or actor briefly unreachable) are retried; the record check
 # makes a retry after a partial success safe.
-TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 2}
+TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 2,
+                                "retry_condition_fn": retry_transient}
 
 
 def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> dict[str, Any]:

@@ -29,6 +29,8 @@ class Optimized:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     clip_grad: float
+    max_consecutive_skips: int = 5
+    consecutive_skips: int = 0  # a run of skips this long means training cannot recover
 
 
 def optimizer_step(
@@ -67,8 +69,15 @@ def optimizer_step(
     out = dp.sum_metrics(dict(totals), device)
     loss_value = out.pop(_TRAINED_LOSS, 0.0)
     skip = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
+    opt.consecutive_skips = opt.consecutive_skips + 1 if skip else 0
     if skip:
         opt.optimizer.zero_grad(set_to_none=True)
+        if opt.consecutive_skips >= opt.max_consecutive_skips:
+            raise NonFiniteError(
+                f"{prefix or 'actor '}gradient norm was not finite for {opt.consecutive_skips} "
+                "optimizer steps in a row (train.max_consecutive_skipped_steps); the weights "
+                "are those before the first of them"
+            )
     else:
         opt.optimizer.step()
         opt.scheduler.step()

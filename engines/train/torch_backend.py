@@ -119,7 +119,8 @@ class TorchTrainBackend:
             module.parameters(), lr=lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
         )
         wrapped = self.dp.wrap(module, self.device)
-        return Optimized(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad)
+        return Optimized(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad,
+                         cfg.max_consecutive_skipped_steps)
 
     def _build_trainables(self, source: str) -> None:
         """Actor from `source`; critic (ppo) from `source/critic` when resuming, else from

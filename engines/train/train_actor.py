@@ -183,9 +183,9 @@ class TrainActor:
         if v == target or (v == target + 1 and self._last_trained == target):
             return {"rebuilt": False, "version": v, "replayed": []}
         self.backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
-        latest = self.layout.latest_checkpoint()
+        latest = self.layout.latest_checkpoint(before=target)
         first = 0
-        if latest is not None and latest < target:
+        if latest is not None:
             self._load_checkpoint(latest)
             first = latest + 1
         replayed = []

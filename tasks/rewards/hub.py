@@ -191,6 +191,9 @@ class RewardHub:
         return list(await asyncio.gather(*(self.score(args, s) for s in samples)))
 
     async def assign(self, args: Any, samples: Sequence[Sample]) -> None:
-        """Score and store `sample.reward` for every sample."""
+        """Score and store `sample.reward` for every sample; a NaN/inf reward fails here,
+        naming the function, before a filter or the trainer sees it."""
         for s, r in zip(samples, await self.score_group(args, samples), strict=True):
             s.reward = r
+            fn = self.group_fn if self.group_fn is not None else self.for_sample(s)
+            s.check_reward(source=getattr(fn, "__qualname__", None) or repr(fn))

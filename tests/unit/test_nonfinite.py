@@ -93,6 +93,19 @@ def test_non_finite_grad_norm_skips_the_step_and_counts_it() -> None:
     assert not torch.equal(before[0], snapshot(opt.module)[0])
 
 
+def test_a_run_of_skipped_steps_fails_loudly() -> None:
+    opt = linear_opt()
+    opt.max_consecutive_skips = 3
+    step(opt, nan_grads=True)
+    step(opt, nan_grads=True)
+    step(opt)  # a good step in between resets the run
+    assert opt.consecutive_skips == 0
+    step(opt, nan_grads=True)
+    step(opt, nan_grads=True)
+    with pytest.raises(NonFiniteError, match="not finite for 3 optimizer steps in a row"):
+        step(opt, nan_grads=True)
+
+
 def test_non_finite_loss_raises_without_stepping() -> None:
     opt = linear_opt()
     before = snapshot(opt.module)

@@ -30,3 +30,15 @@ def test_curves_every_plot_interval_and_at_the_last_step():
     assert [k for k in range(25) if rs.plots_curves(cfg(), k)] == [9, 19, 24]
     assert [k for k in range(25) if rs.plots_curves(cfg(plot_interval=None), k)] == []
     assert [k for k in range(25) if rs.plots_curves(cfg(plot=False), k)] == []
+
+
+def test_deterministic_failures_are_not_retried():
+    from prefect.states import Failed
+
+    from engines.prompt_dataset import DatasetError
+    from tasks.step_tasks import retry_transient
+
+    bad_row = Failed(data=DatasetError("data.jsonl", 3, "prompt", "empty prompt"))
+    flaky = Failed(data=ConnectionError("engine briefly unreachable"))
+    assert retry_transient(None, None, bad_row) is False
+    assert retry_transient(None, None, flaky) is True
