@@ -57,3 +57,36 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield str(PREFECT_API_URL.value())
+
+
+# -- the fault matrix ----------------------------------------------------------------------
+# Fault tests record what happened (`fault_matrix.add(...)`); the session ends with the table:
+# fault -> when it was detected -> outcome -> samples identical to an uninterrupted run.
+class FaultMatrix:
+    COLUMNS = ("fault", "detected", "outcome", "samples identical")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str]] = []
+
+    def add(self, fault: str, detected: str, outcome: str, identical: bool | None) -> None:
+        same = "n/a" if identical is None else ("yes" if identical else "NO")
+        self.rows.append((fault, detected, outcome, same))
+
+    def table(self) -> str:
+        lines = ["| " + " | ".join(self.COLUMNS) + " |", "|" + "---|" * len(self.COLUMNS)]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+FAULTS = FaultMatrix()
+
+
+@pytest.fixture(scope="session")
+def fault_matrix() -> FaultMatrix:
+    return FAULTS
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if FAULTS.rows:
+        terminalreporter.write_sep("=", "fault matrix")
+        terminalreporter.write_line(FAULTS.table())

@@ -41,7 +41,7 @@ def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def test_a_client_without_the_token_cannot_run_code_on_rollflows_head():
+def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matrix):
     home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))  # short: Ray's socket paths
     env = rollflow_env(home)
     start = python("from flows.cluster import start_local_head; print(start_local_head(1))", env)
@@ -68,3 +68,5 @@ def test_a_client_without_the_token_cannot_run_code_on_rollflows_head():
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"])
                  if any(str(home) in a for a in p.info["cmdline"] or [])]
     assert leftovers == []  # `cluster down` stopped its own head, and only it
+    fault_matrix.add("client without the Ray token, over the machine's address", "connect",
+                     "refused (no code runs); with the token: runs", None)

@@ -15,7 +15,7 @@ from tests.flow.configs import arithmetic_config
 
 
 def test_truncated_batch_and_missing_latest(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix
 ):
     from flows.train import train
 
@@ -41,3 +41,7 @@ def test_truncated_batch_and_missing_latest(
     with pytest.raises(CorruptFileError, match=r"steps/000000/train.arrow: \d+ bytes"):
         replay(again, cfg.storage.run_name, 0, 2)
     assert not RunLayout.open(cfg.storage.uri, again.storage.run_name).store.exists()
+    fault_matrix.add("checkpoints/LATEST deleted", "resume", "newest complete checkpoint "
+                     "found by scanning; run resumes", None)
+    fault_matrix.add("committed train.arrow truncated", "read (replay / rebuild)",
+                     "CorruptFileError naming the file; replay copies nothing", None)

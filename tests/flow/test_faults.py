@@ -57,7 +57,7 @@ def kill(cfg, role):
     ray.kill(get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, role))
 
 
-def test_task_raising_once_is_retried(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path):
+def test_task_raising_once_is_retried(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix):
     from flows.train import train
 
     env = (prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path)
@@ -70,9 +70,11 @@ def test_task_raising_once_is_retried(prefect_api, ray_address, arithmetic_data,
     assert layout.store.exists("fault-fired")
     assert layout.committed_steps() == [0, 1, 2]
     assert trained_indices(cfg) == trained_indices(reference)
+    fault_matrix.add("reward raises once (transient)", "in generate", "task retried by "
+                     "Prefect, run completes", True)
 
 
-def test_engine_killed_mid_generate(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path):
+def test_engine_killed_mid_generate(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix):
     from flows.train import train
 
     env = (prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path)
@@ -90,6 +92,8 @@ def test_engine_killed_mid_generate(prefect_api, ray_address, arithmetic_data, t
             groups[s.group_index] = groups.get(s.group_index, 0) + 1
         assert len(groups) == 32 and set(groups.values()) == {cfg.rollout.n_samples_per_prompt}
     assert trained_indices(cfg) == trained_indices(reference)
+    fault_matrix.add("engine actor killed mid-generate", "generate task fails", "retry "
+                     "recreates the engine, step regenerated, run completes", True)
 
 
 def final_weights(cfg) -> dict[str, torch.Tensor]:
@@ -97,7 +101,7 @@ def final_weights(cfg) -> dict[str, torch.Tensor]:
     return load_file(f"{layout.uri}/checkpoints/{cfg.rollout.num_rollout - 1:06d}/model.safetensors")
 
 
-def test_trainer_killed_mid_train_is_rebuilt(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path):
+def test_trainer_killed_mid_train_is_rebuilt(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix):
     from flows.train import train
 
     env = (prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path)
@@ -114,3 +118,5 @@ def test_trainer_killed_mid_train_is_rebuilt(prefect_api, ray_address, arithmeti
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
     assert result["run_dir"]
+    fault_matrix.add("trainer actor killed mid-train", "train task fails", "trainer rebuilt "
+                     "from checkpoint + replay, final weights equal (1e-5)", True)

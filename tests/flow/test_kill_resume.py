@@ -34,7 +34,7 @@ def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen:
 
 
 def test_killed_driver_resumes_after_last_committed_step(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix
 ):
     def config(run_name):
         return arithmetic_config(
@@ -76,3 +76,5 @@ def test_killed_driver_resumes_after_last_committed_step(
     assert trained_indices(layout) == expected
     trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")
     assert ray.get(trainer.trained_indices.remote()) == expected
+    fault_matrix.add("kill -9 of the driver after step 1", "rerun of the same command",
+                     "resumes at the first uncommitted step, committed files untouched", True)

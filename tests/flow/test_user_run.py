@@ -95,7 +95,7 @@ def test_relative_paths_and_a_local_reward_make_one_whole_run_directory(workdir,
 
 
 def test_a_failed_run_rerun_with_a_fixed_config_uses_the_new_config(
-    workdir, ray_address, capsys
+    workdir, ray_address, capsys, fault_matrix
 ):
     run = run_name()
     bad = write_config(workdir, run, ray_address, reward="custom_rm_path: myreward:broken")
@@ -112,6 +112,8 @@ def test_a_failed_run_rerun_with_a_fixed_config_uses_the_new_config(
     assert "myreward:score" in layout.store.read_text("config.yaml")
     assert "myreward:broken" in layout.store.read_text("configs", "000.yaml")
     assert run_actors(NAMESPACE, run) == []
+    fault_matrix.add("reward hook raising; rerun with a fixed config", "step 0 generate",
+                     "rerun replaces the old actors and uses the new config", None)
 
 
 def test_an_eval_set_mistake_fails_before_step_0_naming_its_key(workdir, ray_address, capsys):
