@@ -29,7 +29,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flows.config import ClusterConfig, ConfigError
+from engines.cluster.config import ClusterConfig
+from storage.config import ConfigError
 
 # Share of a bundle each actor asks for. Colocated, the trainer and an engine share a bundle
 # (slime gives them 0.4 / 0.2 of a GPU); the rest stays free. On CPU bundles the same

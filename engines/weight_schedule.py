@@ -15,10 +15,24 @@ a restarted engine is brought to, and which buffered samples are too old to trai
 
 from __future__ import annotations
 
-from flows.config import RollflowConfig
+from typing import Protocol
+
+from engines.rollout.config import EvalConfig, RolloutConfig
+from engines.train.config import TrainConfig
 
 
-def required_weight_version(cfg: RollflowConfig, rollout_id: int) -> int:
+class ScheduleConfig(Protocol):
+    """The sections the schedule reads; the run config is one."""
+
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def train(self) -> TrainConfig: ...
+    @property
+    def eval(self) -> EvalConfig: ...
+
+
+def required_weight_version(cfg: ScheduleConfig, rollout_id: int) -> int:
     """Oldest policy allowed to generate step `rollout_id`: the last version pushed before
     it, less `max_staleness` in async mode (its own version when synchronous, interval 1)."""
     staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
@@ -26,7 +40,7 @@ def required_weight_version(cfg: RollflowConfig, rollout_id: int) -> int:
     return max(0, rollout_id - staleness) // interval * interval
 
 
-def pushes_weights(cfg: RollflowConfig, rollout_id: int) -> bool:
+def pushes_weights(cfg: ScheduleConfig, rollout_id: int) -> bool:
     """Whether step `rollout_id` ends by pushing its new weights to the engines."""
     after = rollout_id + 1
     if after % cfg.train.update_weights_interval == 0 or after >= cfg.rollout.num_rollout:
@@ -35,7 +49,7 @@ def pushes_weights(cfg: RollflowConfig, rollout_id: int) -> bool:
     return bool(cfg.eval.datasets and interval and after % interval == 0)
 
 
-def oldest_trainable_version(cfg: RollflowConfig, rollout_id: int) -> int | None:
+def oldest_trainable_version(cfg: ScheduleConfig, rollout_id: int) -> int | None:
     """Samples drawn back from the buffer (partial rollouts, surplus groups) whose first token
     came from a version older than this are regenerated from the prompt. Synchronous runs
     keep slime's unbounded partial rollouts (None)."""

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from flows.config import ConfigError, RollflowConfig, format_validation_error
 from flows.config_paths import resolve_paths
-from flows.secrets import register
+from storage.secrets import register
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flows.config import ConfigError
-from flows.secrets import scrub
+from storage.secrets import scrub
 
 _RAY_WHERE = re.compile(r"ray::([\w.]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -11,10 +11,42 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from flows.config import LoggingConfig
+from pydantic import Field
+
+from storage.config import Section
 from storage.run_layout import RunLayout
+
+
+class LoggingConfig(Section):
+    """The logging section: levels, progress bars, curves and the optional metric sinks."""
+
+    level: str = "INFO"
+    progress: bool = Field(True, description="tqdm bars in the CLI.")
+    plot: bool = Field(True, description="Write reward/loss curve PNGs to the run directory.")
+    plot_interval: int | None = Field(
+        10, ge=1,
+        description="A rollout step's flow run also shows the curves (image artifact) every N "
+        "steps and at the last step; None: only the train flow, at the end.",
+    )
+    sinks: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Where step metrics also go, each optional: tensorboard (event files), "
+        "wandb (offline by default, no network needed).",
+    )
+    tensorboard_dir: str | None = Field(
+        None,
+        description="Local directory of the TensorBoard events; None: <run dir>/tensorboard "
+        "for a local run, ./tensorboard/<run> for an s3:// run.",
+    )
+    wandb_project: str = Field("rollflow", description="wandb project.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline writes under wandb_dir; `wandb sync` uploads later."
+    )
+    wandb_dir: str | None = Field(
+        None, description="Local directory of wandb files; None: same rule as tensorboard_dir."
+    )
 
 
 class MetricSink(Protocol):

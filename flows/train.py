@@ -26,8 +26,8 @@ from flows.logging_sinks import open_sinks
 from flows.preflight import preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
-from flows.secrets import register
 from storage.run_layout import RunLayout
+from storage.secrets import register
 from tasks import step_tasks as t
 
 

@@ -30,8 +30,8 @@ from engines.algorithms.advantages import (
     reinforce_plus_plus_returns,
     rloo_advantages_by_group,
 )
+from engines.algorithms.config import AlgorithmConfig
 from engines.hooks import load_hook
-from flows.config import AlgorithmConfig
 
 Estimates = tuple[list[Tensor], list[Tensor]]
 

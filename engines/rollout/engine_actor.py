@@ -17,13 +17,13 @@ from collections.abc import Callable
 import torch
 import uvicorn
 
+from engines.rollout.config import EngineConfig
 from engines.rollout.embedded_generator import EmbeddedGenerator
 from engines.rollout.gen_types import Generator
 from engines.rollout.health import wait_for_health
 from engines.rollout.mock_generator import MockGenerator
 from engines.rollout.scheduler import ContinuousScheduler
 from engines.rollout.sglang_server import create_app
-from flows.config import EngineConfig
 
 GeneratorFactory = Callable[[EngineConfig, int, int | None], Generator]
 _MOCK_VOCAB, _MOCK_EOS = 256, 0

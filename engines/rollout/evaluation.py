@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.rollout.config import EvalDataset, RolloutConfig
 from engines.rollout.generation import EngineClient, GenerationLoop
 from engines.rollout.protocols import RewardFn
-from flows.config import EvalDataset, RolloutConfig
 from storage.sample import Group, Status
 from tasks.rewards.hub import RewardHub
 from tasks.rm_hub import resolve_reward_fn

@@ -31,9 +31,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engines.rollout.config import RolloutConfig
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
 from engines.rollout.sglang_client import GenerateOutput
-from flows.config import RolloutConfig
 from storage.sample import Group, Sample, Status
 from tasks.filter_hub import DynamicFilter
 from tasks.rewards.deadline import TIMEOUT_FLAG

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from flows.config import TrainConfig
+from engines.train.config import TrainConfig
 
 
 def lr_at(

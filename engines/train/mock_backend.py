@@ -16,8 +16,9 @@ import zlib
 import torch
 from torch import Tensor
 
+from engines.algorithms.config import AlgorithmConfig
+from engines.train.config import TrainConfig
 from engines.train.metrics import SKIPPED, TrainMetrics
-from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 META_FILE = "meta.json"

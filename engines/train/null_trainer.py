@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.config import RollflowConfig
+from engines.run_config import RunConfig
 
 
 class NullTrainActor:
-    def __init__(self, cfg: RollflowConfig) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
     def version(self) -> int:

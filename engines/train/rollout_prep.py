@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import kl_penalty
 from engines.algorithms.registry import AdvantageInputs, Estimator, compute_advantages
-from flows.config import AlgorithmConfig
 from storage.sample import Sample
 
 Scorer = Callable[[list[Sample]], list[Tensor]]

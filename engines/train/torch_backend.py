@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import LossInputs, actor_loss, critic_loss
 from engines.algorithms.registry import load_estimator
 from engines.hooks import load_hook
@@ -41,6 +42,7 @@ from engines.train.batching import (
     pad_response_values,
     split_micro_batches,
 )
+from engines.train.config import TrainConfig
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
 from engines.train.finite import STALE_VERSION, NonFiniteError, check_finite, check_not_stale
@@ -56,7 +58,6 @@ from engines.train.torch_models import (
     response_log_probs,
     score_samples,
 )
-from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flows.config import RollflowConfig
+from engines.train.config import TrainActorConfig
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
 
 
-def _torch_backend(cfg: RollflowConfig) -> Any:
+def _torch_backend(cfg: TrainActorConfig) -> Any:
     from engines.train.torch_backend import TorchTrainBackend
 
     return TorchTrainBackend(
@@ -31,13 +31,13 @@ def _torch_backend(cfg: RollflowConfig) -> Any:
     )
 
 
-def _mock_backend(cfg: RollflowConfig) -> Any:
+def _mock_backend(cfg: TrainActorConfig) -> Any:
     from engines.train.mock_backend import MockTrainBackend
 
     return MockTrainBackend(cfg.train, cfg.algorithm, cfg.rollout.temperature)
 
 
-def _megatron_backend(cfg: RollflowConfig) -> Any:
+def _megatron_backend(cfg: TrainActorConfig) -> Any:
     from engines.train.megatron import MegatronTrainBackend
 
     return MegatronTrainBackend(
@@ -46,7 +46,7 @@ def _megatron_backend(cfg: RollflowConfig) -> Any:
     )
 
 
-TRAIN_BACKENDS: dict[str, Callable[[RollflowConfig], Any]] = {
+TRAIN_BACKENDS: dict[str, Callable[[TrainActorConfig], Any]] = {
     "torch": _torch_backend,
     "megatron": _megatron_backend,
     "mock": _mock_backend,
@@ -54,7 +54,7 @@ TRAIN_BACKENDS: dict[str, Callable[[RollflowConfig], Any]] = {
 
 
 class TrainActor:
-    def __init__(self, cfg: RollflowConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, cfg: TrainActorConfig, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.layout = RunLayout.open(

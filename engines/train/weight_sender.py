@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from engines.train.config import TrainConfig
 from engines.weight_sync import (
     NamedTensors,
     WeightUpdateGroup,
@@ -34,7 +35,6 @@ from engines.weight_sync import (
     weights_checksum,
 )
 from flows.cluster import free_port
-from flows.config import TrainConfig
 
 
 class WeightSyncError(RuntimeError):

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engines.hooks import load_hook
+from engines.rollout.config import RolloutConfig
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
-from flows.config import RolloutConfig
 from storage.sample import Sample
 from tasks.rewards.deadline import DEFAULT_TIMEOUT_S, SHARED_POOL, TIMEOUT_FLAG, GradingPool
 from tasks.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score

@@ -8,7 +8,7 @@ import yaml
 
 from flows.config_loader import config_from_dict, dump_config
 from flows.errors import report_failure
-from flows.secrets import REDACTED, redact_options, redact_url, scrub
+from storage.secrets import REDACTED, redact_options, redact_url, scrub
 
 
 def _cfg(**sections):
@@ -56,7 +56,7 @@ def test_logs_and_error_logs_are_scrubbed(tmp_path, caplog):
     handler = logging.StreamHandler()
     logging.getLogger().addHandler(handler)
     try:
-        from flows.secrets import install_scrubbing
+        from storage.secrets import install_scrubbing
 
         install_scrubbing()
         record = logging.LogRecord("x", logging.WARNING, __file__, 1, "token %s", ("tok-secret-5",),

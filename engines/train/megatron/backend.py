@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from engines.algorithms.advantages import grpo_advantages_by_group
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import LossInputs, actor_loss
 from engines.train.batching import (
     build_padded_batch,
@@ -39,6 +40,7 @@ from engines.train.batching import (
     split_micro_batches,
 )
 from engines.train.checkpoint_io import verify_checkpoint, write_manifest
+from engines.train.config import TrainConfig
 from engines.train.finite import (
     STALE_VERSION,
     NonFiniteError,
@@ -58,7 +60,6 @@ from engines.train.megatron.hf_convert import (
 )
 from engines.train.megatron.model import transformer_config
 from engines.train.metrics import SKIPPED, TrainMetrics, already_trained
-from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 META_FILE = "meta.json"

@@ -1,0 +1,255 @@
+"""The sections the rollout actor is built from: data, rollout (generation loop, rewards,
+filters), engine and eval."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_serializer, model_validator
+
+from storage.config import Section
+from storage.secrets import redact_url
+
+
+class DataConfig(Section):
+    prompt_data: str = Field(..., description="Training prompts: a .jsonl or .parquet file.")
+    input_key: str = Field("prompt", description="Column/key holding the prompt.")
+    label_key: str | None = Field("label", description="Column/key holding the label.")
+    metadata_key: str | None = Field("metadata", description="Column/key with a metadata dict.")
+    apply_chat_template: bool = Field(
+        False, description="Render prompts through the tokenizer's chat template."
+    )
+    rollout_max_prompt_len: int | None = Field(
+        None, ge=1,
+        description="Drop prompts longer than this many tokens (at load time, counted); "
+        "default: the model's context minus rollout.max_response_len.",
+    )
+    shuffle: bool = Field(True, description="Shuffle the dataset at every epoch.")
+    seed: int = Field(42, description="Seed of the per-epoch shuffle.")
+
+
+class RolloutConfig(Section):
+    num_rollout: int = Field(..., ge=1, description="Rollout steps in the run.")
+    rollout_batch_size: int = Field(..., ge=1, description="Groups (prompts) trained per step.")
+    n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (group size).")
+    over_sampling_batch_size: int | None = Field(
+        None, ge=1, description="Groups submitted at a time (default: rollout_batch_size)."
+    )
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
+    max_response_len: int = Field(64, ge=1, description="max_new_tokens of each request.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+    seed: int = Field(1234, description="Base seed of sampling requests.")
+    off_policy_async: bool = Field(
+        False,
+        description="One-step off-policy: generation of step k+1 overlaps training of step k "
+        "(slime's train_async); weights are broadcast after each train step.",
+    )
+    max_staleness: int = Field(
+        1, ge=0,
+        description="Async mode: generation of step k waits until the engines hold weight "
+        "version >= k - max_staleness (rounded down to a train.update_weights_interval push); "
+        "buffered samples started on an older version are regenerated from the prompt and "
+        "counted (rollout/groups_stale_regenerated_samples).",
+    )
+    function_path: str | None = Field(
+        None,
+        description="Custom rollout function `(args, rollout_id, data_source, evaluation)` "
+        "(import string), e.g. an SFT rollout; None uses the generation loop.",
+    )
+    buffer_filter_path: str | None = Field(
+        None, description="Buffer filter `(args, rollout_id, buffer, num_samples) -> groups`."
+    )
+    rm_type: str | None = Field(
+        None,
+        description="Built-in reward (rm hub): math, deepscaler, dapo, f1, exact_match, "
+        "last_number, remote_rm; `boxed_<rule>` scores only the last \\boxed{...}.",
+    )
+    custom_rm_path: str | None = Field(
+        None,
+        description="Async reward fn `(args, sample) -> reward` (import string); with group_rm "
+        "`(args, samples) -> list[reward]`.",
+    )
+    group_rm: bool = Field(
+        False, description="Call custom_rm_path once per group with all its samples."
+    )
+    rm_url: str | None = Field(
+        None, repr=False, description="remote_rm: URL receiving the JSON POST (a password in it is shown "
+        "as REDACTED in config.yaml and the UI)."
+    )
+    rm_timeout_s: float = Field(30.0, gt=0.0, description="remote_rm: per-request timeout.")
+    rm_max_retries: int = Field(
+        5, ge=0, description="remote_rm: retries on timeouts, transport errors, 429 and 5xx."
+    )
+    rm_backoff_s: float = Field(
+        1.0, ge=0.0, description="remote_rm: first retry delay, doubled each retry (cap 30 s)."
+    )
+    rm_rule_timeout_s: float = Field(
+        10.0, gt=0.0,
+        description="Deadline to grade one sample with a math rule (math, deepscaler, dapo and "
+        "their boxed_ forms), which run in worker processes; past it the sample scores as a "
+        "failure and counts in rollout/reward_timeouts.",
+    )
+    reward_key: str | None = Field(None, description="Key picked from dict rewards.")
+    sglang_server_concurrency: int = Field(
+        256, ge=1,
+        description="In-flight generate requests per engine; the loop allows this times the "
+        "number of engines (slime's semaphore).",
+    )
+    ignore_eos: bool = Field(
+        False, description="Generate past EOS up to max_response_len (benchmarks, tests)."
+    )
+    use_router: bool = Field(
+        True,
+        description="Send requests through a supervised sglang-router process (False: "
+        "round-robin straight to the engines).",
+    )
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two", "manual"] = (
+        Field("cache_aware", description="sglang-router load-balancing policy.")
+    )
+    dynamic_sampling_filter_path: str | None = Field(
+        None,
+        description="Dynamic-sampling filter `(args, group) -> bool` (import string or a "
+        "engines.rollout.filters name, e.g. check_reward_nonzero_std); rejected groups are dropped.",
+    )
+    over_sampling_filter_path: str | None = Field(
+        None,
+        description="Over-sampling filter `(args, groups) -> groups` (import string or a "
+        "engines.rollout.filters name, e.g. sort_by_reward_std). When set, generation keeps "
+        "over_sampling_batch_size groups and the filter stage picks rollout_batch_size.",
+    )
+    custom_generate_function_path: str | None = Field(
+        None,
+        description="`async (args, sample, sampling_params) -> Sample` used per sample instead "
+        "of the HTTP /generate call (multi-turn agents, tools).",
+    )
+    partial_rollout: bool = Field(
+        False,
+        description="Aborted groups go back to the buffer with their partial tokens and are "
+        "continued later (False: they go back as fresh prompts).",
+    )
+    mask_offpolicy_in_partial_rollout: bool = Field(
+        False,
+        description="When a partial sample is continued, set the loss mask of the tokens an "
+        "older policy generated to 0.",
+    )
+    max_groups_per_step: int | None = Field(
+        None, ge=1,
+        description="Dynamic sampling gives up after drawing this many groups in one step "
+        "(None: 10 x the kept target) and trains on what it kept.",
+    )
+    debug_rollout_only: bool = Field(
+        False, description="Generate and save rollouts but never train (no trainer actor)."
+    )
+    debug_train_only: bool = Field(
+        False,
+        description="Train on the saved train batches of debug_rollout_data; no engines.",
+    )
+    debug_rollout_data: str | None = Field(
+        None,
+        description="Run directory (path or URI) whose steps/{id}/train.arrow feed "
+        "debug_train_only.",
+    )
+
+    @field_serializer("rm_url")
+    def _redact_rm_url(self, url: str | None) -> str | None:
+        return redact_url(url)
+
+    @property
+    def submit_batch_size(self) -> int:
+        return self.over_sampling_batch_size or self.rollout_batch_size
+
+    @model_validator(mode="after")
+    def _check_rollout(self) -> RolloutConfig:
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ValueError("rollout.debug_rollout_only and rollout.debug_train_only exclude "
+                             "each other")
+        if self.debug_train_only and not self.debug_rollout_data:
+            raise ValueError("rollout.debug_train_only needs rollout.debug_rollout_data (the "
+                             "run directory to train from)")
+        if self.over_sampling_batch_size is not None and self.over_sampling_filter_path and (
+            self.over_sampling_batch_size < self.rollout_batch_size
+        ):
+            raise ValueError("rollout.over_sampling_batch_size must be >= rollout_batch_size "
+                             "when rollout.over_sampling_filter_path is set")
+        return self
+
+
+class EngineConfig(Section):
+    backend: Literal["embedded", "sglang", "mock"] = Field(
+        "embedded", description="Rollout engine: embedded (torch), sglang (HTTP), mock."
+    )
+    model_path: str | None = Field(None, description="HF-format model directory.")
+    num_engines: int = Field(1, ge=1)
+    host: str = Field("127.0.0.1", description="Interface the embedded HTTP server binds.")
+    urls: list[str] = Field(
+        default_factory=list, repr=False, description="External SGLang server URLs."
+    )
+
+    @field_serializer("urls")
+    def _redact_urls(self, urls: list[str]) -> list[str]:
+        return [redact_url(u) or u for u in urls]
+    max_batch_size: int = Field(1024, ge=1, description="Requests decoded together.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    mock_response: str = Field(
+        "", description="Mock backend: fixed answer template; '' echoes the label."
+    )
+
+
+class EvalDataset(Section):
+    """One held-out set; unset sampling fields fall back to the rollout section's."""
+
+    name: str = Field(..., description="Metric prefix: eval/{name}.")
+    path: str = Field(..., description="A .jsonl or .parquet file.")
+    input_key: str | None = Field(
+        None, description="Column/key holding the prompt (default: data.input_key)."
+    )
+    label_key: str | None = Field(
+        None, description="Column/key holding the label (default: data.label_key)."
+    )
+    metadata_key: str | None = Field(
+        None,
+        description="Column/key with a metadata dict, e.g. a per-row rm_type (default: "
+        "data.metadata_key).",
+    )
+    apply_chat_template: bool | None = Field(
+        None,
+        description="Render prompts through the tokenizer's chat template (default: "
+        "data.apply_chat_template).",
+    )
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per prompt.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default: rollout.top_p.")
+    top_k: int | None = Field(None, description="Default: rollout.top_k (-1 disables).")
+    max_response_len: int | None = Field(None, ge=1, description="Default: rollout's.")
+    stop: list[str] | None = Field(None, description="Stop strings (default: rollout's).")
+    stop_token_ids: list[int] | None = Field(None, description="Default: rollout's.")
+    rm_type: str | None = Field(None, description="Reward for this set (default: the run's).")
+    custom_rm_path: str | None = Field(
+        None, description="Async reward fn `(args, sample)` for this set (default: the run's)."
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts.")
+
+
+class EvalConfig(Section):
+    datasets: list[EvalDataset] = Field(default_factory=list)
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate every N steps.")
+    before_train: bool = Field(True, description="Evaluate the initial policy too.")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> EvalConfig:
+        names = [d.name for d in self.datasets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"eval.datasets: names must be unique (repeated: {duplicates})")
+        return self
+
+    def inherit_data_keys(self, data: DataConfig) -> None:
+        """Fill each dataset's unset row keys and chat-template flag from the data section,
+        so an eval set shaped like the training set needs only name and path."""
+        for ds in self.datasets:
+            for key in ("input_key", "label_key", "metadata_key", "apply_chat_template"):
+                if getattr(ds, key) is None:
+                    object.__setattr__(ds, key, getattr(data, key))

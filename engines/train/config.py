@@ -1,0 +1,105 @@
+"""The train section, and the view of the run config a train actor reads."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from pydantic import Field, model_validator
+
+from engines.algorithms.config import AlgorithmConfig
+from engines.cluster.config import ClusterConfig
+from engines.rollout.config import RolloutConfig
+from storage.config import Section, StorageConfig
+
+
+class TrainConfig(Section):
+    backend: Literal["torch", "megatron", "mock"] = Field(
+        "torch", description="torch (HF model, CPU/GPU), megatron (megatron-core, GPU only), mock."
+    )
+    tensor_parallel: int = Field(1, ge=1, description="megatron: tensor-parallel size.")
+    pipeline_parallel: int = Field(1, ge=1, description="megatron: pipeline-parallel size.")
+    model_path: str | None = Field(None, description="HF-format initial policy.")
+    load: str | None = Field(None, description="Checkpoint directory (HF format) to start from.")
+    critic_model_path: str | None = Field(
+        None, description="HF model the critic backbone starts from (default: model_path)."
+    )
+    lr: float = Field(1e-6, gt=0.0)
+    critic_lr: float | None = Field(None, description="Critic learning rate (default: lr).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    lr_decay_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps (warmup included) until min_lr (cosine/linear)."
+    )
+    min_lr: float = Field(0.0, ge=0.0, description="Floor of the decayed learning rate.")
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    clip_grad: float = Field(1.0, gt=0.0)
+    max_consecutive_skipped_steps: int = Field(
+        5, ge=1,
+        description="Optimizer steps skipped in a row for a non-finite gradient norm before "
+        "the run fails (each skip is counted in train/skipped_steps).",
+    )
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step (default: the whole rollout batch)."
+    )
+    num_steps_per_rollout: int | None = Field(
+        None, ge=1, description="Optimizer steps per rollout batch (sets global_batch_size)."
+    )
+    num_epochs_per_rollout: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    num_critic_only_steps: int = Field(
+        0, ge=0, description="First N rollouts train only the critic (ppo)."
+    )
+    max_tokens_per_micro_batch: int = Field(16384, ge=1)
+    save_interval: int | None = Field(
+        None, ge=1, description="Checkpoint every N steps (None: only the last step)."
+    )
+    seed: int = 1234
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype; bfloat16 autocasts over float32 master weights."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda (this process's local rank) when available, else cpu."
+    )
+    weight_sync: Literal["tensor", "distributed", "disk"] = Field(
+        "tensor",
+        description="How new weights reach the engines: tensor (trainer -> Ray object store -> "
+        "engine actors), distributed (pause, process-group broadcast in buckets, flush, continue), "
+        "disk (save_pretrained + /update_weights_from_disk).",
+    )
+    update_weights_interval: int = Field(
+        1, ge=1,
+        description="Push new weights to the engines every N train steps (and after the last "
+        "step, and before an evaluation); generation in between uses the last pushed version.",
+    )
+    update_weight_buffer_size: int = Field(
+        512 * 1024**2, ge=1, description="Bytes per weight-update bucket (tensor/distributed)."
+    )
+    weight_sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend of distributed sync; auto: nccl on GPU, else gloo."
+    )
+    weight_sync_master_address: str = Field(
+        "127.0.0.1", description="Address engines use to reach the trainer's (rank 0) TCPStore."
+    )
+
+    @model_validator(mode="after")
+    def _check_train(self) -> TrainConfig:
+        if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
+            raise ValueError("set train.global_batch_size or train.num_steps_per_rollout, not both")
+        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
+            raise ValueError(f"train.lr_decay_steps is required by lr_decay_style={self.lr_decay_style!r}")
+        return self
+
+
+class TrainActorConfig(Protocol):
+    """The sections a train actor (and its backend) reads; the run config is one."""
+
+    @property
+    def train(self) -> TrainConfig: ...
+    @property
+    def algorithm(self) -> AlgorithmConfig: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def cluster(self) -> ClusterConfig: ...
+    @property
+    def storage(self) -> StorageConfig: ...

@@ -1,0 +1,71 @@
+"""The base of every component's config section, `ConfigError`, and the storage section.
+
+Each component owns its config class, with a description per field and its checks beside it
+(torchtitan's configurable style): `engines/cluster/config.py`, `engines/rollout/config.py`,
+`engines/algorithms/config.py`, `engines/train/config.py` and this module; `flows/config.py`
+only composes them into the run config and checks what spans sections. They live at or below
+the code that reads them, so no layer imports the one above it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+
+from storage.secrets import redact_options, redact_url
+
+
+class Section(BaseModel):
+    """A config section: unknown keys and invalid values (also on assignment) fail."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(ValueError):
+    """A config problem, with the dotted key(s) at fault in the message."""
+
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class StorageConfig(Section):
+    uri: str = Field("./runs", description="Root of all runs: a path or s3://bucket/prefix.")
+    run_name: str = Field(
+        "run",
+        description="Run directory under the root: letters, digits, '.', '_' and '-', starting "
+        "with a letter or digit (so it stays inside the root and names actors and artifacts).",
+    )
+    endpoint_url: str | None = Field(
+        None, repr=False, description="S3-compatible endpoint (MinIO, moto)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        repr=False,
+        description="fsspec/s3fs options, e.g. {key, secret} or {profile}. They travel with "
+        "the config to every actor; config.yaml, the Prefect UI and logs show every string "
+        "value except harmless settings (profile, region_name, ...) as REDACTED, so a replay or "
+        "a UI retry needs them again (prefer AWS_* env vars or instance credentials on every "
+        "Ray node).",
+    )
+    compression: Literal["zstd", "lz4"] | None = "zstd"
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_run_name(cls, name: str) -> str:
+        if not re.fullmatch(RUN_NAME_PATTERN, name):
+            raise ValueError(
+                f"{name!r} must be 1-100 letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit (it names a directory under storage.uri, actors and artifacts)"
+            )
+        return name
+
+    @field_serializer("storage_options")
+    def _redact(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Pickling (Ray) keeps the values; every dump (config.yaml, Prefect) hides them."""
+        return redact_options(options)
+
+    @field_serializer("endpoint_url")
+    def _redact_endpoint(self, url: str | None) -> str | None:
+        return redact_url(url)
