@@ -36,8 +36,8 @@ HOOKS: dict[str, type] = {
 # Keys that also accept a built-in by bare name: where that key's registry lives (imported
 # lazily, since the registries import this module).
 BUILTIN_REGISTRIES: dict[str, str] = {
-    "rollout.dynamic_sampling_filter_path": "tasks.filter_hub:DYNAMIC_FILTERS",
-    "rollout.over_sampling_filter_path": "tasks.filter_hub:OVER_SAMPLING_FILTERS",
+    "rollout.dynamic_sampling_filter_path": "engines.rollout.filters:DYNAMIC_FILTERS",
+    "rollout.over_sampling_filter_path": "engines.rollout.filters:OVER_SAMPLING_FILTERS",
 }
 
 

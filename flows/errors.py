@@ -35,7 +35,7 @@ def input_error_types() -> tuple[type[BaseException], ...]:
     demand: the CLI loads this module for every command, even `runs list`."""
     from engines.hooks import HookError
     from engines.prompt_dataset import DatasetError
-    from tasks.rewards.hub import RewardConfigError
+    from engines.rollout.rewards.hub import RewardConfigError
 
     return ConfigError, DatasetError, HookError, RewardConfigError
 

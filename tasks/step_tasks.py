@@ -21,6 +21,7 @@ from prefect.context import TaskRunContext
 
 from engines.hooks import HookError
 from engines.prompt_dataset import DatasetError
+from engines.rollout.rewards.hub import RewardConfigError
 from engines.train.finite import NonFiniteError
 from engines.weight_schedule import pushes_weights, required_weight_version
 from flows.actors import RunActors, get_or_create_actors
@@ -30,7 +31,6 @@ from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
 from storage.sample import RewardError
 from tasks import colocate
-from tasks.rewards.hub import RewardConfigError
 
 
 @dataclass

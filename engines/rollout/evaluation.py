@@ -16,9 +16,9 @@ from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.config import EvalDataset, RolloutConfig
 from engines.rollout.generation import EngineClient, GenerationLoop
 from engines.rollout.protocols import RewardFn
+from engines.rollout.rewards.hub import RewardHub
+from engines.rollout.rewards.rm_hub import resolve_reward_fn
 from storage.sample import Group, Status
-from tasks.rewards.hub import RewardHub
-from tasks.rm_hub import resolve_reward_fn
 
 
 def eval_spec(ds: EvalDataset, index: int, max_prompt_len: int | None = None) -> DatasetSpec:

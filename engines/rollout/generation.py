@@ -33,12 +33,12 @@ from typing import Any, Protocol
 
 from engines.rollout.config import RolloutConfig
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
+from engines.rollout.filters import DynamicFilter
+from engines.rollout.rewards.deadline import TIMEOUT_FLAG
+from engines.rollout.rewards.hub import RewardHub
+from engines.rollout.rewards.rm_hub import RewardFn
 from engines.rollout.sglang_client import GenerateOutput
 from storage.sample import Group, Sample, Status
-from tasks.filter_hub import DynamicFilter
-from tasks.rewards.deadline import TIMEOUT_FLAG
-from tasks.rewards.hub import RewardHub
-from tasks.rm_hub import RewardFn
 
 log = logging.getLogger(__name__)
 

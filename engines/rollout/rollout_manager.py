@@ -19,6 +19,11 @@ from engines.hooks import load_hook
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
 from engines.rollout.evaluation import evaluate_datasets
+from engines.rollout.filters import (
+    DynamicFilter,
+    resolve_dynamic_filter,
+    resolve_over_sampling_filter,
+)
 from engines.rollout.generation import (
     GenerateFn,
     GenerationLoop,
@@ -27,20 +32,15 @@ from engines.rollout.generation import (
     is_finished,
 )
 from engines.rollout.protocols import GenerateFn as GenerateFnProtocol
+from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
+from engines.run_config import RunConfig as RollflowConfig
 from engines.weight_schedule import oldest_trainable_version
-from flows.config import RollflowConfig
 from storage.batch_io import read_samples, write_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Group, Status, flatten
-from tasks.filter_hub import (
-    DynamicFilter,
-    resolve_dynamic_filter,
-    resolve_over_sampling_filter,
-)
-from tasks.rewards.hub import RewardHub
 
 RolloutFn = Callable[[Any, int, Any, bool], list[Group]]
 

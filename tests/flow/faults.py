@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tasks.rm_hub import exact_match
+from engines.rollout.rewards.rm_hub import exact_match
 
 
 async def reward_failing_once(args: Any, sample: Any) -> float:

@@ -13,11 +13,11 @@ from engines.algorithms.registry import ADVANTAGE_ESTIMATORS
 from engines.data_source import pop_first
 from engines.hooks import HOOKS, HookError, check_protocol, load_hook, validate_hooks
 from engines.rollout import protocols as p
+from engines.rollout.filters import DYNAMIC_FILTERS, OVER_SAMPLING_FILTERS
+from engines.rollout.rewards import REWARD_FUNCTIONS, RemoteRewardModel, builtin_reward
 from engines.rollout.sft_rollout import sft_rollout
 from examples.tool_agent.agent import generate as tool_agent_generate
 from flows.config import RollflowConfig
-from tasks.filter_hub import DYNAMIC_FILTERS, OVER_SAMPLING_FILTERS
-from tasks.rewards import REWARD_FUNCTIONS, RemoteRewardModel, builtin_reward
 
 BUILTINS: list[tuple[str, Any, type]] = [
     ("sft_rollout", sft_rollout, p.RolloutFn),

@@ -9,17 +9,17 @@ import pytest
 
 from engines.data_source import RolloutDataSourceWithBuffer
 from engines.rollout.engine_actor import EngineActor
-from engines.rollout.generation import GenerationLoop, reset_to_prompt
-from engines.rollout.router import RouterProcess, sticky_headers
-from engines.rollout.sglang_client import SGLangClient
-from flows.config import EngineConfig, RolloutConfig
-from storage.sample import Sample, Status
-from tasks.filter_hub import (
+from engines.rollout.filters import (
     check_reward_nonzero_std,
     resolve_dynamic_filter,
     resolve_over_sampling_filter,
     sort_by_reward_std,
 )
+from engines.rollout.generation import GenerationLoop, reset_to_prompt
+from engines.rollout.router import RouterProcess, sticky_headers
+from engines.rollout.sglang_client import SGLangClient
+from flows.config import EngineConfig, RolloutConfig
+from storage.sample import Sample, Status
 
 
 def group(rewards: list[float], gi: int = 0) -> list[Sample]:
@@ -36,11 +36,11 @@ def test_filter_hub_builtins():
 
 def test_filter_resolution_names_the_config_key():
     assert resolve_dynamic_filter("check_reward_nonzero_std") is check_reward_nonzero_std
-    assert resolve_over_sampling_filter("tasks.filter_hub:sort_by_reward_std") is sort_by_reward_std
+    assert resolve_over_sampling_filter("engines.rollout.filters:sort_by_reward_std") is sort_by_reward_std
     with pytest.raises(ValueError, match="rollout.dynamic_sampling_filter_path"):
         resolve_dynamic_filter("no_such_filter")
     with pytest.raises(ValueError, match="rollout.over_sampling_filter_path"):
-        resolve_over_sampling_filter("tasks.filter_hub:missing")
+        resolve_over_sampling_filter("engines.rollout.filters:missing")
 
 
 def test_reset_to_prompt_keeps_only_the_prompt():

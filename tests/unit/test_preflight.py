@@ -8,10 +8,10 @@ import pytest
 
 from engines.hooks import HookError
 from engines.prompt_dataset import DatasetError
+from engines.rollout.rewards.hub import RewardConfigError
 from flows.config import ConfigError
 from flows.config_loader import config_from_dict
 from flows.preflight import preflight
-from tasks.rewards.hub import RewardConfigError
 
 
 @pytest.fixture

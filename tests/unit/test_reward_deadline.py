@@ -13,9 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from engines.rollout.generation import GenerationLoop
-from flows.config import RolloutConfig
-from storage.sample import Group, Sample, Status
-from tasks.rewards import (
+from engines.rollout.rewards import (
     RewardHub,
     dapo_score,
     exact_match_score,
@@ -24,7 +22,9 @@ from tasks.rewards import (
     math_score,
     rule_reward,
 )
-from tasks.rewards.deadline import TIMEOUT_FLAG, GradingPool
+from engines.rollout.rewards.deadline import TIMEOUT_FLAG, GradingPool
+from flows.config import RolloutConfig
+from storage.sample import Group, Sample, Status
 
 T = TypeVar("T")
 HANG = r"so \boxed{(10^{10})!}"  # sympy evaluates the factorial; math-verify's SIGALRM cannot stop it here

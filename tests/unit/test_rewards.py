@@ -14,9 +14,7 @@ from typing import Any
 import pytest
 
 from engines.hooks import HookError
-from flows.config import RolloutConfig
-from storage.sample import Sample
-from tasks.rewards import (
+from engines.rollout.rewards import (
     RemoteRewardError,
     RewardConfigError,
     RewardHub,
@@ -26,7 +24,9 @@ from tasks.rewards import (
     last_boxed,
     math_score,
 )
-from tasks.rm_hub import compute_reward, resolve_reward_fn
+from engines.rollout.rewards.rm_hub import compute_reward, resolve_reward_fn
+from flows.config import RolloutConfig
+from storage.sample import Sample
 
 
 def cfg(**kw: Any) -> RolloutConfig:

@@ -1,6 +1,6 @@
 """The reward hub: built-in rule rewards, remote reward models and user reward hooks."""
 
-from tasks.rewards.hub import (
+from engines.rollout.rewards.hub import (
     BOXED_PREFIX,
     REWARD_FUNCTIONS,
     RULES,
@@ -9,15 +9,15 @@ from tasks.rewards.hub import (
     builtin_reward,
     rule_reward,
 )
-from tasks.rewards.math_rules import (
+from engines.rollout.rewards.math_rules import (
     answers_match,
     dapo_score,
     deepscaler_score,
     last_boxed,
     math_score,
 )
-from tasks.rewards.remote import RemoteRewardError, RemoteRewardModel
-from tasks.rewards.text_rules import exact_match_score, f1_score, last_number_score
+from engines.rollout.rewards.remote import RemoteRewardError, RemoteRewardModel
+from engines.rollout.rewards.text_rules import exact_match_score, f1_score, last_number_score
 
 __all__ = [
     "BOXED_PREFIX",

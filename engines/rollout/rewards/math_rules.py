@@ -48,7 +48,7 @@ def last_boxed(text: str) -> str | None:
 def _timeout() -> int | None:
     # math-verify's timeouts use SIGALRM, which only works on the main thread (a Ray actor's
     # async loop or a worker thread is not); elsewhere parse/verify run without one. The hub
-    # grades these rules in worker processes (`tasks.rewards.deadline`), on their main thread,
+    # grades these rules in worker processes (`engines.rollout.rewards.deadline`), on their main thread,
     # and bounds each sample there, so these timeouts end most slow parses without a kill.
     return 5 if threading.current_thread() is threading.main_thread() else None
 

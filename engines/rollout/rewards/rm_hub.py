@@ -1,6 +1,6 @@
 """Reward functions (slime's rm hub): `async (args, sample) -> float | dict`.
 
-The implementation lives in `tasks.rewards`; this module is the stable import path used by
+The implementation lives in `engines.rollout.rewards`; this module is the stable import path used by
 the generation loop. Prefer `RewardHub.from_config(rollout_cfg)`, which also knows
 `group_rm`, `remote_rm` and the `boxed_` prefix; `resolve_reward_fn` / `compute_reward` are
 the per-sample view of the same registry.
@@ -12,8 +12,7 @@ from typing import Any
 
 from engines.hooks import load_hook
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
-from storage.sample import Sample
-from tasks.rewards import (
+from engines.rollout.rewards import (
     REWARD_FUNCTIONS,
     RewardConfigError,
     RewardHub,
@@ -21,8 +20,9 @@ from tasks.rewards import (
     exact_match_score,
     last_number_score,
 )
-from tasks.rewards.deadline import DEFAULT_TIMEOUT_S
-from tasks.rewards.text_rules import normalize_answer
+from engines.rollout.rewards.deadline import DEFAULT_TIMEOUT_S
+from engines.rollout.rewards.text_rules import normalize_answer
+from storage.sample import Sample
 
 __all__ = [
     "REWARD_FUNCTIONS",

@@ -43,7 +43,7 @@ TIMEOUT_FLAG = "reward_timeout"
 """`sample.metadata` key set on a sample whose grading passed its deadline (the loop counts
 them as `rollout/reward_timeouts`); cleared when the sample is graded in time."""
 DEFAULT_TIMEOUT_S = 10.0
-_PRELOAD = ["tasks.rewards.math_rules"]
+_PRELOAD = ["engines.rollout.rewards.math_rules"]
 _STARTUP_S = 120.0  # a pool that cannot start its workers in this long is an error, not a hang
 
 

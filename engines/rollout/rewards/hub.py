@@ -12,7 +12,7 @@ Built-ins live in `RULES` (pure `(response, label) -> reward`) plus `remote_rm`,
 key (or sample) that named it.
 
 Rules that can hang (the math-verify ones: sympy on an adversarial answer) are graded in worker
-processes with a deadline, `rollout.rm_rule_timeout_s` (`tasks.rewards.deadline`); past it the
+processes with a deadline, `rollout.rm_rule_timeout_s` (`engines.rollout.rewards.deadline`); past it the
 sample gets the rule's failure value and is counted. `IN_PROCESS` rules stay in the actor:
 they are linear scans (split, lower, Counter, and regexes without nested repetition) of a
 response bounded by max_response_len, so they cannot hang, and a process hop would only cost.
@@ -28,11 +28,16 @@ from typing import Any
 from engines.hooks import load_hook
 from engines.rollout.config import RolloutConfig
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
+from engines.rollout.rewards.deadline import (
+    DEFAULT_TIMEOUT_S,
+    SHARED_POOL,
+    TIMEOUT_FLAG,
+    GradingPool,
+)
+from engines.rollout.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
+from engines.rollout.rewards.remote import RemoteRewardModel
+from engines.rollout.rewards.text_rules import exact_match_score, f1_score, last_number_score
 from storage.sample import Sample
-from tasks.rewards.deadline import DEFAULT_TIMEOUT_S, SHARED_POOL, TIMEOUT_FLAG, GradingPool
-from tasks.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
-from tasks.rewards.remote import RemoteRewardModel
-from tasks.rewards.text_rules import exact_match_score, f1_score, last_number_score
 
 log = logging.getLogger(__name__)
 RuleFn = Callable[[str, str | None], Reward]
