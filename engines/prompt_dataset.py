@@ -19,16 +19,28 @@ logger = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
-    """A bad dataset file or row; `line` 0 means the whole file."""
+    """A bad dataset file or row; `line` 0 means the whole file, a `field` in parentheses
+    (`(file)`, `(row)`) the file or row as a whole."""
 
     def __init__(self, path: str, line: int, field: str, problem: str) -> None:
-        super().__init__(f"{path}, line {line}, field {field!r}: {problem}")
+        super().__init__(f"{_location(path, line, field)}: {problem}")
         self.path, self.line, self.field, self.problem = path, line, field, problem
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt from the init arguments: the default pickles `args` (the one message),
         # which this __init__ cannot take, and Ray would show `UnserializableException`.
         return type(self), (self.path, self.line, self.field, self.problem), vars(self)
+
+
+def _location(path: str, line: int, field: str) -> str:
+    """`train.jsonl, line 3, field 'prompt'`; parquet rows are rows, not lines, and the
+    placeholders for a whole file or row are left out (`train.jsonl: no rows`)."""
+    where = path
+    if line:
+        where += f", {'row' if Path(path).suffix.lower() == '.parquet' else 'line'} {line}"
+    if not field.startswith("("):
+        where += f", field {field!r}"
+    return where
 
 
 class PromptTokenizer(Protocol):
@@ -84,9 +96,12 @@ def _jsonl_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DatasetError(path, lineno, "(row)", f"not valid JSON: {e}") from None
+            # e's own "line 1 column 21" would read as another line of the file
+            raise DatasetError(path, lineno, "(row)",
+                               f"not valid JSON at column {e.colno}: {e.msg}") from None
         if not isinstance(row, dict):
-            raise DatasetError(path, lineno, "(row)", "a row must be a JSON object")
+            hint = " (one per line: JSON Lines, not a JSON array)" if isinstance(row, list) else ""
+            raise DatasetError(path, lineno, "(row)", f"a row must be a JSON object{hint}")
         yield lineno, row
 
 
@@ -190,12 +205,12 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) ->
         )
     if rows == 0:
         raise DatasetError(spec.path, 0, "(file)", "no rows")
-    if dropped:
-        logger.warning("%s: dropped %d of %d prompts longer than %d tokens",
-                       spec.path, dropped, rows, spec.max_prompt_len)
-    if not samples:
+    if not samples:  # before the warning, which would otherwise be the first line a user sees
         raise DatasetError(
             spec.path, 0, spec.input_key,
             f"no usable rows: all {rows} prompts are longer than {spec.max_prompt_len} tokens",
         )
+    if dropped:
+        logger.warning("%s: dropped %d of %d prompts longer than %d tokens",
+                       spec.path, dropped, rows, spec.max_prompt_len)
     return LoadedPrompts(samples, dropped)

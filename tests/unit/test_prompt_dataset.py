@@ -103,3 +103,30 @@ def test_missing_key_names_the_specs_config_key(tmp_path):
     err = load_error(DatasetSpec(path, config_key="eval.datasets[1]"))
     assert (err.line, err.field) == (1, "prompt")
     assert "eval.datasets[1].input_key" in err.problem
+
+
+def test_messages_read_as_locations_in_the_file(tmp_path):
+    """What a user reads first: the file, the line (a row for parquet) and the field, with
+    no placeholders for a whole file or row and no line numbers of the JSON parser's own."""
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "ok"}\n{"prompt": "1+2=", "label": \n')
+    assert str(load_error(DatasetSpec(str(bad_json)))) == (
+        f"{bad_json}, line 2: not valid JSON at column 29: Expecting value")
+    array = tmp_path / "train.json"
+    array.write_text('[{"prompt": "ok"}]\n')
+    assert str(load_error(DatasetSpec(str(array)))) == (
+        f"{array}, line 1: a row must be a JSON object (one per line: JSON Lines, not a JSON "
+        "array)")
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    assert str(load_error(DatasetSpec(empty))) == f"{empty}: no rows"
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "ok"}, {"prompt": ""}]), parquet)
+    assert str(load_error(DatasetSpec(str(parquet)))) == (
+        f"{parquet}, row 2, field 'prompt': empty prompt")
+
+
+def test_all_prompts_too_long_fails_without_a_warning_first(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 50}])
+    with caplog.at_level(logging.WARNING, logger="engines.prompt_dataset"):
+        load_error(DatasetSpec(path, max_prompt_len=10))
+    assert "dropped" not in caplog.text
