@@ -84,8 +84,8 @@ def bench_plain(cfg: Any) -> list[float]:
 def bench_ray(cfg: Any) -> list[float]:
     import ray
 
-    from flows.actors import get_or_create_actors, kill_run_actors
-    from flows.cluster import connect
+    from engines.cluster.actors import get_or_create_actors, kill_run_actors
+    from engines.cluster.head import connect
 
     connect(cfg.cluster)
     actors = get_or_create_actors(cfg)
@@ -98,8 +98,8 @@ def bench_ray(cfg: Any) -> list[float]:
 
 
 def bench_prefect(cfg: Any) -> list[float]:
-    from flows.actors import get_or_create_actors, kill_run_actors
-    from flows.cluster import connect
+    from engines.cluster.actors import get_or_create_actors, kill_run_actors
+    from engines.cluster.head import connect
     from flows.rollout_step import run_rollout_step
 
     connect(cfg.cluster)

@@ -19,7 +19,7 @@ def _prefect_env() -> None:
 
 def _user_code_importable() -> None:
     """Hooks named in a config (`myreward:score`) import from the directory the command
-    was run from, as with `python -m`; actors get the same directory (flows.run_registry)."""
+    was run from, as with `python -m`; actors get the same directory (engines.cluster.registry)."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
 
@@ -59,7 +59,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from flows.cluster import warn_if_public
+    from engines.cluster.head import warn_if_public
     from flows.server import serve_forever
 
     warn_if_public("rollflow server --host", args.host)
@@ -68,7 +68,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from flows import cluster
+    from engines.cluster import head as cluster
     from flows.config import ClusterConfig
 
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
@@ -100,9 +100,9 @@ def format_status(status: dict[str, Any]) -> str:
 
 def cmd_stop_run(args: argparse.Namespace) -> int:
     """`runs stop RUN`: that run's actors and placement group only; other runs go on."""
-    from flows import cluster
+    from engines.cluster import head as cluster
+    from engines.cluster.registry import stop_run
     from flows.config import ClusterConfig
-    from flows.run_registry import stop_run
 
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
     address = cluster.cluster_address(cfg, start=False)

@@ -15,8 +15,8 @@ from typing import Any
 import ray
 from prefect import flow
 
-from flows.actors import get_or_create_actors, kill_run_actors
-from flows.cluster import connect
+from engines.cluster.actors import get_or_create_actors, kill_run_actors
+from engines.cluster.head import connect
 from flows.config import ConfigError, RollflowConfig
 from flows.rollout_step import open_layout
 from tasks import step_tasks as t

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.cluster.head import warn_if_public
 from engines.hooks import load_hook, validate_hooks
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.protocols import RewardFn
 from engines.rollout.rewards.hub import RewardHub, builtin_reward
-from flows.cluster import warn_if_public
 from flows.config import ConfigError, EvalDataset, RollflowConfig
 from flows.config_paths import MODEL_FIELDS, is_uri
 from storage.run_layout import RunLayout

@@ -24,8 +24,8 @@ import ray
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.actors import get_or_create_trainer, kill_run_actors
-from flows.cluster import connect
+from engines.cluster.actors import get_or_create_trainer, kill_run_actors
+from engines.cluster.head import connect
 from flows.config import ConfigError, RollflowConfig
 from flows.config_loader import dump_config
 from flows.logging_sinks import open_sinks

@@ -3,12 +3,12 @@ reward/loss curves, for the whole run and for each rollout step's flow run."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from prefect.artifacts import create_image_artifact, create_table_artifact
 
 from storage.run_layout import RunLayout
+from tasks.artifacts import artifact_key
 
 CURVES = ("reward/mean", "train/loss", "train/approx_kl", "rollout/response_len_mean")
 
@@ -49,11 +49,6 @@ def plot_curves(rows: list[dict[str, Any]], evals: dict[int, dict[str, Any]]) ->
 
 
 TABLE_COLUMNS = ("rollout_id", *CURVES, "time/generate", "time/train")
-
-
-def artifact_key(*parts: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
 def metrics_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,8 +14,8 @@ from prefect import flow
 from prefect.context import SettingsContext, get_settings_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 
-from flows.actors import get_or_create_actors
-from flows.cluster import connect
+from engines.cluster.actors import get_or_create_actors
+from engines.cluster.head import connect
 from flows.config import RollflowConfig
 from flows.reporting import publish_step_report
 from storage.run_layout import RunLayout

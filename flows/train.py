@@ -17,8 +17,8 @@ import ray
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from flows.actors import get_or_create_actors, kill_run_actors
-from flows.cluster import connect
+from engines.cluster.actors import get_or_create_actors, kill_run_actors
+from engines.cluster.head import connect
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths

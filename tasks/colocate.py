@@ -15,7 +15,7 @@ from __future__ import annotations
 import httpx
 import ray
 
-from flows.actors import RunActors
+from engines.cluster.actors import RunActors
 
 MEMORY_TAGS = ["weights", "kv_cache"]
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from engines.run_config import RunConfig as RollflowConfig
 from engines.weight_schedule import pushes_weights, required_weight_version
-from flows.config import RollflowConfig
 from storage.run_layout import RunLayout
 
 

@@ -19,18 +19,18 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
+from engines.cluster.actors import RunActors, get_or_create_actors
 from engines.hooks import HookError
 from engines.prompt_dataset import DatasetError
 from engines.rollout.rewards.hub import RewardConfigError
+from engines.run_config import RunConfig as RollflowConfig
 from engines.train.finite import NonFiniteError
 from engines.weight_schedule import pushes_weights, required_weight_version
-from flows.actors import RunActors, get_or_create_actors
-from flows.config import RollflowConfig
-from flows.reporting import artifact_key
 from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
 from storage.sample import RewardError
 from tasks import colocate
+from tasks.artifacts import artifact_key
 
 
 @dataclass

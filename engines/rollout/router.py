@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
+from engines.cluster.head import free_port
 from engines.rollout.health import ServerExited, wait_for_health
-from flows.cluster import free_port
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 import httpx
 
+from engines.cluster.head import free_port
 from engines.rollout.config import EngineConfig
 from engines.rollout.health import wait_for_health
-from flows.cluster import free_port
 
 
 def launch_command(

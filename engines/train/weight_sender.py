@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from engines.cluster.head import free_port
 from engines.train.config import TrainConfig
 from engines.weight_sync import (
     NamedTensors,
@@ -34,7 +35,6 @@ from engines.weight_sync import (
     encode_named_tensors,
     weights_checksum,
 )
-from flows.cluster import free_port
 
 
 class WeightSyncError(RuntimeError):

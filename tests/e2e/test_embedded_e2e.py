@@ -7,7 +7,7 @@ import uuid
 import pytest
 import ray
 
-from flows.run_registry import get_run_actor
+from engines.cluster.registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config

@@ -10,7 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from flows.actors import kill_run_actors
+from engines.cluster.actors import kill_run_actors
 from flows.config_loader import dump_config
 from tests.conftest import REPO_ROOT
 from tests.flow.configs import arithmetic_config

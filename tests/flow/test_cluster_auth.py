@@ -44,7 +44,7 @@ def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
 def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matrix):
     home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))  # short: Ray's socket paths
     env = rollflow_env(home)
-    start = python("from flows.cluster import start_local_head; print(start_local_head(1))", env)
+    start = python("from engines.cluster.head import start_local_head; print(start_local_head(1))", env)
     out, err = start.communicate(timeout=120)
     assert start.returncode == 0, err
     port = out.strip().rsplit(":", 1)[1]
@@ -63,7 +63,7 @@ def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matr
             denied_out, _ = denied.communicate(timeout=180)
             assert denied.returncode != 0 and "uid" not in denied_out
     finally:
-        stop = python("from flows.cluster import stop_local_head; stop_local_head()", env)
+        stop = python("from engines.cluster.head import stop_local_head; stop_local_head()", env)
         stop.communicate(timeout=60)
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"])
                  if any(str(home) in a for a in p.info["cmdline"] or [])]

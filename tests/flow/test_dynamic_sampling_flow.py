@@ -7,7 +7,7 @@ import uuid
 
 import ray
 
-from flows.run_registry import get_run_actor
+from engines.cluster.registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import regroup
@@ -54,5 +54,5 @@ def test_dynamic_filter_drops_and_over_sampling_refills(
     assert len(buffer) == state["buffer_groups"]
     assert all(len(g) == 2 for g in buffer)
     assert not set(trained_groups) & {g[0].group_index for g in buffer}
-    from flows.actors import kill_run_actors
+    from engines.cluster.actors import kill_run_actors
     kill_run_actors(cfg)

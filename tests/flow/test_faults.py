@@ -12,7 +12,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from flows.run_registry import get_run_actor
+from engines.cluster.registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config

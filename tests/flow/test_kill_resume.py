@@ -12,8 +12,8 @@ import uuid
 
 import ray
 
+from engines.cluster.registry import get_run_actor
 from flows.config_loader import dump_config
-from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.conftest import REPO_ROOT

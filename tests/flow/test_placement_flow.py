@@ -14,10 +14,10 @@ import uuid
 import pytest
 import ray
 
-from engines.placement import actor_bundle, create_placement
-from flows.actors import get_or_create_actors, kill_run_actors, run_placement
+from engines.cluster.actors import get_or_create_actors, kill_run_actors, run_placement
+from engines.cluster.placement import actor_bundle, create_placement
+from engines.cluster.registry import actor_name, get_run_actor
 from flows.config import ClusterConfig
-from flows.run_registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 
@@ -84,7 +84,7 @@ def test_a_group_that_cannot_be_placed_fails_with_the_missing_resources(ray_addr
 
 
 def test_cluster_status_lists_actors_and_bundles_without_a_dashboard(mock_config):
-    from flows.cluster import status
+    from engines.cluster.head import status
 
     cfg = mock_config(["cluster.placement=always"])
     placement = run_placement(cfg)

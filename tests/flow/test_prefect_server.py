@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flows.cluster import free_port
+from engines.cluster.head import free_port
 from flows.config_loader import dump_config
 from flows.server import PrefectServer, start_server
 from tests.conftest import REPO_ROOT

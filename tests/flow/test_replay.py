@@ -11,10 +11,10 @@ import uuid
 import pytest
 import ray
 
+from engines.cluster.registry import get_run_actor
 from flows.cli import main
 from flows.config import ConfigError
 from flows.replay import parse_steps, plan_replay, replay, replay_config
-from flows.run_registry import get_run_actor
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 

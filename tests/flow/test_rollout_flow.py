@@ -8,8 +8,8 @@ import uuid
 import pytest
 import ray
 
+from engines.cluster.registry import get_run_actor
 from flows.reporting import artifact_key
-from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
@@ -120,7 +120,7 @@ def test_rerun_continues_without_redoing_committed_steps(mock_config):
 
 
 def test_trainer_rebuilt_from_checkpoint_and_replay(mock_config):
-    from flows.actors import kill_run_actors
+    from engines.cluster.actors import kill_run_actors
     from flows.train import train
 
     cfg = mock_config(overrides=["train.save_interval=1", "cluster.keep_actors=true"])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.actors import kill_run_actors
+from engines.cluster.actors import kill_run_actors
+from engines.cluster.registry import get_run_actor
 from flows.cli import main
-from flows.run_registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout

@@ -8,8 +8,8 @@ import uuid
 
 import ray
 
-from flows.actors import kill_run_actors, rank_names
-from flows.run_registry import actor_name, get_run_actor
+from engines.cluster.actors import kill_run_actors, rank_names
+from engines.cluster.registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 

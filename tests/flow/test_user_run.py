@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engines.cluster.registry import run_actors
 from flows.cli import main
-from flows.run_registry import run_actors
 from storage.run_layout import RunLayout
 from tests.conftest import REPO_ROOT
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from engines.placement import BundleInfo, create_placement, order_bundles, plan_resources
+from engines.cluster.placement import BundleInfo, create_placement, order_bundles, plan_resources
 from flows.config import ClusterConfig, ConfigError
 from tests.conftest import REPO_ROOT
 
@@ -141,7 +141,7 @@ if __name__ == "__main__":
 
 
 def test_engine_gpus_are_consecutive_gpus_of_one_node():
-    from engines.placement import Placement
+    from engines.cluster.placement import Placement
 
     cluster = ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4,
                             rollout_num_gpus_per_engine=2)

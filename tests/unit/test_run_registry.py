@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from flows.cluster import ClusterMismatch, check_environment, environment
-from flows.config_loader import config_from_dict
-from flows.run_registry import (
+from engines.cluster.head import ClusterMismatch, check_environment, environment
+from engines.cluster.registry import (
     RunActor,
     actor_name,
     actor_runtime_env,
     config_digest,
     section_digests,
 )
+from flows.config_loader import config_from_dict
 
 
 def _cfg(*overrides: tuple[str, str, object]):
@@ -75,3 +75,14 @@ def test_a_head_of_another_environment_is_named_not_joined():
         check_environment({**state, "python": "/other/bin/python"})
     check_environment({"address": "127.0.0.1:1"})  # recorded by an older rollflow: no facts
     assert environment()["python"] == sys.executable
+
+
+def test_every_section_but_the_drivers_shapes_the_actors():
+    """The digests cover each section of the run config except the driver-only ones."""
+    from engines.cluster.registry import DRIVER_ONLY
+    from engines.run_config import ACTOR_SECTIONS
+    from flows.config import RollflowConfig
+
+    driver_only = {name for name, fields in DRIVER_ONLY.items() if fields is None}
+    assert set(ACTOR_SECTIONS) == set(RollflowConfig.model_fields) - driver_only
+    assert set(section_digests(_cfg())) == {*ACTOR_SECTIONS, "runtime_env"}

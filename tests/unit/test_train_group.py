@@ -12,8 +12,8 @@ import pytest
 import ray
 import torch
 
+from engines.cluster.train_group import TrainGroup, TrainGroupError, get_or_create_group
 from engines.train.train_actor import TrainActor
-from engines.train.train_group import TrainGroup, TrainGroupError, get_or_create_group
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir
 from tests.flow.configs import arithmetic_config
@@ -110,6 +110,6 @@ def _exists(name: str) -> bool:
 
 
 def _group_kill(names: list[str]) -> None:
-    from engines.train.train_group import kill_group
+    from engines.cluster.train_group import kill_group
 
     kill_group(names, NAMESPACE)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engines.cluster.head import free_port
 from engines.train.megatron.hf_convert import merge_stages, merge_tp, stage_layers
-from flows.cluster import free_port
 
 
 def init_parallel(tp: int, pp: int, seed: int) -> None:

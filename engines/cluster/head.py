@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.config import ClusterConfig
+from engines.cluster.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 HOME = Path(os.environ.get("ROLLFLOW_HOME", Path.home() / ".rollflow"))
@@ -125,7 +125,7 @@ def start_local_head(num_cpus: int | None = None) -> str:
 def environment() -> dict[str, str]:
     """What a local head's workers run: they use the interpreter (and so the packages and
     rollflow checkout) of the process that started the head."""
-    return {"python": sys.executable, "rollflow": str(Path(__file__).resolve().parents[1])}
+    return {"python": sys.executable, "rollflow": str(Path(__file__).resolve().parents[2])}
 
 
 class ClusterMismatch(RuntimeError):
@@ -219,8 +219,8 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
     from ray._private.state import actors as actor_table
     from ray.util import placement_group_table
 
-    from engines.placement import actor_bundle
-    from flows.run_registry import RunActor
+    from engines.cluster.placement import actor_bundle
+    from engines.cluster.registry import RunActor
 
     _ray_env()
     if not ray.is_initialized():

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from engines.placement import (
+from engines.cluster.placement import (
     ENGINE_SHARE,
     TRAIN_SHARE,
     Placement,
@@ -26,24 +26,25 @@ from engines.placement import (
     plan_resources,
     use_placement,
 )
-from engines.rollout.engine_actor import EngineActor
-from engines.rollout.rollout_manager import RolloutManager
-from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
-from engines.train.null_trainer import NullTrainActor
-from engines.train.train_actor import TrainActor
-from engines.train.train_group import get_or_create_group
-from flows.config import ConfigError, RollflowConfig
-from flows.run_registry import (
+from engines.cluster.registry import (
     actor_name,
     actor_runtime_env,
     remember_config,
     retire_stale_actors,
     stop_run,
 )
+from engines.cluster.train_group import get_or_create_group
+from engines.rollout.engine_actor import EngineActor
+from engines.rollout.rollout_manager import RolloutManager
+from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
+from engines.run_config import RunConfig
+from engines.train.null_trainer import NullTrainActor
+from engines.train.train_actor import TrainActor
+from storage.config import ConfigError
 
 
 def _named(
-    cls: type, name: str, cfg: RollflowConfig, *args: Any, pin: dict[str, Any] | None = None
+    cls: type, name: str, cfg: RunConfig, *args: Any, pin: dict[str, Any] | None = None
 ) -> Any:
     """`pin`: placement options (`Placement.actor_options`); None asks for no resources."""
     return (
@@ -68,7 +69,7 @@ class RunActors:
     engines: list[Any]
 
 
-def _engine(cfg: RollflowConfig, i: int, placement: Placement | None) -> Any:
+def _engine(cfg: RunConfig, i: int, placement: Placement | None) -> Any:
     """Engine i: an embedded/mock engine actor, a launched SGLang server, or a handle on an
     external SGLang server (`engine.urls`, which holds no resources of its own)."""
     name = actor_name(cfg, f"engine-{i}")
@@ -86,21 +87,21 @@ def _engine(cfg: RollflowConfig, i: int, placement: Placement | None) -> Any:
     return _named(SGLangServerActor, name, cfg, cfg.engine, i, tp_size, base_gpu_id, pin=pin)
 
 
-def num_engines(cfg: RollflowConfig) -> int:
+def num_engines(cfg: RunConfig) -> int:
     if cfg.rollout.debug_train_only:
         return 0
     return len(cfg.engine.urls) if cfg.engine.backend == "sglang" and cfg.engine.urls else (
         cfg.engine.num_engines)
 
 
-def num_train_ranks(cfg: RollflowConfig) -> int:
+def num_train_ranks(cfg: RunConfig) -> int:
     """Data-parallel trainer processes; a rollout-only run has one null trainer."""
     if cfg.rollout.debug_rollout_only:
         return 1
     return cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node
 
 
-def rank_names(cfg: RollflowConfig) -> list[str]:
+def rank_names(cfg: RunConfig) -> list[str]:
     """One rank keeps the plain `trainer` name; a group's ranks never do, so nothing can
     call one rank alone (it would wait forever in a collective)."""
     n = num_train_ranks(cfg)
@@ -109,7 +110,7 @@ def rank_names(cfg: RollflowConfig) -> list[str]:
     return [actor_name(cfg, f"trainer-rank{i}") for i in range(n)]
 
 
-def run_placement(cfg: RollflowConfig) -> Placement | None:
+def run_placement(cfg: RunConfig) -> Placement | None:
     """The run's placement group (reserved on first use), or None when placement is off."""
     if not use_placement(cfg.cluster):
         return None
@@ -123,7 +124,7 @@ def run_placement(cfg: RollflowConfig) -> Placement | None:
     return create_placement(cfg.cluster, name=actor_name(cfg, "placement"))
 
 
-def _trainer(cfg: RollflowConfig, placement: Placement | None) -> Any:
+def _trainer(cfg: RunConfig, placement: Placement | None) -> Any:
     names = rank_names(cfg)
     share = TRAIN_SHARE[cfg.cluster.colocate]
 
@@ -141,19 +142,19 @@ def _trainer(cfg: RollflowConfig, placement: Placement | None) -> Any:
     )
 
 
-def _attach(cfg: RollflowConfig) -> Placement | None:
+def _attach(cfg: RunConfig) -> Placement | None:
     """Replace the run's actors of other code or config, then reserve its placement."""
     retire_stale_actors(cfg)
     remember_config(cfg)
     return run_placement(cfg)
 
 
-def get_or_create_trainer(cfg: RollflowConfig) -> Any:
+def get_or_create_trainer(cfg: RunConfig) -> Any:
     """The run's trainer alone (a plain actor or a TrainGroup), e.g. for a replay: no engines."""
     return _trainer(cfg, _attach(cfg))
 
 
-def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
+def get_or_create_actors(cfg: RunConfig) -> RunActors:
     placement = _attach(cfg)
     engines = [_engine(cfg, i, placement) for i in range(num_engines(cfg))]
     rollout = _named(RolloutManager, actor_name(cfg, "rollout"), cfg, cfg)
@@ -163,7 +164,7 @@ def get_or_create_actors(cfg: RollflowConfig) -> RunActors:
     return RunActors(rollout=rollout, trainer=trainer, engines=engines)
 
 
-def kill_run_actors(cfg: RollflowConfig) -> int:
+def kill_run_actors(cfg: RunConfig) -> int:
     """Kill the run's actors (of any code or config) and release its placement group;
     returns actors killed. Other runs are untouched."""
     return stop_run(cfg.cluster.namespace, cfg.storage.run_name)

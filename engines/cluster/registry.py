@@ -21,10 +21,10 @@ from typing import Any
 
 import ray
 
-from flows.config import RollflowConfig
+from engines.run_config import ACTOR_SECTIONS, RunConfig
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _KV_NAMESPACE = "rollflow-configs"
 
 # Fields only the driver reads: changing them (e.g. more steps to extend a run) keeps the
@@ -49,7 +49,7 @@ def code_digest() -> str:
     return h.hexdigest()[:8]
 
 
-def actor_runtime_env(cfg: RollflowConfig) -> dict[str, Any]:
+def actor_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     """The Ray runtime_env of the run's actors: the driver's working directory, its
     PYTHONPATH and rollflow itself on PYTHONPATH (so a hook next to the user's config imports
     in every actor, wherever the Ray head was started), plus `cluster.runtime_env`."""
@@ -64,10 +64,10 @@ def _digest(obj: Any) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def section_digests(cfg: RollflowConfig) -> dict[str, str]:
+def section_digests(cfg: RunConfig) -> dict[str, str]:
     """Section -> digest of what the actors see of it (driver-only fields left out)."""
     out: dict[str, str] = {}
-    for name in type(cfg).model_fields:
+    for name in ACTOR_SECTIONS:
         skip = DRIVER_ONLY.get(name, set())
         if skip is None:
             continue
@@ -78,19 +78,19 @@ def section_digests(cfg: RollflowConfig) -> dict[str, str]:
     return out
 
 
-def config_digest(cfg: RollflowConfig) -> str:
+def config_digest(cfg: RunConfig) -> str:
     return _digest(section_digests(cfg))
 
 
-def run_suffix(cfg: RollflowConfig) -> str:
+def run_suffix(cfg: RunConfig) -> str:
     return f"{code_digest()}.{config_digest(cfg)}"
 
 
-def actor_name(cfg: RollflowConfig, role: str) -> str:
+def actor_name(cfg: RunConfig, role: str) -> str:
     return f"{cfg.storage.run_name}:{role}@{run_suffix(cfg)}"
 
 
-def remember_config(cfg: RollflowConfig) -> None:
+def remember_config(cfg: RunConfig) -> None:
     """Keep the section digests behind this suffix in Ray's KV store, so a later rerun with a
     different config can say which sections changed."""
     from ray.experimental import internal_kv
@@ -174,7 +174,7 @@ def kill_actors(names: list[str], namespace: str, wait_s: float = 30.0) -> int:
 def stop_run(namespace: str, run: str, keep_suffix: str | None = None) -> int:
     """Kill run `run`'s actors and release its placement groups (those of `keep_suffix`
     excepted); other runs are untouched. Returns actors killed."""
-    from engines.placement import remove_named_placement
+    from engines.cluster.placement import remove_named_placement
 
     stale = [a for a in run_actors(namespace, run) if a.suffix != keep_suffix]
     killed = kill_actors([a.name for a in stale], namespace)
@@ -186,7 +186,7 @@ def stop_run(namespace: str, run: str, keep_suffix: str | None = None) -> int:
     return killed
 
 
-def changed_sections(cfg: RollflowConfig, old_suffix: str) -> list[str]:
+def changed_sections(cfg: RunConfig, old_suffix: str) -> list[str]:
     """What differs between the actors of `old_suffix` and `cfg`, in words."""
     old_code, _, _ = old_suffix.partition(".")
     what = [] if old_code == code_digest() else ["rollflow code"]
@@ -196,7 +196,7 @@ def changed_sections(cfg: RollflowConfig, old_suffix: str) -> list[str]:
     return what or ["config"]
 
 
-def retire_stale_actors(cfg: RollflowConfig) -> int:
+def retire_stale_actors(cfg: RunConfig) -> int:
     """Replace, rather than reuse, actors this run left with other code or config: kill them
     (and their placement group) and say so in one line. Returns actors killed."""
     ns, run, current = cfg.cluster.namespace, cfg.storage.run_name, run_suffix(cfg)
