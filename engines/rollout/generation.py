@@ -38,6 +38,7 @@ from engines.rollout.rewards.deadline import TIMEOUT_FLAG
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import RewardFn
 from engines.rollout.sglang_client import GenerateOutput
+from engines.run_config import RunConfig
 from storage.sample import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,13 @@ class GroupSource(Protocol):
 class HookArgs:
     """`args` of custom generate functions (and every hook the loop calls): the run config's
     attributes, plus where to send requests: `engine_url` is the router (or the first
-    engine), see `engines.rollout.protocols.engine_url`."""
+    engine), see `engines.rollout.protocols.engine_url`.
 
-    config: Any
+    `config` is the whole run config, read through `engines.run_config.RunConfig` (its
+    sections: `args.rollout.temperature`, `args.data.input_key`, ...); attribute access
+    passes through to it, as slime's hooks read its argument namespace."""
+
+    config: RunConfig
     engine_url: str = ""
     engine_urls: list[str] = field(default_factory=list)
     tokenizer: Any = None
