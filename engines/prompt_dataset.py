@@ -214,3 +214,24 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) ->
         logger.warning("%s: dropped %d of %d prompts longer than %d tokens",
                        spec.path, dropped, rows, spec.max_prompt_len)
     return LoadedPrompts(samples, dropped)
+
+
+def model_context(model_path: str | None) -> int | None:
+    """Positions the model at `model_path` can attend over (None: no model, or it does not
+    say)."""
+    if model_path is None:
+        return None
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return int(context) if context else None
+
+
+def prompt_limit(configured: int | None, context: int | None, max_response_len: int) -> int | None:
+    """Longest prompt (tokens) a run keeps: `data.rollout_max_prompt_len` if set, else what
+    the model's context leaves after the response budget, so no prompt is trained on with an
+    empty or cut response. Below 1 means no prompt fits (the caller reports it)."""
+    if configured is not None or context is None:
+        return configured
+    return context - max_response_len
+

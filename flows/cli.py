@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     from flows.preflight import preflight_once
 
-    cfg, _ = preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
+    preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
     from flows.train import train
 
     result = train(cfg)

@@ -19,7 +19,7 @@ from typing import Any
 
 from engines.cluster.head import warn_if_public
 from engines.hooks import load_hook, validate_hooks
-from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.prompt_dataset import DatasetSpec, load_prompt_samples, model_context, prompt_limit
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.protocols import RewardFn
 from engines.rollout.rewards.hub import RewardHub, builtin_reward
@@ -57,31 +57,25 @@ def load_tokenizer_and_context(cfg: RollflowConfig) -> tuple[Any, int | None]:
     if found is None:
         return None, None
     key, path = found
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model_config = AutoConfig.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path), model_context(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a tokenizer and model config from {path!r}: "
                           f"{str(e).splitlines()[0]}") from None
-    context = getattr(model_config, "max_position_embeddings", None)
-    return tokenizer, int(context) if context else None
 
 
-def with_prompt_limit(cfg: RollflowConfig, context: int | None) -> RollflowConfig:
-    """`data.rollout_max_prompt_len` defaulted to what the model's context leaves after the
-    response budget."""
-    if context is None or cfg.data.rollout_max_prompt_len is not None:
-        return cfg
-    room = context - cfg.rollout.max_response_len
-    if room < 1:
+def checked_prompt_limit(cfg: RollflowConfig, context: int | None) -> int | None:
+    """The prompt limit the rollout actor will apply (`engines.prompt_dataset.prompt_limit`);
+    a config error when no prompt fits."""
+    limit = prompt_limit(cfg.data.rollout_max_prompt_len, context, cfg.rollout.max_response_len)
+    if limit is not None and limit < 1:
         raise ConfigError(
             f"rollout.max_response_len={cfg.rollout.max_response_len} leaves no room for a "
             f"prompt in the model's context of {context} tokens"
         )
-    data = cfg.data.model_copy(update={"rollout_max_prompt_len": room})
-    return cfg.model_copy(update={"data": data})
+    return limit
 
 
 def _load(spec: DatasetSpec, tokenizer: Any) -> tuple[list[Sample], int]:
@@ -149,9 +143,10 @@ def check_eval_reward(ds: EvalDataset, index: int, hub: RewardHub) -> None:
                           "it, or rollout.rm_type / rollout.custom_rm_path)")
 
 
-def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
-    """Check the run before any actor starts; returns the config with its model-dependent
-    defaults resolved, and what was found."""
+def preflight(cfg: RollflowConfig) -> PreflightReport:
+    """Check the run before any actor starts; returns what was found. The config is not
+    changed: the actors derive the same defaults (the prompt limit) themselves, so the
+    config, and the digest naming the run's actors, stay what the user wrote."""
     start = time.perf_counter()
     if not cfg.engine.urls:  # engines rollflow starts bind engine.host
         warn_if_public("engine.host", cfg.engine.host)
@@ -160,16 +155,16 @@ def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
     validate_hooks(cfg)
     hub = RewardHub.from_config(cfg.rollout)
     tokenizer, context = load_tokenizer_and_context(cfg)
-    cfg = with_prompt_limit(cfg, context)
+    limit = checked_prompt_limit(cfg, context)
     d = cfg.data
     spec = DatasetSpec(path=d.prompt_data, input_key=d.input_key, label_key=d.label_key,
                        metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
-                       max_prompt_len=d.rollout_max_prompt_len, config_key="data")
+                       max_prompt_len=limit, config_key="data")
     samples, dropped = _load(spec, tokenizer)
     if dropped:
-        log.warning("%s: dropped %d of %d prompts longer than data.rollout_max_prompt_len=%d "
-                    "tokens", d.prompt_data, dropped, dropped + len(samples),
-                    d.rollout_max_prompt_len)
+        log.warning("%s: dropped %d of %d prompts longer than %d tokens (the model's context "
+                    "less rollout.max_response_len, or data.rollout_max_prompt_len)",
+                    d.prompt_data, dropped, dropped + len(samples), limit)
     check_rewards(cfg, hub, samples)
     groups_needed = cfg.rollout.submit_batch_size
     generation_loop = not (cfg.rollout.debug_train_only or cfg.rollout.function_path)
@@ -179,17 +174,16 @@ def preflight(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
     eval_prompts = {}
     for i, ds in enumerate(cfg.eval.datasets):
         check_eval_reward(ds, i, hub)
-        eval_samples, eval_dropped = _load(eval_spec(ds, i, d.rollout_max_prompt_len), tokenizer)
+        eval_samples, eval_dropped = _load(eval_spec(ds, i, limit), tokenizer)
         if eval_dropped:
             log.warning("eval.datasets[%d] (%s): %d prompts longer than %d tokens will get no "
-                        "room to answer", i, ds.path, eval_dropped, d.rollout_max_prompt_len)
+                        "room to answer", i, ds.path, eval_dropped, limit)
         eval_prompts[ds.name] = len(eval_samples) + eval_dropped
-    report = PreflightReport(len(samples), dropped, d.rollout_max_prompt_len, eval_prompts,
-                             time.perf_counter() - start)
-    return cfg, report
+    return PreflightReport(len(samples), dropped, limit, eval_prompts,
+                           time.perf_counter() - start)
 
 
-_last_passed: dict[str, tuple[RollflowConfig, PreflightReport]] = {}
+_last_passed: dict[str, PreflightReport] = {}
 
 
 def _fingerprint(cfg: RollflowConfig) -> str:
@@ -200,16 +194,14 @@ def _fingerprint(cfg: RollflowConfig) -> str:
     return json.dumps([dumped, cfg.storage.storage_options, files], sort_keys=True, default=str)
 
 
-def preflight_once(cfg: RollflowConfig) -> tuple[RollflowConfig, PreflightReport]:
+def preflight_once(cfg: RollflowConfig) -> PreflightReport:
     """`preflight`, skipped when this process already checked the same config and inputs:
     the CLI checks before starting Prefect (a mistake then fails in seconds, not after the
     ~10 s a Prefect server takes to start), and the train flow, which deployments start
     without the CLI, checks again."""
     key = _fingerprint(cfg)
     if key not in _last_passed:
-        result = preflight(cfg)
+        report = preflight(cfg)
         _last_passed.clear()
-        _last_passed[key] = result
-        _last_passed[_fingerprint(result[0])] = result  # the resolved config is checked too
+        _last_passed[key] = report
     return _last_passed[key]
-

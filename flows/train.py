@@ -102,7 +102,8 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
 @flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False)
 def train(config: RollflowConfig) -> dict[str, Any]:
     register(config.secret_values())  # deployments pass the config without the CLI
-    config, checked = preflight_once(resolve_paths(config))
+    config = resolve_paths(config)
+    checked = preflight_once(config)
     connect(config.cluster)
     layout = open_layout(config)
     save_config(layout, config)

@@ -200,7 +200,8 @@ def retire_stale_actors(cfg: RunConfig) -> int:
     """Replace, rather than reuse, actors this run left with other code or config: kill them
     (and their placement group) and say so in one line. Returns actors killed."""
     ns, run, current = cfg.cluster.namespace, cfg.storage.run_name, run_suffix(cfg)
-    stale = {a.suffix for a in run_actors(ns, run) if a.suffix != current}
+    held = [*run_actors(ns, run), *_placement_groups(run)]  # a group alone holds resources too
+    stale = {a.suffix for a in held if a.suffix != current}
     if not stale:
         return 0
     what = sorted({w for s in stale for w in changed_sections(cfg, s)})

@@ -16,7 +16,12 @@ from typing import Any
 
 from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
 from engines.hooks import load_hook
-from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.prompt_dataset import (
+    DatasetSpec,
+    load_prompt_samples,
+    model_context,
+    prompt_limit,
+)
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
 from engines.rollout.evaluation import evaluate_datasets
 from engines.rollout.filters import (
@@ -126,7 +131,10 @@ class RolloutManager:
             label_key=cfg.data.label_key,
             metadata_key=cfg.data.metadata_key,
             apply_chat_template=cfg.data.apply_chat_template,
-            max_prompt_len=cfg.data.rollout_max_prompt_len,
+            max_prompt_len=prompt_limit(  # as preflight computed it in the driver
+                cfg.data.rollout_max_prompt_len, model_context(tokenizer_path(cfg)),
+                cfg.rollout.max_response_len,
+            ),
         )
         buffer_filter = (
             load_hook(cfg.rollout.buffer_filter_path, "rollout.buffer_filter_path", 4)

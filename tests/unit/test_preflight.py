@@ -37,16 +37,16 @@ def make(tmp_path, tiny_model_dir):
 
 def test_a_clean_config_passes_and_gets_the_models_prompt_limit(make):
     build, _ = make
-    cfg, report = preflight(build())
+    report = preflight(build())
     assert report.prompts == 8 and report.dropped_too_long == 0
-    assert cfg.data.rollout_max_prompt_len == 128 - 8  # tiny model: 128 positions
+    assert report.max_prompt_len == 128 - 8  # tiny model: 128 positions
 
 
 def test_prompts_longer_than_the_context_are_dropped_and_counted(make):
     build, data = make
     with data.open("a") as f:
         f.write(json.dumps({"prompt": "1+" * 250, "label": "x"}) + "\n")
-    cfg, report = preflight(build())
+    report = preflight(build())
     assert report.dropped_too_long == 1 and report.prompts == 8
 
 
