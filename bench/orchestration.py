@@ -48,7 +48,7 @@ def step_calls(rollout: Any, trainer: Any, engines: list[Any], call: Callable) -
     def step(k: int) -> None:
         call(rollout.sample_prompts, k)
         call(rollout.generate, k)
-        kept = call(rollout.filter, k)["kept_groups"]
+        kept = call(rollout.filter, k).kept_groups
         call(rollout.reward, k, kept)
         call(trainer.train, k)
         weights = call(trainer.weights)

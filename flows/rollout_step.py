@@ -80,17 +80,16 @@ def _without_heartbeats(settings: Settings) -> Settings:
 
 def _run_stages(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
     pipelined = ctx.cfg.rollout.off_policy_async
-    records: dict[str, dict[str, Any]] = {}
-    records["sample_prompts"] = t.sample_prompts(ctx, rollout_id)
+    sampled = t.sample_prompts(ctx, rollout_id)
     if pipelined:
         gates.wait_for_weights(ctx.layout, ctx.cfg, rollout_id)
-    records["generate"] = t.generate(ctx, rollout_id)
-    records["filter"] = t.filter_groups(ctx, rollout_id)
-    records["reward"] = t.reward(ctx, rollout_id, records["filter"]["kept_groups"])
+    generated = t.generate(ctx, rollout_id)
+    filtered = t.filter_groups(ctx, rollout_id)
+    rewarded = t.reward(ctx, rollout_id, filtered.kept_groups)
     if pipelined:
         gates.wait_for_previous_commit(ctx.layout, rollout_id)
-    records["train"] = t.train(ctx, rollout_id)
+    trained = t.train(ctx, rollout_id)
     if pipelined:
         gates.wait_for_next_generate(ctx.layout, ctx.cfg, rollout_id)
-    records["broadcast_weights"] = t.broadcast_weights(ctx, rollout_id)
-    return t.commit(ctx, rollout_id, records)
+    pushed = t.broadcast_weights(ctx, rollout_id)
+    return t.commit(ctx, rollout_id, [sampled, generated, filtered, rewarded, trained, pushed])

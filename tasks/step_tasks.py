@@ -1,16 +1,20 @@
 """The Prefect tasks of one rollout step. Each is thin: it calls into an actor and returns
-the small record (URIs, metrics) that the actor wrote to the run directory.
+the small typed record (URIs, metrics; engines/records.py, tasks/records.py) of the stage.
 
 A task whose record already exists for (run, rollout_id, task) is skipped and returns that
 record, so re-running a failed step resumes at the task that failed.
+
+Actors are called as `resolve(actor.method.remote(...))`: `resolve` is `ray.get` for object
+refs and hands anything else back as it is, so the tasks' logic runs in unit tests with the
+fake actors of tests/fakes.py, whose `.remote()` returns the value itself.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
 import ray
@@ -22,6 +26,13 @@ from prefect.context import TaskRunContext
 from engines.cluster.actors import RunActors, get_or_create_actors
 from engines.hooks import HookError
 from engines.prompt_dataset import DatasetError
+from engines.records import (
+    FilterRecord,
+    GenerateRecord,
+    RewardRecord,
+    SamplePromptsRecord,
+    StageRecord,
+)
 from engines.rollout.rewards.hub import RewardConfigError
 from engines.run_config import RunConfig as RollflowConfig
 from engines.train.finite import NonFiniteError
@@ -31,6 +42,7 @@ from storage.run_layout import RunLayout
 from storage.sample import RewardError
 from tasks import colocate
 from tasks.artifacts import artifact_key
+from tasks.records import BroadcastRecord, StepMetrics, TrainRecord
 
 
 @dataclass
@@ -47,23 +59,34 @@ class StepContext:
         the trainer; a first attempt keeps the flow run's handles, since looking the actors
         up again costs ~0.1 s per task (0.4 s of a mock step)."""
         task_run = TaskRunContext.get()
-        if task_run is not None and task_run.task_run.run_count <= 1:
+        if task_run is None or task_run.task_run.run_count <= 1:  # None: called as .fn()
             return self.actors
         self.actors = get_or_create_actors(self.cfg)
         return self.actors
 
 
-def run_once(
-    layout: RunLayout, rollout_id: int, name: str, work: Callable[[], dict[str, Any]]
-) -> dict[str, Any]:
-    record = layout.task_record(rollout_id, name)
-    if record is not None:
-        return {**record, "from_storage": True}
+def resolve(value: Any) -> Any:
+    """`ray.get` of an object ref or a list of them; any other value is already resolved."""
+    if isinstance(value, ray.ObjectRef):
+        return ray.get(value)
+    if isinstance(value, list) and any(isinstance(v, ray.ObjectRef) for v in value):
+        return ray.get(value)
+    return value
+
+
+R = TypeVar("R", bound=StageRecord)
+
+
+def run_once(layout: RunLayout, rollout_id: int, kind: type[R], work: Callable[[], R]) -> R:
+    """The stage's record from storage if its task already finished, else `work()`'s, timed
+    and stored as `tasks/{kind.STAGE}.json` before it is returned."""
+    saved = layout.task_record(rollout_id, kind.STAGE)
+    if saved is not None:
+        return kind.from_json(saved).stored()
     started_at, start = time.time(), time.perf_counter()
-    record = work()
-    record.update(seconds=time.perf_counter() - start, started_at=started_at, finished_at=time.time())
-    layout.save_task_record(rollout_id, name, record)
-    return {**record, "from_storage": False}
+    record = work().timed(time.perf_counter() - start, started_at, time.time())
+    layout.save_task_record(rollout_id, kind.STAGE, record.to_json())
+    return record
 
 
 # Failures that come out the same however often they are retried: a bad input or a
@@ -91,12 +114,12 @@ TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_d
                                 "retry_condition_fn": retry_transient}
 
 
-def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> dict[str, Any]:
-    """ray.get(ref), meanwhile mirroring the actor's progress file into a Prefect progress
+def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> GenerateRecord:
+    """resolve(ref), meanwhile mirroring the actor's progress file into a Prefect progress
     artifact, so the UI shows how far generation is (groups kept / target)."""
     parts = (f"steps/{rollout_id:06d}", "generate.progress.json")
     artifact: UUID | None = None
-    while not ray.wait([ref], timeout=0.5)[0]:
+    while isinstance(ref, ray.ObjectRef) and not ray.wait([ref], timeout=0.5)[0]:
         if not ctx.layout.store.exists(*parts):
             continue
         p = ctx.layout.store.read_json(*parts)
@@ -108,7 +131,7 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> dict[s
             ))
         else:
             update_progress_artifact(artifact, percent)
-    result = dict(ray.get(ref))
+    result: GenerateRecord = resolve(ref)
     if artifact is not None:
         update_progress_artifact(artifact, 100.0)
     elif ctx.layout.store.exists(*parts):  # finished before the first poll
@@ -118,16 +141,16 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> dict[s
 
 
 @task(name="sample_prompts", **TASK_OPTIONS)
-def sample_prompts(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+def sample_prompts(ctx: StepContext, rollout_id: int) -> SamplePromptsRecord:
     return run_once(
-        ctx.layout, rollout_id, "sample_prompts",
-        lambda: ray.get(ctx.actors.rollout.sample_prompts.remote(rollout_id)),
+        ctx.layout, rollout_id, SamplePromptsRecord,
+        lambda: resolve(ctx.actors.rollout.sample_prompts.remote(rollout_id)),
     )
 
 
 @task(name="generate", **TASK_OPTIONS)
-def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
+def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
+    def work() -> GenerateRecord:
         actors = ctx.reattach()
         if ctx.cfg.cluster.colocate:
             colocate.enter_rollout_phase(actors)
@@ -139,46 +162,46 @@ def generate(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
             ctx, rollout_id, actors.rollout.generate.remote(rollout_id)
         )
 
-    return run_once(ctx.layout, rollout_id, "generate", work)
+    return run_once(ctx.layout, rollout_id, GenerateRecord, work)
 
 
 @task(name="filter", **TASK_OPTIONS)
-def filter_groups(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+def filter_groups(ctx: StepContext, rollout_id: int) -> FilterRecord:
     return run_once(
-        ctx.layout, rollout_id, "filter",
-        lambda: ray.get(ctx.actors.rollout.filter.remote(rollout_id)),
+        ctx.layout, rollout_id, FilterRecord,
+        lambda: resolve(ctx.actors.rollout.filter.remote(rollout_id)),
     )
 
 
 @task(name="reward", **TASK_OPTIONS)
-def reward(ctx: StepContext, rollout_id: int, kept_groups: list[int]) -> dict[str, Any]:
+def reward(ctx: StepContext, rollout_id: int, kept_groups: Sequence[int]) -> RewardRecord:
     return run_once(
-        ctx.layout, rollout_id, "reward",
-        lambda: ray.get(ctx.actors.rollout.reward.remote(rollout_id, kept_groups)),
+        ctx.layout, rollout_id, RewardRecord,
+        lambda: resolve(ctx.actors.rollout.reward.remote(rollout_id, kept_groups)),
     )
 
 
 @task(name="train", **TASK_OPTIONS)
-def train(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+def train(ctx: StepContext, rollout_id: int) -> TrainRecord:
     """Always asks the trainer (its weight version, not the record, is the truth): a trainer
     that lost its state re-trains this step from train.arrow after replaying earlier ones."""
     actors = ctx.reattach()
     if ctx.cfg.cluster.colocate:
         colocate.enter_train_phase(actors)
     started_at, start = time.time(), time.perf_counter()
-    metrics = dict(ray.get(actors.trainer.train_step.remote(rollout_id)))
-    record = ctx.layout.task_record(rollout_id, "train")
-    if record is not None:
-        return {**record, "from_storage": True}
-    record = {**metrics, "seconds": time.perf_counter() - start, "started_at": started_at,
-              "finished_at": time.time()}
-    ctx.layout.save_task_record(rollout_id, "train", record)
-    return {**record, "from_storage": False}
+    metrics = dict(resolve(actors.trainer.train_step.remote(rollout_id)))
+    saved = ctx.layout.task_record(rollout_id, TrainRecord.STAGE)
+    if saved is not None:
+        return TrainRecord.from_json(saved).stored()
+    record = TrainRecord(metrics=metrics).timed(
+        time.perf_counter() - start, started_at, time.time())
+    ctx.layout.save_task_record(rollout_id, TrainRecord.STAGE, record.to_json())
+    return record
 
 
 def sync_engine_weights(
     actors: RunActors, min_version: int | None = None, weight_sync: str = "tensor"
-) -> dict[str, Any]:
+) -> BroadcastRecord:
     """Push the trainer's weights to every engine that is not at its version. The state
     dict travels trainer -> Ray object store -> engines; the driver only holds the ref.
 
@@ -186,31 +209,31 @@ def sync_engine_weights(
     trainer (which, in async mode, may be busy training the previous step). `weight_sync`
     other than "tensor" goes over the engines' HTTP API (process-group broadcast or disk).
     """
-    engine_versions = ray.get([e.weight_version.remote() for e in actors.engines])
+    engine_versions = resolve([e.weight_version.remote() for e in actors.engines])
     if min_version is not None and engine_versions and min(engine_versions) >= min_version:
-        return {"weight_version": min(engine_versions), "engines_updated": 0}
-    version = ray.get(actors.trainer.version.remote())
+        return BroadcastRecord(weight_version=min(engine_versions), engines_updated=0)
+    version = resolve(actors.trainer.version.remote())
     stale = [e for e, v in zip(actors.engines, engine_versions, strict=True) if v != version]
     if stale and weight_sync == "tensor":
         weights_ref = actors.trainer.weights.remote()
-        ray.get([e.update_weights_from_tensor.remote(weights_ref, version) for e in stale])
+        resolve([e.update_weights_from_tensor.remote(weights_ref, version) for e in stale])
     elif stale:
-        urls = ray.get([e.url.remote() for e in actors.engines])
-        ray.get(actors.trainer.push_weights.remote(urls))
-    return {"weight_version": version, "engines_updated": len(stale)}
+        urls = resolve([e.url.remote() for e in actors.engines])
+        resolve(actors.trainer.push_weights.remote(urls))
+    return BroadcastRecord(weight_version=version, engines_updated=len(stale))
 
 
 @task(name="broadcast_weights", **TASK_OPTIONS)
-def broadcast_weights(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+def broadcast_weights(ctx: StepContext, rollout_id: int) -> BroadcastRecord:
     # Not recorded: it is cheap and must always leave the engines at the trainer's version.
     start = time.perf_counter()
     actors = ctx.reattach()
     if ctx.cfg.cluster.colocate:
         colocate.resume_engines(actors)
     if not pushes_weights(ctx.cfg, rollout_id):  # train.update_weights_interval
-        return {"engines_updated": 0, "seconds": time.perf_counter() - start}
+        return BroadcastRecord(engines_updated=0, seconds=time.perf_counter() - start)
     record = sync_engine_weights(actors, weight_sync=ctx.cfg.train.weight_sync)
-    return {**record, "seconds": time.perf_counter() - start}
+    return replace(record, seconds=time.perf_counter() - start)
 
 
 def should_checkpoint(cfg: RollflowConfig, rollout_id: int) -> bool:
@@ -220,22 +243,19 @@ def should_checkpoint(cfg: RollflowConfig, rollout_id: int) -> bool:
 
 
 @task(name="commit", **TASK_OPTIONS)
-def commit(ctx: StepContext, rollout_id: int, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Metrics, a periodic checkpoint, then the COMMITTED marker (always last)."""
+def commit(
+    ctx: StepContext, rollout_id: int, records: Sequence[StageRecord]
+) -> dict[str, Any]:
+    """Metrics (every stage record's to_metrics(), in stage order), a periodic checkpoint,
+    then the COMMITTED marker (always last). Returns metrics.json's content."""
     start = time.perf_counter()
-    metrics: dict[str, Any] = {"rollout_id": rollout_id}
-    for name, rec in records.items():
-        for key, value in rec.items():
-            if key in ("started_at", "finished_at"):
-                continue
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                metrics[key if "/" in key else f"{name}/{key}"] = value
-        metrics[f"time/{name}"] = rec.get("seconds", 0.0)
+    checkpoint: str | None = None
     if should_checkpoint(ctx.cfg, rollout_id):
         trainer = ctx.reattach().trainer
-        ray.get(trainer.ensure_version.remote(rollout_id + 1))
-        metrics["checkpoint"] = ray.get(trainer.save_checkpoint.remote(rollout_id))
-    metrics["time/commit"] = time.perf_counter() - start
+        resolve(trainer.ensure_version.remote(rollout_id + 1))
+        checkpoint = resolve(trainer.save_checkpoint.remote(rollout_id))
+    metrics = StepMetrics(rollout_id, records, checkpoint,
+                          commit_seconds=time.perf_counter() - start).to_json()
     ctx.layout.store.write_json(metrics, f"steps/{rollout_id:06d}", "metrics.json")
     ctx.layout.mark_committed(rollout_id)
     return metrics
@@ -246,4 +266,4 @@ def evaluate(ctx: StepContext, weight_version: int) -> dict[str, float]:
     existing = ctx.layout.evals().get(weight_version)
     if existing is not None:
         return existing
-    return dict(ray.get(ctx.actors.rollout.evaluate.remote(weight_version)))
+    return dict(resolve(ctx.actors.rollout.evaluate.remote(weight_version)))

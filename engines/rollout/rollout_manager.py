@@ -1,7 +1,7 @@
 """The rollout side of a run, as one long-lived actor: data source, generation, filter, reward.
 
 Every method reads its input from and writes its output to the run directory and returns a
-small dict, so the Prefect tasks that call it stay thin, and any method can be re-run after a
+small typed record (engines/records.py), so the Prefect tasks that call it stay thin, and any method can be re-run after a
 crash from what is on storage. The data source is reloaded from the previous step's saved
 state before drawing, so the in-memory state never has to survive a restart.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from engines.prompt_dataset import (
     model_context,
     prompt_limit,
 )
+from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
 from engines.rollout.evaluation import evaluate_datasets
 from engines.rollout.filters import (
@@ -228,9 +229,9 @@ class RolloutManager:
         return RunLayout(open_store(uri, s.endpoint_url, **s.storage_options))
 
     # -- step stages ---------------------------------------------------------------------
-    def sample_prompts(self, rollout_id: int) -> dict[str, Any]:
+    def sample_prompts(self, rollout_id: int) -> SamplePromptsRecord:
         if self.cfg.rollout.debug_train_only:
-            return {"groups": 0, "debug_train_only": 1}
+            return SamplePromptsRecord(groups=0, debug_train_only=True)
         self._restore_source(rollout_id)
         groups = self.data_source.get_samples(self.cfg.rollout.submit_batch_size, rollout_id)
         uri = write_samples(
@@ -241,14 +242,15 @@ class RolloutManager:
             compression=self._compression(),
         )
         self.data_source.save(self.layout, rollout_id, self._compression())
-        return {"uri": uri, "groups": len(groups), "epoch": self.data_source.state.epoch_id}
+        return SamplePromptsRecord(uri=uri, groups=len(groups),
+                                   epoch=self.data_source.state.epoch_id)
 
     def _keep_target(self) -> int:
         """Groups generation keeps: the over-sampling filter chooses among more."""
         r = self.cfg.rollout
         return r.submit_batch_size if self.over_sampling_filter else r.rollout_batch_size
 
-    def generate(self, rollout_id: int) -> dict[str, Any]:
+    def generate(self, rollout_id: int) -> GenerateRecord:
         """Generate, then in one commit (the data-source JSON): rollout.arrow with the kept
         groups, and every other drawn group back in the buffer, whole. A re-run after that
         commit returns the committed record instead of drawing again."""
@@ -256,13 +258,13 @@ class RolloutManager:
             return self._copy_debug_batch(rollout_id)
         meta = self.data_source.load(self.layout, rollout_id)
         if meta.get("stage") == "generate":
-            return dict(meta["extra"])
+            return GenerateRecord.from_json(meta["extra"])
         drawn = groups_in_order(
             read_samples(self.layout.store, step_dir(rollout_id), "prompts.arrow")
         )
         step_source = StepDataSource(drawn, self.data_source, rollout_id)
         target = self._keep_target()
-        metrics: dict[str, Any] = {}
+        metrics: dict[str, float] = {}
         if self.rollout_fn is not None:
             kept, returned = split_for_training(
                 self.rollout_fn(self.cfg, rollout_id, step_source, False), target
@@ -283,12 +285,14 @@ class RolloutManager:
             compression=self._compression(),
         )
         self.data_source.add_samples(returned + step_source.unused())
-        record = {"uri": uri, "groups": len(kept), "extra_draws": step_source.extra_draws,
-                  "buffer_groups": len(self.data_source.buffer), **metrics}
-        self.data_source.save(self.layout, rollout_id, self._compression(), "generate", record)
+        record = GenerateRecord(uri=uri, groups=len(kept), extra_draws=step_source.extra_draws,
+                                buffer_groups=len(self.data_source.buffer),
+                                rollout_metrics=metrics)
+        self.data_source.save(self.layout, rollout_id, self._compression(), "generate",
+                              record.to_json())
         return record
 
-    def _copy_debug_batch(self, rollout_id: int) -> dict[str, Any]:
+    def _copy_debug_batch(self, rollout_id: int) -> GenerateRecord:
         source = self._debug_source_layout()
         if not source.store.exists(step_dir(rollout_id), "train.arrow"):
             raise FileNotFoundError(
@@ -298,9 +302,10 @@ class RolloutManager:
         samples = read_samples(source.store, step_dir(rollout_id), "train.arrow")
         uri = write_samples(self.layout.store, samples, step_dir(rollout_id), "rollout.arrow",
                             compression=self._compression())
-        return {"uri": uri, "groups": len(groups_in_order(samples)), "debug_train_only": 1}
+        return GenerateRecord(uri=uri, groups=len(groups_in_order(samples)),
+                              debug_train_only=True)
 
-    def filter(self, rollout_id: int) -> dict[str, Any]:
+    def filter(self, rollout_id: int) -> FilterRecord:
         """Over-sampling filter and trim to rollout_batch_size. Reads only rollout.arrow and
         writes nothing but its record, so re-running it is always safe."""
         groups = groups_in_order(
@@ -316,14 +321,13 @@ class RolloutManager:
             ok = self.over_sampling_filter(self.cfg, ok)
         limit = len(ok) if self.cfg.rollout.debug_train_only else self.cfg.rollout.rollout_batch_size
         kept = ok[:limit]
-        return {
-            "kept_groups": sorted(g[0].group_index for g in kept),
-            "filter/kept": len(kept),
-            "filter/failed": len(failed),
-            "filter/over_sampling_dropped": len(ok) - len(kept),
-        }
+        return FilterRecord(
+            kept_groups=tuple(sorted(g[0].group_index for g in kept)),
+            failed=len(failed),
+            over_sampling_dropped=len(ok) - len(kept),
+        )
 
-    def reward(self, rollout_id: int, kept_groups: list[int]) -> dict[str, Any]:
+    def reward(self, rollout_id: int, kept_groups: Sequence[int]) -> RewardRecord:
         """Final scalar rewards for training; a dict reward is kept in metadata."""
         samples = read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow")
         keep = set(kept_groups)
@@ -343,12 +347,12 @@ class RolloutManager:
         )
         n = max(len(rewards), 1)
         mean = sum(rewards) / n
-        return {
-            "uri": uri,
-            "samples": len(train),
-            "reward/mean": mean,
-            "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-        }
+        return RewardRecord(
+            uri=uri,
+            samples=len(train),
+            mean=mean,
+            std=(sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        )
 
     def evaluate(self, weight_version: int) -> dict[str, float]:
         metrics = asyncio.run(

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from engines.records import GenerateRecord
 from engines.rollout.engine_actor import EngineActor
 from engines.rollout.rollout_manager import RolloutManager
 from flows.config import RollflowConfig
@@ -34,7 +35,7 @@ class Step0:
     seeded: Group
     kept: list[Group]
     buffer: list[Group]
-    record: dict[str, Any]
+    record: GenerateRecord
     workers: list[dict[str, Any]]
 
 
@@ -97,8 +98,8 @@ def test_abort_returns_partial_groups_whole(step0):
         assert new.rollout_log_probs[:SEEDED] == [-1.0] * SEEDED
         assert new.loss_mask == [0] * SEEDED + [1] * (MAX_LEN - SEEDED)
     # The two fresh groups were cut short by abort_all and wait in the buffer, whole.
-    assert step0.record["rollout/groups_aborted"] == 2
-    assert step0.record["rollout/groups_kept"] == 1
+    assert step0.record.rollout_metrics["rollout/groups_aborted"] == 2
+    assert step0.record.rollout_metrics["rollout/groups_kept"] == 1
     assert [len(g) for g in step0.buffer] == [2, 2]
     assert {g[0].group_index for g in step0.buffer}.isdisjoint({kept[0].group_index})
     for s in (s for g in step0.buffer for s in g):

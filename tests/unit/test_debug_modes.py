@@ -27,11 +27,11 @@ def test_debug_train_only_trains_on_the_saved_batch(tmp_path, arithmetic_data, t
     cfg = make_cfg(tmp_path, arithmetic_data, tiny_model_dir, [
         "rollout.debug_train_only=true", f"rollout.debug_rollout_data={source.uri}"])
     mgr = RolloutManager(cfg)
-    assert mgr.sample_prompts(0)["debug_train_only"] == 1
-    assert mgr.generate(0)["groups"] == 4
-    kept = mgr.filter(0)["kept_groups"]
-    assert kept == [0, 1, 2, 3]
-    assert mgr.reward(0, kept)["samples"] == 8
+    assert mgr.sample_prompts(0).debug_train_only
+    assert mgr.generate(0).groups == 4
+    kept = mgr.filter(0).kept_groups
+    assert kept == (0, 1, 2, 3)
+    assert mgr.reward(0, kept).samples == 8
     trained = read_samples(mgr.layout.store, step_dir(0), "train.arrow")
     assert [(s.index, s.reward, s.tokens) for s in trained] == [
         (s.index, s.reward, s.tokens) for s in saved]

@@ -1,0 +1,215 @@
+"""Typed records of a rollout step's stages: what the rollout actor's stage methods return,
+what the step tasks store as `steps/{k}/tasks/{stage}.json`, and which fields become metrics.
+
+```
+ RolloutManager.sample_prompts(k)          -> SamplePromptsRecord ─┐ the task times it, stores
+ RolloutManager.generate(k)                -> GenerateRecord      ─┤ to_json() as tasks/{stage}
+ RolloutManager.filter(k)                  -> FilterRecord        ─┤ .json and on a rerun reads
+ RolloutManager.reward(k, kept_groups)     -> RewardRecord        ─┤ it back with from_json()
+ TrainActor.train_step(k) -> dict, wrapped -> TrainRecord         ─┤ (tasks/records.py)
+ sync_engine_weights                       -> BroadcastRecord     ─┘ (tasks/records.py)
+                commit: StepMetrics(every record's to_metrics()) -> metrics.json
+```
+The stored JSON is flat and keeps the key names these records had when they were plain
+dicts, so a run started before they were typed resumes unchanged and metrics.json keeps its
+keys. `to_metrics()` lists the step metrics of a record explicitly: nothing is inferred from
+the shape of a key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Self
+
+TIMING_KEYS = ("seconds", "started_at", "finished_at")
+"""Keys the step task adds to a stored record (run_once); never part of a stage's own fields."""
+
+Metrics = dict[str, float | int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageRecord:
+    """What every stage's record carries besides its own fields: how long its task took and
+    when (set by the task, absent from what an actor returns), and whether the step found the
+    record on storage instead of running the stage (never stored)."""
+
+    STAGE: ClassVar[str] = ""
+    """The task's name: the record file `tasks/{STAGE}.json` and the metrics' namespace."""
+
+    seconds: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    from_storage: bool = False
+
+    def timed(self, seconds: float, started_at: float, finished_at: float) -> Self:
+        return replace(self, seconds=seconds, started_at=started_at, finished_at=finished_at)
+
+    def stored(self) -> Self:
+        """This record as read back from storage by a rerun of its step."""
+        return replace(self, from_storage=True)
+
+    def timing_json(self) -> dict[str, Any]:
+        """The timing keys of a stored record (none on a record no task has timed yet)."""
+        if self.started_at is None:
+            return {}
+        return {"seconds": self.seconds, "started_at": self.started_at,
+                "finished_at": self.finished_at}
+
+    def timing_metrics(self) -> Metrics:
+        """`time/{stage}` (the curve) and `{stage}/seconds` (the same value, kept because
+        metrics.json has always had it)."""
+        return {f"{self.STAGE}/seconds": self.seconds, f"time/{self.STAGE}": self.seconds}
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat dict stored as `tasks/{STAGE}.json`: the stage's keys, then the timing."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        """A stored record, written by to_json or (the same keys) before records were typed."""
+        raise NotImplementedError
+
+    def to_metrics(self) -> Metrics:
+        """The step metrics this record contributes, by their metrics.json names."""
+        raise NotImplementedError
+
+
+def timing_of(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The StageRecord fields of a stored record (`seconds` is 0.0 for an untimed one)."""
+    return {"seconds": data.get("seconds", 0.0), "started_at": data.get("started_at"),
+            "finished_at": data.get("finished_at")}
+
+
+def _present(**values: Any) -> dict[str, Any]:
+    """Optional fields as stored: absent when unset, a flag as 1 (as the dict records had it)."""
+    return {k: (1 if v is True else v) for k, v in values.items() if v is not None and v is not False}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplePromptsRecord(StageRecord):
+    """The groups drawn for a step (buffer first, then the dataset) and saved as prompts.arrow."""
+
+    STAGE: ClassVar[str] = "sample_prompts"
+
+    groups: int
+    uri: str | None = None
+    """prompts.arrow (None in `rollout.debug_train_only`, which draws nothing)."""
+    epoch: int | None = None
+    """The data source's epoch after drawing (None in `rollout.debug_train_only`)."""
+    debug_train_only: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_present(uri=self.uri), "groups": self.groups,
+                **_present(epoch=self.epoch, debug_train_only=self.debug_train_only),
+                **self.timing_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        return cls(groups=data["groups"], uri=data.get("uri"), epoch=data.get("epoch"),
+                   debug_train_only=bool(data.get("debug_train_only")), **timing_of(data))
+
+    def to_metrics(self) -> Metrics:
+        own = {"groups": self.groups,
+               **_present(epoch=self.epoch, debug_train_only=self.debug_train_only)}
+        return {**{f"sample_prompts/{k}": v for k, v in own.items()}, **self.timing_metrics()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRecord(StageRecord):
+    """The groups kept for training (rollout.arrow); the rest went back to the buffer. The
+    actor also saves it in the data source's state, so a rerun after that commit returns it."""
+
+    STAGE: ClassVar[str] = "generate"
+
+    uri: str
+    groups: int
+    extra_draws: int | None = None
+    """Groups drawn beyond sample_prompts' (dynamic sampling); None in debug_train_only."""
+    buffer_groups: int | None = None
+    """Groups in the buffer after this step; None in debug_train_only."""
+    debug_train_only: bool = False
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    """The generation loop's own metrics, already named `rollout/...` (none for a custom
+    rollout function); stored flat beside the other keys."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "groups": self.groups,
+                **_present(extra_draws=self.extra_draws, buffer_groups=self.buffer_groups,
+                           debug_train_only=self.debug_train_only),
+                **self.rollout_metrics, **self.timing_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        own = {"uri", "groups", "extra_draws", "buffer_groups", "debug_train_only",
+               "from_storage", *TIMING_KEYS}
+        return cls(uri=data["uri"], groups=data["groups"], extra_draws=data.get("extra_draws"),
+                   buffer_groups=data.get("buffer_groups"),
+                   debug_train_only=bool(data.get("debug_train_only")),
+                   rollout_metrics={k: v for k, v in data.items() if k not in own},
+                   **timing_of(data))
+
+    def to_metrics(self) -> Metrics:
+        own = {"groups": self.groups,
+               **_present(extra_draws=self.extra_draws, buffer_groups=self.buffer_groups,
+                          debug_train_only=self.debug_train_only)}
+        return {**{f"generate/{k}": v for k, v in own.items()}, **self.rollout_metrics,
+                **self.timing_metrics()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FilterRecord(StageRecord):
+    """Which generated groups are trained on (over-sampling filter, then trimmed)."""
+
+    STAGE: ClassVar[str] = "filter"
+
+    kept_groups: tuple[int, ...]
+    """group_index of every kept group, sorted: the reward stage's input."""
+    failed: int
+    over_sampling_dropped: int
+
+    @property
+    def kept(self) -> int:
+        return len(self.kept_groups)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kept_groups": list(self.kept_groups), "filter/kept": self.kept,
+                "filter/failed": self.failed,
+                "filter/over_sampling_dropped": self.over_sampling_dropped,
+                **self.timing_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        return cls(kept_groups=tuple(data["kept_groups"]), failed=data["filter/failed"],
+                   over_sampling_dropped=data["filter/over_sampling_dropped"],
+                   **timing_of(data))
+
+    def to_metrics(self) -> Metrics:
+        return {"filter/kept": self.kept, "filter/failed": self.failed,
+                "filter/over_sampling_dropped": self.over_sampling_dropped,
+                **self.timing_metrics()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RewardRecord(StageRecord):
+    """The training batch (train.arrow) with final scalar rewards, and their statistics."""
+
+    STAGE: ClassVar[str] = "reward"
+
+    uri: str
+    samples: int
+    mean: float
+    std: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "samples": self.samples, "reward/mean": self.mean,
+                "reward/std": self.std, **self.timing_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        return cls(uri=data["uri"], samples=data["samples"], mean=data["reward/mean"],
+                   std=data["reward/std"], **timing_of(data))
+
+    def to_metrics(self) -> Metrics:
+        return {"reward/samples": self.samples, "reward/mean": self.mean,
+                "reward/std": self.std, **self.timing_metrics()}
