@@ -1,0 +1,177 @@
+"""Every fake of the unit tests, in one place: stand-ins for the Ray actors a rollout step
+talks to, so the step tasks' logic runs through `task.fn(...)` without Ray or Prefect.
+
+The step tasks call actors as `resolve(actor.method.remote(...))` (tasks/step_tasks.py);
+`resolve` is `ray.get` for object refs and hands anything else back unchanged, so a fake
+whose `.remote()` returns the value itself needs no Ray at all. Storage stays real (a
+`RunLayout` in a temporary directory), as does the config.
+
+- `remote`: decorator that makes a fake's method callable as `fake.method.remote(...)`
+  (returning the result at once) as well as directly.
+- `FakeRollout`: the rollout actor (`RolloutManager`): `sample_prompts`, `generate`, `filter`,
+  `reward`, `evaluate` return fixed records of a step of `groups` groups x `n` samples.
+- `FakeTrainer`: the trainer (`TrainActor` / `TrainGroup`): a weight version that
+  `train_step(k)` moves to k + 1 (`{"skipped": 1.0}` when already past k), `version`,
+  `ensure_version`, `save_checkpoint`, `weights`, `push_weights`, `offload`, `onload`.
+- `FakeEngine`: an engine actor: `weight_version`, `url`, `update_weights_from_tensor`.
+- `fake_actors(...)`: a `RunActors` of one FakeRollout, one FakeTrainer and FakeEngines.
+- `step_context(root, *overrides)`: a `StepContext` over fake actors, a real config (mock
+  backends; `--set`-style overrides) and a real run directory under `root`.
+
+Each fake appends `(method, args)` to its `calls`, so a test can check what was (not) asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engines.cluster.actors import RunActors
+from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
+from flows.config_loader import apply_overrides, config_from_dict
+from storage.run_layout import RunLayout
+from tasks.step_tasks import StepContext
+
+
+class remote:  # noqa: N801 - used as a decorator, like ray.remote
+    """`fake.method(...)` and `fake.method.remote(...)` both call the method; each call is
+    logged in the fake's `calls`."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+
+        def call(*args: Any) -> Any:
+            obj.calls.append((self.fn.__name__, args))
+            return self.fn(obj, *args)
+
+        return _Method(call)
+
+
+class _Method:
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.remote = call
+
+    def __call__(self, *args: Any) -> Any:
+        return self.remote(*args)
+
+
+class FakeRollout:
+    def __init__(self, groups: int = 2, n: int = 2) -> None:
+        self.groups, self.n = groups, n
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    @remote
+    def sample_prompts(self, rollout_id: int) -> SamplePromptsRecord:
+        return SamplePromptsRecord(uri=f"mem://steps/{rollout_id:06d}/prompts.arrow",
+                                   groups=self.groups, epoch=0)
+
+    @remote
+    def generate(self, rollout_id: int) -> GenerateRecord:
+        return GenerateRecord(
+            uri=f"mem://steps/{rollout_id:06d}/rollout.arrow", groups=self.groups,
+            extra_draws=0, buffer_groups=1,
+            rollout_metrics={"rollout/groups_kept": float(self.groups),
+                             "rollout/response_len_mean": 3.5},
+        )
+
+    @remote
+    def filter(self, rollout_id: int) -> FilterRecord:
+        first = rollout_id * self.groups
+        return FilterRecord(kept_groups=tuple(range(first, first + self.groups)), failed=0,
+                            over_sampling_dropped=0)
+
+    @remote
+    def reward(self, rollout_id: int, kept_groups: tuple[int, ...]) -> RewardRecord:
+        return RewardRecord(uri=f"mem://steps/{rollout_id:06d}/train.arrow",
+                            samples=len(kept_groups) * self.n, mean=0.5, std=0.5)
+
+    @remote
+    def evaluate(self, weight_version: int) -> dict[str, float]:
+        return {"eval/arithmetic/accuracy": 0.25}
+
+
+class FakeTrainer:
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    @remote
+    def version(self) -> int:
+        return self._version
+
+    @remote
+    def train_step(self, rollout_id: int) -> dict[str, float]:
+        if self._version > rollout_id:
+            return {"skipped": 1.0}
+        self._version = rollout_id + 1
+        return {"loss": 0.25, "grad_norm": 1.5, "skipped": 0.0,
+                "weight_version": float(self._version), "critic/value_loss": 0.125,
+                "train/seconds": 0.001}
+
+    @remote
+    def ensure_version(self, target: int) -> dict[str, Any]:
+        return {"rebuilt": False, "version": self._version, "replayed": []}
+
+    @remote
+    def save_checkpoint(self, rollout_id: int) -> str:
+        return f"mem://checkpoints/{rollout_id:06d}"
+
+    @remote
+    def weights(self) -> dict[str, Any]:
+        return {"version": self._version}
+
+    @remote
+    def push_weights(self, engine_urls: list[str]) -> list[int]:
+        return [self._version] * len(engine_urls)
+
+    @remote
+    def offload(self) -> None:
+        pass
+
+    @remote
+    def onload(self) -> None:
+        pass
+
+
+class FakeEngine:
+    def __init__(self, index: int = 0, version: int = 0) -> None:
+        self.index, self._version = index, version
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    @remote
+    def weight_version(self) -> int:
+        return self._version
+
+    @remote
+    def url(self) -> str:
+        return f"http://127.0.0.1:{30000 + self.index}"
+
+    @remote
+    def update_weights_from_tensor(self, weights: dict[str, Any], version: int) -> int:
+        self._version = version
+        return version
+
+
+def fake_actors(engine_versions: tuple[int, ...] = (0,), trainer_version: int = 0) -> RunActors:
+    return RunActors(
+        rollout=FakeRollout(), trainer=FakeTrainer(trainer_version),
+        engines=[FakeEngine(i, v) for i, v in enumerate(engine_versions)],
+    )
+
+
+def step_context(root: Path, *overrides: str, actors: RunActors | None = None) -> StepContext:
+    raw = {
+        "data": {"prompt_data": "x.jsonl"},
+        "rollout": {"num_rollout": 3, "rollout_batch_size": 2},
+        "train": {"backend": "mock"},
+        "engine": {"backend": "mock"},
+        "storage": {"uri": str(root), "run_name": "fake-run"},
+    }
+    cfg = config_from_dict(apply_overrides(raw, list(overrides)))
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    return StepContext(cfg, layout, actors or fake_actors())
