@@ -4,20 +4,36 @@ Hugging Face `generate`, on the same tiny model, at several batch sizes.
 Both sample at temperature 1 with EOS ignored, so every request yields exactly
 `--new-tokens` tokens and the two sides do the same work; both use the same torch thread
 count. The engine's figure includes HTTP and JSON, i.e. what the generation loop sees.
+The two run alternately in one process (`--repeats` pairs) and the table shows medians,
+so load from other processes on a shared machine hits both alike; `cpu ratio` compares the
+process CPU time each side spends per token, which such load disturbs far less than wall
+time. Before timing, each batch
+size checks that greedy outputs equal HF's token for token and that the engine's log-probs
+are within 1e-5 of a full-sequence forward; a failed check exits non-zero.
+OpenMP threads sleep while idle (`OMP_WAIT_POLICY=PASSIVE` unless set): spinning workers on
+a shared 2-core machine made both sides ~10x slower and the figures mostly noise.
 Usage:
   python -m bench.generation --batch-sizes 1 16 64 --new-tokens 64
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
-import tempfile
-import time
-from typing import Any
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when OpenMP starts
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+LOGPROB_TOL = 1e-5
 
 PROMPTS = ["12+34=", "7+58=", "99+1=", "40+40=", "3+77=", "65+19=", "8+8=", "21+55="]
 
@@ -34,59 +50,95 @@ def prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
     return [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
 
 
-def bench_engine(model_dir: str, batch: int, new_tokens: int, threads: int, repeats: int) -> float:
-    from transformers import AutoTokenizer
-
-    from engines.rollout.engine_actor import EngineActor
+def engine_runner(
+    url: str, ids: list[list[int]], new_tokens: int, temperature: float
+) -> Callable[[], list[Any]]:
+    """One batched `/generate` over HTTP; returns the parsed outputs."""
     from engines.rollout.sglang_client import SGLangClient
-    from flows.config import EngineConfig
 
-    engine = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, threads)
-    ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), batch)
-    params = [{"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True,
-               "sampling_seed": i} for i in range(batch)]
+    params = [{"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True,
+               "sampling_seed": i} for i in range(len(ids))]
 
-    async def once() -> int:
-        async with SGLangClient(engine.url()) as client:
-            outs = await client.generate_batch(ids, params)
-        return sum(len(o.output_ids) for o in outs)
+    async def once() -> list[Any]:
+        async with SGLangClient(url) as client:
+            return await client.generate_batch(ids, params)
 
-    try:
-        asyncio.run(once())  # warm-up
-        start, tokens = time.perf_counter(), 0
-        for _ in range(repeats):
-            tokens += asyncio.run(once())
-        return tokens / (time.perf_counter() - start)
-    finally:
-        engine.shutdown()
+    return lambda: asyncio.run(once())
 
 
-def bench_hf(model_dir: str, batch: int, new_tokens: int, threads: int, repeats: int) -> float:
+def hf_runner(
+    model: Any, pad: int, ids: list[list[int]], new_tokens: int, sample: bool
+) -> Callable[[], list[list[int]]]:
+    """HF `generate` on the left-padded batch; returns each row's new tokens."""
+    width = max(len(x) for x in ids)
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    kwargs: dict[str, Any] = {"do_sample": True, "temperature": 1.0, "top_k": 0} if sample else {
+        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+
+    def once() -> list[list[int]]:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, pad_token_id=pad, **kwargs,
+            )
+        return [row[width:] for row in out.tolist()]
+
+    return once
+
+
+def check_outputs(model: Any, pad: int, ids: list[list[int]], url: str, new_tokens: int) -> str:
+    """Greedy equality with HF generate and log-probs against a full forward, or an error."""
+    greedy = engine_runner(url, ids, new_tokens, 0.0)()
+    reference = hf_runner(model, pad, ids, new_tokens, sample=False)()
+    differ = [i for i, (o, r) in enumerate(zip(greedy, reference, strict=True)) if o.output_ids != r]
+    if differ:
+        return f"greedy outputs differ from HF generate in rows {differ[:8]}"
+    worst = 0.0
+    for prompt, out in zip(ids, engine_runner(url, ids, new_tokens, 1.0)(), strict=True):
+        full = torch.tensor([prompt + out.output_ids])
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(full).logits[0, len(prompt) - 1 : -1].float(), -1)
+        ref = logp.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+        worst = max(worst, float((ref - torch.tensor(out.log_probs)).abs().max()))
+    return "" if worst < LOGPROB_TOL else f"log-probs off a full forward by {worst:.2e}"
+
+
+def bench_batch(
+    model_dir: str, batch: int, new_tokens: int, threads: int, repeats: int
+) -> tuple[float, float, float, float, str]:
+    """(engine tok/s, HF tok/s, median ratio, median CPU-time ratio, check error or ''),
+    timing the two alternately."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.rollout.config import EngineConfig
+    from engines.rollout.engine_actor import EngineActor
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = prompt_ids(tokenizer, batch)
-    width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left padding
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-
-    def once() -> int:
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                pad_token_id=pad,
-            )
-        return int((out.shape[1] - width) * batch)
-
-    once()
-    start, tokens = time.perf_counter(), 0
-    for _ in range(repeats):
-        tokens += once()
-    return tokens / (time.perf_counter() - start)
+    ids = prompt_ids(tokenizer, batch)
+    engine = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, threads)
+    try:
+        error = check_outputs(model, pad, ids, engine.url(), new_tokens)
+        runners = (engine_runner(engine.url(), ids, new_tokens, 1.0),
+                   hf_runner(model, pad, ids, new_tokens, sample=True))
+        rates: tuple[list[float], list[float]] = ([], [])
+        cpu: tuple[list[float], list[float]] = ([], [])
+        for run in runners:
+            run()  # warm-up
+        for _ in range(repeats):
+            for run, out, out_cpu in zip(runners, rates, cpu, strict=True):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                tokens = sum(len(getattr(o, "output_ids", o)) for o in run())
+                out.append(tokens / (time.perf_counter() - start))
+                out_cpu.append(tokens / (time.process_time() - start_cpu))
+    finally:
+        engine.shutdown()
+    ratio = statistics.median(e / h for e, h in zip(*rates, strict=True))
+    cpu_ratio = statistics.median(e / h for e, h in zip(*cpu, strict=True))
+    return statistics.median(rates[0]), statistics.median(rates[1]), ratio, cpu_ratio, error
 
 
 def main() -> None:
@@ -96,15 +148,23 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="alternating timed pairs")
     args = parser.parse_args()
     model_dir = build_model(args.model or None)
-    print(f"model {model_dir}, {args.new_tokens} new tokens/request, {args.threads} threads")
-    print(f"{'batch':>6} {'embedded tok/s':>15} {'HF generate tok/s':>18} {'ratio':>7}")
+    print(f"model {model_dir}, {args.new_tokens} new tokens/request, {args.threads} threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, medians of {args.repeats}")
+    print(f"{'batch':>6} {'embedded tok/s':>15} {'HF generate tok/s':>18} {'ratio':>7} "
+          f"{'cpu ratio':>9}  checks")
+    failed = False
     for batch in args.batch_sizes:
-        engine = bench_engine(model_dir, batch, args.new_tokens, args.threads, args.repeats)
-        hf = bench_hf(model_dir, batch, args.new_tokens, args.threads, args.repeats)
-        print(f"{batch:>6} {engine:>15.1f} {hf:>18.1f} {engine / hf:>7.2f}")
+        engine, hf, ratio, cpu_ratio, error = bench_batch(
+            model_dir, batch, args.new_tokens, args.threads, args.repeats
+        )
+        failed |= bool(error)
+        checks = error or f"greedy == HF, log-probs within {LOGPROB_TOL:g} of a full forward"
+        print(f"{batch:>6} {engine:>15.1f} {hf:>18.1f} {ratio:>7.2f} {cpu_ratio:>9.2f}  {checks}",
+              flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
 Continuous batching with a Hugging Face model: every row of the batch is one request, left
 padded, with its own attention-mask row and explicit position ids, so rows of different
-lengths share one `DynamicCache`. New requests are prefilled on their own and merged in by
-left-padding both caches to a common length; finished rows ride along masked until they
-are a quarter of the batch, then the batch (and cache) is compacted and columns that are
-padding for every row are trimmed. Padding is masked out, so a row's log-probs equal a
-full-sequence forward of that request alone.
+lengths share one `KVCache` (preallocated buffers, one column written per step). New
+requests are prefilled on their own and merged in by left-padding both caches to a common
+length; finished rows ride along masked until they are a quarter of the batch, then the
+batch (and cache) is compacted and columns that are padding for every row are trimmed.
+Padding is masked out, so a row's log-probs equal a full-sequence forward of that request
+alone.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engines.rollout.gen_types import GenRequest
+from engines.rollout.kv_decode import KVCache
 
 _COMPACT_BELOW = 0.75
+_ROOM = 64  # free cache columns given to a new or rebuilt cache (at most what rows can use)
 ROW_TENSORS = ("seeds", "temps", "top_p", "top_k", "budgets", "steps", "next_pos", "last_tok")
 
 
@@ -43,14 +46,6 @@ class ReqState:
         return self.request.input_ids + self.out_ids
 
 
-def _pad_left(x: torch.Tensor, width: int, dim: int, value: float = 0) -> torch.Tensor:
-    missing = width - x.shape[dim]
-    if missing <= 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [missing, 0]
-    return F.pad(x, pad, value=value)
-
-
 class DecodeBatch:
     """Requests waiting for prefill, and the rows being decoded with their KV cache."""
 
@@ -65,8 +60,7 @@ class DecodeBatch:
         self.n_alive = 0
         self.t: dict[str, torch.Tensor] = {}
         self.stop_ids = torch.zeros(0, 1, dtype=torch.long)
-        self.attn = torch.zeros(0, 0, dtype=torch.long)
-        self.cache: DynamicCache | None = None
+        self.cache: KVCache | None = None
 
     def __len__(self) -> int:
         return len(self.waiting) + self.n_alive
@@ -74,6 +68,11 @@ class DecodeBatch:
     @property
     def num_running(self) -> int:
         return self.n_alive
+
+    def room(self) -> int:
+        """Cache columns worth reserving: what the longest remaining budget can use."""
+        left = int((self.t["budgets"] - self.t["steps"]).max()) if self.rows else 0
+        return max(1, min(_ROOM, left))
 
     @classmethod
     def prefilled(
@@ -83,7 +82,7 @@ class DecodeBatch:
         params = [s.request.params for s in states]
         width = max(1, max(len(s.stop_ids) for s in states))
         b = cls()
-        b.rows, b.attn, b.cache = list(states), attn, cache
+        b.rows = list(states)
         b.alive = torch.ones(len(states), dtype=torch.bool)
         b.n_alive = len(states)
         b.stop_ids = torch.tensor([s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in states])
@@ -97,6 +96,7 @@ class DecodeBatch:
             "next_pos": attn.sum(-1),
             "last_tok": torch.zeros(len(states), dtype=torch.long),
         }
+        b.cache = KVCache.from_prefill(cache, attn, b.room())
         return b
 
     def record(
@@ -154,15 +154,12 @@ class DecodeBatch:
             return
         self.rows = [self.rows[j] for j in keep.tolist()]
         self.t = {k: v[keep] for k, v in self.t.items()}
-        self.stop_ids, attn = self.stop_ids[keep], self.attn[keep]
+        self.stop_ids = self.stop_ids[keep]
         self.alive = torch.ones(len(keep), dtype=torch.bool)
-        trim = int((attn.cumsum(-1) == 0).sum(-1).min())
-        self.attn = attn[:, trim:]
         assert self.cache is not None
-        layers: list[Any] = list(self.cache.layers)
-        for layer in layers:
-            layer.keys = layer.keys[keep, :, trim:]
-            layer.values = layer.values[keep, :, trim:]
+        mask = self.cache.mask[keep, : self.cache.width]
+        trim = int((mask.cumsum(-1) == 0).sum(-1).min())
+        self.cache = self.cache.select(keep, trim, self.room())
 
     def merge(self, other: DecodeBatch) -> None:
         """Append `other`'s live rows; both caches are left-padded to a common length."""
@@ -170,22 +167,17 @@ class DecodeBatch:
         if other.n_alive == 0:
             return
         if self.n_alive == 0:
-            for name in ("rows", "alive", "n_alive", "t", "stop_ids", "attn", "cache"):
+            for name in ("rows", "alive", "n_alive", "t", "stop_ids", "cache"):
                 setattr(self, name, getattr(other, name))
             return
         self.compact()
         assert self.cache is not None and other.cache is not None
-        width = max(self.attn.shape[1], other.attn.shape[1])
         stops = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
-        self.attn = torch.cat([_pad_left(self.attn, width, 1), _pad_left(other.attn, width, 1)])
         self.stop_ids = torch.cat(
             [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
         )
         self.t = {k: torch.cat([v, other.t[k]]) for k, v in self.t.items()}
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            for name in ("keys", "values"):
-                a, b = getattr(mine, name), getattr(theirs, name)
-                setattr(mine, name, torch.cat([_pad_left(a, width, 2), _pad_left(b, width, 2)]))
+        self.cache = KVCache.concat(self.cache, other.cache, max(self.room(), other.room()))
         self.rows += other.rows
         self.n_alive += other.n_alive
         self.alive = torch.ones(len(self.rows), dtype=torch.bool)

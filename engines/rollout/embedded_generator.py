@@ -4,6 +4,8 @@ The embedded engine lets the SGLang client, the router and the abort/partial-rol
 for real on CPU. Its log-probs must equal what the trainer recomputes (a plain full-sequence
 forward), so rows are left-padded with an explicit attention mask *and* position ids
 (`decode_batch`), and log-probs come from the untruncated float32 distribution (`sampling`).
+Prefill is the HF forward; each decode step writes one column of a preallocated KV cache
+(`kv_decode`), through a lean Llama step where the model has that layout.
 
 The engine holds no request state: the caller owns a `DecodeBatch` and calls `step` (admit
 new requests, decode one token for the running ones), `abort` or `retract` on it. Weight
@@ -31,6 +33,7 @@ from engines.rollout.gen_types import (
     never_abort,
     run_to_completion,
 )
+from engines.rollout.kv_decode import make_decoder
 from engines.rollout.sampling import sample_tokens
 from engines.weight_sync import weights_checksum
 
@@ -56,6 +59,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         self.model.eval().requires_grad_(False)
+        self._decoder = make_decoder(self.model)
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.model.config.vocab_size)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -214,14 +218,10 @@ class EmbeddedGenerator(GeneratorIdentity):
         return ended
 
     def _decode(self, b: DecodeBatch) -> list[ReqState]:
-        attn = torch.cat([b.attn, torch.ones(len(b.rows), 1, dtype=b.attn.dtype)], dim=1)
-        out = self.model(
-            input_ids=b.t["last_tok"][:, None], attention_mask=attn,
-            position_ids=b.t["next_pos"][:, None], past_key_values=b.cache, use_cache=True,
-        )  # fmt: skip
-        b.attn = attn
+        assert b.cache is not None
+        logits = self._decoder(b.t["last_tok"], b.t["next_pos"], b.cache)
         b.t["next_pos"] = b.t["next_pos"] + 1
-        return self._sample(b, out.logits[:, -1, :])
+        return self._sample(b, logits)
 
     def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> list[ReqState]:
         t = b.t
