@@ -163,11 +163,38 @@ def _check_prompt(spec: DatasetSpec, line: int, prompt: Any) -> None:
         raise DatasetError(spec.path, line, spec.input_key, "empty prompt")
 
 
+def _check_chat_template(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> None:
+    """A base model's tokenizer often has no chat template: say which key asks for one,
+    instead of transformers' ValueError from the first row."""
+    if spec.apply_chat_template and getattr(tokenizer, "chat_template", "") is None:
+        raise DatasetError(
+            spec.path, 0, "(file)",
+            f"{spec.config_key}.apply_chat_template is true, but the model's tokenizer has no "
+            "chat template (set it false, or give the tokenizer a chat_template)",
+        )
+
+
+def _render_chat(spec: DatasetSpec, line: int, prompt: Any, tokenizer: PromptTokenizer) -> Any:
+    """The row through the chat template; a template that cannot render it (e.g. one that
+    raises on a system role, or on roles that do not alternate) fails with its line."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2's TemplateError, transformers' ValueError, ...
+        problem = (str(e).strip().splitlines() or [""])[0]
+        raise DatasetError(
+            spec.path, line, spec.input_key,
+            f"the chat template cannot render it ({spec.config_key}.apply_chat_template): "
+            f"{type(e).__name__}: {problem}",
+        ) from None
+
+
 def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> LoadedPrompts:
     """Pending samples, one per usable row; `tokens` holds the prompt ids when a tokenizer
     is given. Prompts over `max_prompt_len` tokens are dropped, as slime does, and counted
     (a warning, and `LoadedPrompts.dropped_too_long`)."""
     _check_columns(spec)
+    _check_chat_template(spec, tokenizer)
     samples: list[Sample] = []
     rows = dropped = 0
     for line, row in iter_rows(spec.path):
@@ -191,10 +218,7 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) ->
                 raise DatasetError(spec.path, line, spec.metadata_key, "must be an object")
         text = prompt
         if spec.apply_chat_template and tokenizer is not None:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            text = _render_chat(spec, line, prompt, tokenizer)
         tokens = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
         if spec.max_prompt_len is not None and len(tokens) > spec.max_prompt_len:
             dropped += 1

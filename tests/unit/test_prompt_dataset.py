@@ -130,3 +130,37 @@ def test_all_prompts_too_long_fails_without_a_warning_first(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="engines.prompt_dataset"):
         load_error(DatasetSpec(path, max_prompt_len=10))
     assert "dropped" not in caplog.text
+
+
+class NoTemplateTokenizer(CharTokenizer):
+    chat_template = None
+
+
+class StrictTemplateTokenizer(CharTokenizer):
+    chat_template = "strict"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        if messages[0]["role"] == "system":
+            raise ValueError("System role not supported")
+        return super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+
+def test_a_tokenizer_without_chat_template_names_the_key(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(DatasetError) as err:
+        load_prompt_samples(DatasetSpec(path, apply_chat_template=True), NoTemplateTokenizer())
+    assert "data.apply_chat_template is true, but the model's tokenizer has no chat template" in (
+        str(err.value))
+
+
+def test_a_row_the_chat_template_rejects_fails_with_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": [{"role": "user", "content": "hi"}]},
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+    ])
+    with pytest.raises(DatasetError) as err:
+        load_prompt_samples(DatasetSpec(path, apply_chat_template=True),
+                            StrictTemplateTokenizer())
+    assert (err.value.line, err.value.field) == (2, "prompt")
+    assert err.value.problem == ("the chat template cannot render it (data.apply_chat_template): "
+                                 "ValueError: System role not supported")
