@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from flows.config import ConfigError
 from storage.secrets import scrub
 
-_RAY_WHERE = re.compile(r"ray::([\w.]+)")
+_RAY_WHERE = re.compile(r"ray::([^\s(]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -82,7 +82,8 @@ def _where(chain: list[BaseException]) -> str | None:
         if isinstance(exc, RayError):
             first = _ANSI.sub("", str(exc)).split("\n", 1)[0]
             if match := _RAY_WHERE.search(first):
-                where = match.group(1)
+                # a run's named actor: `ray::<run>:<role>@<digest>:TrainActor.__init__`
+                where = match.group(1).rsplit(":", 1)[-1]
     return where
 
 

@@ -41,6 +41,14 @@ def test_actor_constructor_error_is_unwrapped_with_where():
     assert exit_code(died) == 2
 
 
+def test_a_named_actors_constructor_error_says_class_and_method_not_the_run():
+    # The process title of a run's actor carries its name, `<run>:<role>@<digest>`, first.
+    err = OSError("Error no file named model.safetensors, or pytorch_model.bin")
+    where = "p-dot.v2:trainer@355c8acf.e37f5772:TrainActor.__init__"
+    died = ActorDiedError(task_error(err, where))
+    assert summarize(died).endswith("pytorch_model.bin (in TrainActor.__init__)")
+
+
 def test_ray_dual_class_and_cause_chains_are_unwrapped():
     dual = task_error(BAD_ROW, "RolloutManager.generate").as_instanceof_cause()
     assert isinstance(dual, DatasetError) and root_cause(dual) is BAD_ROW
