@@ -7,10 +7,9 @@ between invocations of the CLI. Its address is kept in `~/.rollflow/cluster.json
 
 Closed by default: Ray's listeners (GCS, raylet, workers) bind every interface whatever
 `--node-ip-address` says, and anyone who can reach them can run code as this user. So the
-local head requires Ray's token authentication (`RAY_AUTH_MODE=token`) with a token rollflow
-generates once into `~/.rollflow/ray_token` (mode 0600) and hands to its drivers; workers
-inherit it from the head. A cluster you name with `cluster.address` keeps your own
-`RAY_AUTH_MODE` / `RAY_AUTH_TOKEN` settings.
+local head is started in this process's Ray auth mode, which `engines/ray_auth.py` makes
+token auth with rollflow's own token unless the user set `RAY_AUTH_MODE`; its workers
+inherit it from the head.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import functools
 import json
 import logging
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -29,36 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from engines.cluster.config import ClusterConfig
+from engines.ray_auth import HOME, process_auth_mode
 
 log = logging.getLogger(__name__)
-HOME = Path(os.environ.get("ROLLFLOW_HOME", Path.home() / ".rollflow"))
 STATE_FILE = HOME / "cluster.json"
-TOKEN_FILE = HOME / "ray_token"
 
 
-def auth_token_file() -> Path:
-    """The token of rollflow's local heads: made once, readable by its owner only."""
-    if not TOKEN_FILE.exists():
-        HOME.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            fd = os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process made it meanwhile
-            return TOKEN_FILE
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    return TOKEN_FILE
-
-
-def _ray_env(auth: str | None = None) -> dict[str, str]:
-    """This process's environment made ready for Ray. `auth="token"`: the local head's
-    token auth (for the head itself and every driver attaching to it); "disabled": a head
-    recorded by an older rollflow without auth; None: leave the user's settings alone."""
+def _ray_env() -> dict[str, str]:
+    """This process's environment for Ray commands (its auth settings included)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if auth == "token":
-        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the token file
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(auth_token_file()))
-    elif auth == "disabled":
-        os.environ["RAY_AUTH_MODE"] = "disabled"
     return dict(os.environ)
 
 
@@ -103,8 +80,12 @@ def _alive(address: str) -> bool:
 
 
 def start_local_head(num_cpus: int | None = None) -> str:
-    """`ray start --head` with token auth, its session files under ROLLFLOW_HOME/ray;
-    returns the GCS address."""
+    """`ray start --head` in this process's auth mode (token unless the user set
+    RAY_AUTH_MODE), its session files under ROLLFLOW_HOME/ray; returns the GCS address."""
+    auth = process_auth_mode()
+    if auth != "token":
+        log.warning("starting the local Ray head without authentication (RAY_AUTH_MODE=%s): "
+                    "anyone who can reach this machine can run code on it", auth)
     port = free_port()
     temp_dir = HOME / "ray"
     cmd = [
@@ -112,11 +93,11 @@ def start_local_head(num_cpus: int | None = None) -> str:
         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
         f"--num-cpus={num_cpus or max(os.cpu_count() or 1, 4)}", "--num-gpus=0",
     ]
-    subprocess.run(cmd, check=True, env=_ray_env("token"), capture_output=True)
+    subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True)
     address = f"127.0.0.1:{port}"
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     STATE_FILE.write_text(json.dumps({
-        "address": address, "started_at": time.time(), "auth": "token",
+        "address": address, "started_at": time.time(), "auth": auth,
         "temp_dir": str(temp_dir), **environment(),
     }))
     return address
@@ -146,6 +127,18 @@ def check_environment(state: dict[str, Any]) -> None:
         )
 
 
+def check_auth(state: dict[str, Any]) -> None:
+    """A token head needs a token client; an open head works with either, but is said."""
+    auth = state.get("auth", "disabled")
+    if auth == "token" and process_auth_mode() != "token":
+        raise ClusterMismatch(
+            f"the local Ray head at {state['address']} requires token auth, and this process "
+            f"has RAY_AUTH_MODE={process_auth_mode()}: unset it (rollflow then uses its token)"
+        )
+    if auth != "token":
+        _warn_open_head(str(state["address"]))
+
+
 @functools.cache  # once per process and head
 def _warn_open_head(address: str) -> None:
     log.warning("the local Ray head at %s accepts code from anyone who can reach it (no "
@@ -160,10 +153,7 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
     state = read_state()
     if state and _alive(state["address"]):
         check_environment(state)
-        auth = state.get("auth", "disabled")
-        if auth != "token":
-            _warn_open_head(str(state["address"]))
-        _ray_env(auth)
+        check_auth(state)
         return str(state["address"])
     return start_local_head(cfg.num_cpus) if start else None
 
@@ -173,7 +163,7 @@ def connect(cfg: ClusterConfig) -> str:
     import ray
 
     _ray_env()
-    address = cluster_address(cfg)  # a local head sets its token auth here
+    address = cluster_address(cfg)
     if not ray.is_initialized():
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
     return address or ""

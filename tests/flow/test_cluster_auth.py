@@ -21,6 +21,12 @@ from tests.conftest import REPO_ROOT
 
 PROBE = ("import os, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
          "print('uid', ray.get(ray.remote(lambda: os.getuid()).remote()))")
+# A rollflow driver as the CLI runs one: rollflow imported first (which fixes Ray's auth mode),
+# then the local head started on demand, or found, and joined, in the same process.
+DRIVER = ("import os; from engines.cluster.config import ClusterConfig; "
+          "from engines.cluster.head import connect; import ray; "
+          "print(connect(ClusterConfig(num_cpus=1))); "
+          "print('uid', ray.get(ray.remote(lambda: os.getuid()).remote()))")
 
 
 def machine_address() -> str:
@@ -43,11 +49,12 @@ def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
 
 def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matrix):
     home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))  # short: Ray's socket paths
-    env = rollflow_env(home)
-    start = python("from engines.cluster.head import start_local_head; print(start_local_head(1))", env)
-    out, err = start.communicate(timeout=120)
-    assert start.returncode == 0, err
-    port = out.strip().rsplit(":", 1)[1]
+    env = rollflow_env(home)  # no RAY_AUTH_* at all: rollflow's defaults
+    first = python(DRIVER, env)
+    out, err = first.communicate(timeout=180)
+    assert first.returncode == 0 and f"uid {os.getuid()}" in out, err
+    address = out.splitlines()[0].strip()
+    port = address.rsplit(":", 1)[1]
     target = f"{machine_address()}:{port}"
     try:
         token = home / "ray_token"
@@ -55,6 +62,9 @@ def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matr
         no_auth = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="disabled"), target)
         wrong = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="x" * 64),
                        target)
+        again = python(DRIVER, env)  # a second driver finds the head and joins it
+        again_out, again_err = again.communicate(timeout=120)
+        assert again_out.startswith(address) and f"uid {os.getuid()}" in again_out, again_err
         right = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="token",
                                            RAY_AUTH_TOKEN_PATH=str(token)), target)
         right_out, right_err = right.communicate(timeout=120)
