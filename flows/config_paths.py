@@ -45,12 +45,14 @@ def absolute_file(path: str, base: Path) -> str:
 
 
 def absolute_model(path: str, base: Path) -> str:
-    """A local model directory made absolute; a hub id (`org/name`, not on disk) unchanged."""
+    """A local model directory made absolute; a hub id (`org/name`, not on disk) unchanged.
+    A name without a slash that is not on disk is taken as a local path with a typo (and
+    reported as missing at once) rather than looked up on the hub for a minute."""
     if is_uri(path):
         return path
     local = base / Path(path).expanduser()
-    explicit = path.startswith((".", "~", os.sep))
-    return os.path.normpath(local) if explicit or local.exists() else path
+    hub_id = "/" in path and not path.startswith((".", "~", os.sep))
+    return path if hub_id and not local.exists() else os.path.normpath(local)
 
 
 def _resolve_section(

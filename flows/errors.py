@@ -105,6 +105,8 @@ def summarize(exc: BaseException, max_len: int = 400) -> str:
         label, _, message = last.partition(": ")
         label = label.rsplit(".", 1)[-1]
     line = f"{label}: {_one_line(message)}" if message else label
+    for note in getattr(root, "__notes__", []):
+        line += f" ({_one_line(str(note))})"
     if len(line) > max_len:
         line = line[: max_len - 3] + "..."
     where = _where(chain)

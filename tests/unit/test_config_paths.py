@@ -69,3 +69,9 @@ def test_a_config_file_resolves_against_the_shell_not_the_file(tmp_path, monkeyp
 def test_a_missing_config_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="--config .*nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_model_name_without_a_slash_is_a_local_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_dict(_raw(train={"model_path": "modle"}))  # a typo of ./model
+    assert cfg.train.model_path == str(tmp_path / "modle")  # preflight: no such directory

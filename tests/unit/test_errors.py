@@ -189,3 +189,13 @@ def test_held_back_keeps_failed_run_records_off_the_console():
     warning = logging.LogRecord("prefect.flow_runs", logging.WARNING, "x", 1, "slow", None, None)
     other = logging.LogRecord("rollflow", logging.ERROR, "x", 1, "mine", None, None)
     assert held.filter(warning) and held.filter(other) and held.records == [record]
+
+
+def test_a_note_on_the_cause_reaches_the_first_line():
+    from flows.errors import summarize
+
+    err = AttributeError("'list' object has no attribute 'response'")
+    err.add_note("rollout.group_rm=true calls rollout.custom_rm_path once per group")
+    assert summarize(RuntimeError("wrapper")) == "RuntimeError: wrapper"
+    assert summarize(err).endswith("(rollout.group_rm=true calls rollout.custom_rm_path once "
+                                   "per group)")

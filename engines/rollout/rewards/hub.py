@@ -186,7 +186,12 @@ class RewardHub:
         """One reward per sample, in order: a single call of the group reward model when
         `group_rm` is on, else the per-sample functions concurrently."""
         if self.group_fn is not None:
-            rewards = list(await self.group_fn(args, list(samples)))
+            try:
+                rewards = list(await self.group_fn(args, list(samples)))
+            except Exception as e:  # most often a per-sample function under group_rm
+                e.add_note("rollout.group_rm=true calls rollout.custom_rm_path once per group, "
+                           "with the list of its samples")
+                raise
             if len(rewards) != len(samples):
                 raise RewardConfigError(
                     f"rollout.custom_rm_path: group reward returned {len(rewards)} rewards "
