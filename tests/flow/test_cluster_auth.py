@@ -50,13 +50,12 @@ def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
 def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matrix):
     home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))  # short: Ray's socket paths
     env = rollflow_env(home)  # no RAY_AUTH_* at all: rollflow's defaults
-    first = python(DRIVER, env)
-    out, err = first.communicate(timeout=180)
-    assert first.returncode == 0 and f"uid {os.getuid()}" in out, err
-    address = out.splitlines()[0].strip()
-    port = address.rsplit(":", 1)[1]
-    target = f"{machine_address()}:{port}"
     try:
+        first = python(DRIVER, env)
+        out, err = first.communicate(timeout=180)
+        assert first.returncode == 0 and f"uid {os.getuid()}" in out, err
+        address = out.splitlines()[0].strip()
+        target = f"{machine_address()}:{address.rsplit(':', 1)[1]}"
         token = home / "ray_token"
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
         no_auth = python(PROBE, rollflow_env(home, RAY_AUTH_MODE="disabled"), target)
