@@ -15,6 +15,8 @@ from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
 def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # Prefect's own 20 s (counted in its sleeps) is too short on a busy machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 
 def _user_code_importable() -> None:

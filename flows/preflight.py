@@ -10,6 +10,7 @@ prompts over `rollout_max_prompt_len`, instead of generating empty responses.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -89,11 +90,11 @@ def input_files(cfg: RollflowConfig) -> dict[str, str]:
     files.update({f"eval.datasets[{i}].path": ds.path for i, ds in enumerate(cfg.eval.datasets)})
     if cfg.rollout.debug_rollout_data:
         files["rollout.debug_rollout_data"] = cfg.rollout.debug_rollout_data
-    for section, names in MODEL_FIELDS.items():
-        for name in names:
+    for section in ("train", "engine", "algorithm"):  # train first: the key users set
+        for name in MODEL_FIELDS[section]:
             path = getattr(getattr(cfg, section), name)
-            if path and os.path.isabs(path):  # resolve_paths keeps hub ids relative
-                files[f"{section}.{name}"] = path
+            if path and os.path.isabs(path) and path not in files.values():
+                files[f"{section}.{name}"] = path  # (hub ids stay relative; named once)
     return {key: path for key, path in files.items() if not is_uri(path)}
 
 
@@ -102,6 +103,22 @@ def check_files_exist(cfg: RollflowConfig) -> None:
                for key, path in input_files(cfg).items() if not os.path.exists(path)]
     if missing:
         raise ConfigError("\n".join(missing))
+
+
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
+
+
+def check_model_weights(cfg: RollflowConfig) -> None:
+    """Each local model directory holds weights (a config and tokenizer alone pass the
+    tokenizer load, then an actor fails a minute later)."""
+    if cfg.train.backend == "mock" and cfg.engine.backend != "embedded":
+        return
+    for key, path in input_files(cfg).items():
+        if key.split(".")[0] in MODEL_FIELDS and os.path.isdir(path) and not any(
+            glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_FILES
+        ):
+            raise ConfigError(f"{key}: {path} has no model weights (*.safetensors or "
+                              "pytorch_model*.bin)")
 
 
 def check_storage(cfg: RollflowConfig) -> RunLayout:
@@ -151,6 +168,7 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
     if not cfg.engine.urls:  # engines rollflow starts bind engine.host
         warn_if_public("engine.host", cfg.engine.host)
     check_files_exist(cfg)
+    check_model_weights(cfg)
     check_storage(cfg)
     validate_hooks(cfg)
     hub = RewardHub.from_config(cfg.rollout)
@@ -160,11 +178,7 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
     spec = DatasetSpec(path=d.prompt_data, input_key=d.input_key, label_key=d.label_key,
                        metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
                        max_prompt_len=limit, config_key="data")
-    samples, dropped = _load(spec, tokenizer)
-    if dropped:
-        log.warning("%s: dropped %d of %d prompts longer than %d tokens (the model's context "
-                    "less rollout.max_response_len, or data.rollout_max_prompt_len)",
-                    d.prompt_data, dropped, dropped + len(samples), limit)
+    samples, dropped = _load(spec, tokenizer)  # a drop is logged there, with the count
     check_rewards(cfg, hub, samples)
     groups_needed = cfg.rollout.submit_batch_size
     generation_loop = not (cfg.rollout.debug_train_only or cfg.rollout.function_path)

@@ -165,7 +165,8 @@ def connect(cfg: ClusterConfig) -> str:
     _ray_env()
     address = cluster_address(cfg)
     if not ray.is_initialized():
-        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
     return address or ""
 
 
@@ -214,7 +215,8 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
 
     _ray_env()
     if not ray.is_initialized():
-        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
     rows = []
     now_ms = time.time() * 1000
     for name in sorted(ray.util.list_named_actors()):

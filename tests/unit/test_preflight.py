@@ -85,6 +85,7 @@ def test_eval_set_errors_name_their_own_keys(make, tmp_path):
 def test_a_model_that_does_not_load_names_its_key(make, tmp_path):
     build, _ = make
     (tmp_path / "empty-model").mkdir()
+    (tmp_path / "empty-model" / "model.safetensors").write_bytes(b"")  # weights, no tokenizer
     with pytest.raises(ConfigError, match=r"engine.model_path: cannot load a tokenizer"):
         preflight(build(train={"model_path": str(tmp_path / "empty-model")}))
 
@@ -116,3 +117,22 @@ def test_a_public_engine_address_is_warned_about(make, caplog):
     caplog.clear()
     preflight(build())
     assert not any("reachable from the network" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_directory_without_weights_is_named_before_any_actor(make, tmp_path,
+                                                                      tiny_model_dir):
+    import shutil
+
+    build, _ = make
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, no_weights,
+                    ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    with pytest.raises(ConfigError, match=r"train.model_path: .*no-weights has no model weights"):
+        preflight(build(train={"model_path": str(no_weights)}))
+
+
+def test_a_model_typo_names_the_key_the_user_set_once(make, tmp_path):
+    build, _ = make
+    with pytest.raises(ConfigError) as err:
+        preflight(build(train={"model_path": str(tmp_path / "modle")}))
+    assert str(err.value) == f"train.model_path: no such file or directory: {tmp_path / 'modle'}"

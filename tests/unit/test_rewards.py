@@ -229,3 +229,18 @@ def test_remote_rm_times_out_then_retries(server_factory: Any) -> None:
     with pytest.raises(RemoteRewardError, match="ReadTimeout"):
         run(remote_hub(slow.url, rm_timeout_s=0.1, rm_max_retries=1).score(None, sample("x", None)))
     assert len(slow.requests) == 2
+
+
+def test_a_none_reward_names_the_function_that_returned_it():
+    import asyncio
+
+    from engines.rollout.rewards.hub import RewardHub
+    from storage.sample import RewardError, Sample
+
+    async def forgot_return(args, sample):
+        sample.metadata["scored"] = True
+
+    hub = RewardHub(default=forgot_return)
+    sample = Sample(index=3, group_index=0, prompt="1+1=", label="2")
+    with pytest.raises(RewardError, match=r"reward is None; returned by .*forgot_return"):
+        asyncio.run(hub.assign(None, [sample]))

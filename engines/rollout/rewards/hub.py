@@ -37,7 +37,7 @@ from engines.rollout.rewards.deadline import (
 from engines.rollout.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
 from engines.rollout.rewards.remote import RemoteRewardModel
 from engines.rollout.rewards.text_rules import exact_match_score, f1_score, last_number_score
-from storage.sample import Sample
+from storage.sample import RewardError, Sample
 
 log = logging.getLogger(__name__)
 RuleFn = Callable[[str, str | None], Reward]
@@ -206,4 +206,8 @@ class RewardHub:
         for s, r in zip(samples, await self.score_group(args, samples), strict=True):
             s.reward = r
             fn = self.group_fn if self.group_fn is not None else self.for_sample(s)
-            s.check_reward(source=getattr(fn, "__qualname__", None) or repr(fn))
+            source = getattr(fn, "__qualname__", None) or repr(fn)
+            if r is None:  # not trainable; say which function, as for NaN
+                raise RewardError(f"{s.describe()}: reward is None; returned by {source} (it "
+                                  "must return a number, or a dict with rollout.reward_key)")
+            s.check_reward(source=source)
