@@ -14,13 +14,13 @@ import hashlib
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from engines.cluster.train_group import kill_group
 from engines.run_config import ACTOR_SECTIONS, RunConfig
 
 log = logging.getLogger(__name__)
@@ -152,32 +152,13 @@ def _placement_groups(run: str) -> list[RunActor]:
     return groups
 
 
-def kill_actors(names: list[str], namespace: str, wait_s: float = 30.0) -> int:
-    """Kill the named actors still alive and wait until their names are free."""
-    killed = 0
-    for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace))
-            killed += 1
-        except ValueError:
-            pass
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        alive = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-                 if e["namespace"] == namespace}
-        if not alive.intersection(names):
-            break
-        time.sleep(0.1)
-    return killed
-
-
 def stop_run(namespace: str, run: str, keep_suffix: str | None = None) -> int:
     """Kill run `run`'s actors and release its placement groups (those of `keep_suffix`
     excepted); other runs are untouched. Returns actors killed."""
     from engines.cluster.placement import remove_named_placement
 
     stale = [a for a in run_actors(namespace, run) if a.suffix != keep_suffix]
-    killed = kill_actors([a.name for a in stale], namespace)
+    killed = kill_group([a.name for a in stale], namespace)  # names free on return
     for group in _placement_groups(run):
         if group.suffix != keep_suffix:
             remove_named_placement(group.name)
