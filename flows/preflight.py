@@ -3,9 +3,9 @@
 Without this, a bad row, an unimportable hook or an eval-set mistake surfaced only inside an
 actor's constructor (after the models loaded) or after the last training step, wrapped in Ray
 and Prefect tracebacks. Each check names the config key, or the file, line and field, at
-fault. `preflight` also resolves the one default that depends on the model: prompts longer
-than its context minus `rollout.max_response_len` are dropped (counted), as slime drops
-prompts over `rollout_max_prompt_len`, instead of generating empty responses.
+fault. It also counts what the rollout actor will drop: prompts longer than the model's
+context minus `rollout.max_response_len` (the default of `data.rollout_max_prompt_len`), as
+slime drops them, instead of generating empty responses.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def check_storage(cfg: RollflowConfig) -> RunLayout:
         layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
         layout.store.write_text("ok", ".preflight")
         layout.store.delete(".preflight")
-    except (OSError, PermissionError) as e:
+    except OSError as e:
         raise ConfigError(f"storage.uri: cannot write the run directory under {s.uri!r}: "
                           f"{e}") from None
     return layout

@@ -90,27 +90,32 @@ def actor_name(cfg: RunConfig, role: str) -> str:
     return f"{cfg.storage.run_name}:{role}@{run_suffix(cfg)}"
 
 
+def _kv_key(namespace: str, run: str, suffix: str) -> str:
+    return f"{namespace}/{run}@{suffix}"
+
+
 def remember_config(cfg: RunConfig) -> None:
     """Keep the section digests behind this suffix in Ray's KV store, so a later rerun with a
     different config can say which sections changed."""
     from ray.experimental import internal_kv
 
-    key = f"{cfg.cluster.namespace}/{cfg.storage.run_name}@{run_suffix(cfg)}"
-    internal_kv._internal_kv_put(key, json.dumps(section_digests(cfg)), overwrite=True,
-                                 namespace=_KV_NAMESPACE)
+    digests = section_digests(cfg)
+    suffix = f"{code_digest()}.{_digest(digests)}"  # run_suffix(cfg), without digesting twice
+    internal_kv._internal_kv_put(_kv_key(cfg.cluster.namespace, cfg.storage.run_name, suffix),
+                                 json.dumps(digests), overwrite=True, namespace=_KV_NAMESPACE)
 
 
 def _remembered(namespace: str, run: str, suffix: str) -> dict[str, str] | None:
     from ray.experimental import internal_kv
 
-    raw = internal_kv._internal_kv_get(f"{namespace}/{run}@{suffix}", namespace=_KV_NAMESPACE)
+    raw = internal_kv._internal_kv_get(_kv_key(namespace, run, suffix), namespace=_KV_NAMESPACE)
     return None if raw is None else dict(json.loads(raw))
 
 
 def _forget(namespace: str, run: str, suffix: str) -> None:
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_del(f"{namespace}/{run}@{suffix}", namespace=_KV_NAMESPACE)
+    internal_kv._internal_kv_del(_kv_key(namespace, run, suffix), namespace=_KV_NAMESPACE)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ checkpoint plus replay before training again instead of training on half-updated
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -42,6 +44,25 @@ def check_finite(named: Iterable[tuple[str, Tensor]], what: str) -> None:
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN/inf ({shown})")
+
+
+class Versioned(Protocol):
+    version: int
+
+
+@contextmanager
+def stale_on_failure(backend: Versioned, rollout_id: int) -> Iterator[None]:
+    """Around one train(): refuse a backend a failed train() left stale, and leave this one
+    stale if it fails part-way (a `NonFiniteError` also says which rollout)."""
+    check_not_stale(backend.version)
+    try:
+        yield
+    except NonFiniteError as exc:
+        backend.version = STALE_VERSION
+        raise NonFiniteError(f"rollout {rollout_id}: {exc}") from exc
+    except BaseException:
+        backend.version = STALE_VERSION
+        raise
 
 
 def check_not_stale(version: int) -> None:

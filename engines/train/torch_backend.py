@@ -45,7 +45,7 @@ from engines.train.batching import (
 from engines.train.config import TrainConfig
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
-from engines.train.finite import STALE_VERSION, NonFiniteError, check_finite, check_not_stale
+from engines.train.finite import check_finite, stale_on_failure
 from engines.train.lr_schedule import make_scheduler
 from engines.train.metrics import SKIPPED, already_trained, summarise
 from engines.train.optim_step import Optimized, optimizer_step
@@ -293,15 +293,8 @@ class TorchTrainBackend:
         part-way leaves the backend at `STALE_VERSION` (see `finite.py`)."""
         if already_trained(self.version, samples, rollout_id):
             return dict(SKIPPED)
-        check_not_stale(self.version)
-        try:
+        with stale_on_failure(self, rollout_id):
             return self._train(samples, rollout_id)
-        except NonFiniteError as exc:
-            self.version = STALE_VERSION
-            raise NonFiniteError(f"rollout {rollout_id}: {exc}") from exc
-        except BaseException:
-            self.version = STALE_VERSION
-            raise
 
     def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()

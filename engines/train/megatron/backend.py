@@ -42,11 +42,10 @@ from engines.train.batching import (
 from engines.train.checkpoint_io import verify_checkpoint, write_manifest
 from engines.train.config import TrainConfig
 from engines.train.finite import (
-    STALE_VERSION,
     NonFiniteError,
     check_finite,
-    check_not_stale,
     nonfinite_names,
+    stale_on_failure,
 )
 from engines.train.megatron import parallel
 from engines.train.megatron.hf_convert import (
@@ -341,15 +340,8 @@ class MegatronTrainBackend:
         A failure part-way leaves the backend at `STALE_VERSION` (see `finite.py`)."""
         if already_trained(self.version, samples, rollout_id):
             return dict(SKIPPED)
-        check_not_stale(self.version)
-        try:
+        with stale_on_failure(self, rollout_id):
             return self._train(samples, rollout_id)
-        except NonFiniteError as exc:
-            self.version = STALE_VERSION
-            raise NonFiniteError(f"rollout {rollout_id}: {exc}") from exc
-        except BaseException:
-            self.version = STALE_VERSION
-            raise
 
     def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()
