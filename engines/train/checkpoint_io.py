@@ -1,6 +1,8 @@
 """Files of a torch-backend checkpoint next to the HF `save_pretrained` weights.
 
-    config.json, model.safetensors, tokenizer*   the policy (HF format)
+    config.json, model.safetensors, tokenizer*   the policy (HF format; merged weights for LoRA)
+    adapter/                                     LoRA only: the adapter in PEFT format
+                                                 (adapter_model.safetensors, adapter_config.json)
     optimizer.pt, scheduler.pt                   actor optimizer + LR scheduler
     critic/, critic_optimizer.pt, critic_scheduler.pt   (ppo only)
     rng.pt                                       global torch (+ CUDA) RNG and the shuffle generator

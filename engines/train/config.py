@@ -12,6 +12,47 @@ from engines.rollout.config import RolloutConfig
 from storage.config import Section, StorageConfig
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the actor (torch backend, through peft); off while `rank` is 0.
+
+    Only the adapter weights train; engines, exports and the model a checkpoint holds get
+    merged weights (W + alpha / rank * B @ A) under the base model's names."""
+
+    rank: int = Field(
+        0, ge=0,
+        description="Adapter rank r; 0 turns LoRA off (full fine-tuning). 8-64 is usual.",
+    )
+    alpha: int = Field(
+        16, gt=0, description="Scale numerator: the update B @ A is multiplied by alpha / rank."
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get adapters: peft's 'all-linear' (every linear layer but the "
+        "output head), a list of module-name suffixes (e.g. [q_proj, v_proj]), or a regex.",
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="Dropout on the adapters' input (peft lora_dropout). Only 0 is accepted: the "
+        "trainer runs the policy in eval mode so that the on-policy importance ratio is exactly "
+        "1, which any dropout would break; a non-zero value is refused, not silently ignored.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> LoraConfig:
+        if self.dropout != 0.0:
+            raise ValueError(
+                "train.lora.dropout must be 0: rollflow trains with dropout off (eval mode) so "
+                "that the on-policy importance ratio is exactly 1"
+            )
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("train.lora.target_modules is empty: name at least one module")
+        return self
+
+
 class TrainConfig(Section):
     backend: Literal["torch", "megatron", "mock"] = Field(
         "torch", description="torch (HF model, CPU/GPU), megatron (megatron-core, GPU only), mock."
@@ -80,6 +121,10 @@ class TrainConfig(Section):
     weight_sync_master_address: str = Field(
         "127.0.0.1", description="Address engines use to reach the trainer's (rank 0) TCPStore."
     )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters instead of full fine-tuning (torch backend; off by default).",
+    )
 
     @model_validator(mode="after")
     def _check_train(self) -> TrainConfig:
@@ -87,6 +132,16 @@ class TrainConfig(Section):
             raise ValueError("set train.global_batch_size or train.num_steps_per_rollout, not both")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"train.lr_decay_steps is required by lr_decay_style={self.lr_decay_style!r}")
+        if self.lora.enabled and self.backend == "megatron":
+            raise ValueError(
+                "train.lora: LoRA is implemented by train.backend=torch only; set "
+                "train.lora.rank=0 for megatron"
+            )
+        if self.lora.enabled and self.backend == "torch" and self.model_path is None:
+            raise ValueError(
+                "train.lora needs train.model_path: the base model the adapters are trained on "
+                "(train.load then names a checkpoint of the LoRA run)"
+            )
         return self
 
 

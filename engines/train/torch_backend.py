@@ -35,6 +35,7 @@ from engines.algorithms.losses import LossInputs, actor_loss, critic_loss
 from engines.algorithms.registry import load_estimator
 from engines.hooks import load_hook
 from engines.train import checkpoint_io as ckpt
+from engines.train import lora
 from engines.train.batching import (
     PaddedBatch,
     build_padded_batch,
@@ -97,7 +98,9 @@ class TorchTrainBackend:
             self.custom_loss = load_hook(
                 algo_cfg.custom_loss_function_path, "algorithm.custom_loss_function_path", 3
             )
-        self.ref_model = self._frozen(self._initial) if self._needs_ref() else None
+        # LoRA: the reference is the policy with its adapters off (lora.py), not a copy
+        lora_on = train_cfg.lora.enabled
+        self.ref_model = self._frozen(self._initial) if self._needs_ref() and not lora_on else None
         self.teacher_model = self._frozen(algo_cfg.opd_teacher_path) if algo_cfg.use_opd else None
         self._build_trainables(source)
         self.pad_token_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
@@ -117,7 +120,8 @@ class TorchTrainBackend:
     def _optimized(self, module: torch.nn.Module, lr: float) -> Optimized:
         cfg = self.train_cfg
         opt = torch.optim.AdamW(
-            module.parameters(), lr=lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
+            lora.trainable_parameters(module), lr=lr, betas=cfg.adam_betas,
+            weight_decay=cfg.weight_decay,
         )
         wrapped = self.dp.wrap(module, self.device)
         return Optimized(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad,
@@ -127,7 +131,7 @@ class TorchTrainBackend:
         """Actor from `source`; critic (ppo) from `source/critic` when resuming, else from
         `critic_model_path` / the initial policy."""
         cfg = self.train_cfg
-        self.model = load_causal_lm(source, self.device)
+        self.model = lora.load_policy(cfg, self._initial, source, self.device)
         self.actor = self._optimized(self.model, cfg.lr)
         self.critic_model: ValueModel | None = None
         self.critic: Optimized | None = None
@@ -159,7 +163,7 @@ class TorchTrainBackend:
         critic = self.critic_model
         return Scorers(
             policy=self._log_prob_scorer(self.model),
-            ref=self._log_prob_scorer(self.ref_model) if self.ref_model is not None else None,
+            ref=self._ref_scorer(),
             teacher=(
                 self._log_prob_scorer(self.teacher_model)
                 if self.teacher_model is not None
@@ -171,6 +175,13 @@ class TorchTrainBackend:
                 else None
             ),
         )
+
+    def _ref_scorer(self) -> Callable[[list[Sample]], list[Tensor]] | None:
+        if self.ref_model is not None:
+            return self._log_prob_scorer(self.ref_model)
+        if self._needs_ref():  # LoRA: the base, adapters disabled
+            return lora.without_adapters(self.model, self._log_prob_scorer(self.model))
+        return None
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """Current policy's log-probs of each sample's response tokens (rollout temperature)."""
@@ -358,7 +369,8 @@ class TorchTrainBackend:
     # -- weights and checkpoints ----------------------------------------------------------
     def state_dict_for_engine(self) -> dict[str, Tensor]:
         """A detached CPU copy named like the HF model's own state_dict; never NaN/inf."""
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        weights = lora.engine_state_dict(self.model)  # merged when training LoRA adapters
+        state = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
         check_finite(state.items(), "weights for the engines")
         return state
 
@@ -367,7 +379,7 @@ class TorchTrainBackend:
             return  # every rank holds the same weights and states
         check_finite(self._named_weights(), f"checkpoint {local_dir}")
         os.makedirs(local_dir, exist_ok=True)
-        self.model.save_pretrained(local_dir)
+        lora.save_policy(self.model, local_dir)  # HF model (merged) + LoRA adapter/
         tokenizer = self._load_tokenizer()
         if tokenizer is not None:
             tokenizer.save_pretrained(local_dir)

@@ -10,7 +10,8 @@ then the engines' `get_weight_version` is read back. The push is one of (`train.
 - `disk`: `save_pretrained` into a directory and `/update_weights_from_disk`.
 
 Buckets hold about `update_weight_buffer_size` bytes. Engines are addressed by URL, so the
-same sender works for embedded engines and real SGLang servers.
+same sender works for embedded engines and real SGLang servers. What is sent is always the
+base model's HF-named weights: merged ones when the trainer trains LoRA adapters (lora.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from engines.cluster.head import free_port
 from engines.train.config import TrainConfig
+from engines.train.lora import NotHFModelError, engine_state_dict, save_hf
 from engines.weight_sync import (
     NamedTensors,
     WeightUpdateGroup,
@@ -107,7 +109,7 @@ class _HTTPSender:
         raise NotImplementedError
 
     def named_buckets(self, model: torch.nn.Module) -> list[NamedTensors]:
-        return list(buckets(model.state_dict().items(), self.bucket_bytes))
+        return list(buckets(engine_state_dict(model).items(), self.bucket_bytes))
 
 
 class TensorWeightSender(_HTTPSender):
@@ -204,10 +206,10 @@ class DiskWeightSender(_HTTPSender):
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         path = self.save_dir / f"v{version:06d}"
-        save = getattr(model, "save_pretrained", None)
-        if not callable(save):
-            raise WeightSyncError("disk weight sync needs a Hugging Face model (save_pretrained)")
-        save(str(path))
+        try:
+            save_hf(model, str(path))
+        except NotHFModelError as err:
+            raise WeightSyncError(f"disk weight sync needs a Hugging Face model: {err}") from err
         self.post_all(
             "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)}
         )
@@ -238,7 +240,7 @@ def build_weight_sender(config: TrainConfig, engine_urls: list[str]) -> WeightSe
 
 def check_weight_update_equal(model: torch.nn.Module, engine_urls: list[str]) -> str:
     """Raise WeightSyncError unless every engine's weights hash like `model`'s; returns it."""
-    expected = weights_checksum(model.state_dict().items())
+    expected = weights_checksum(engine_state_dict(model).items())
     with httpx.Client(timeout=120.0) as http:
         for url in engine_urls:
             response = http.post(f"{url.rstrip('/')}/weights_checker", json={"action": "checksum"})

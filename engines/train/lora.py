@@ -1,0 +1,182 @@
+"""LoRA on the torch backend (`train.lora`), through peft.
+
+With `train.lora.rank > 0` the policy is the base model (`train.model_path`) with peft LoRA
+adapters on `target_modules`, and:
+
+- only the adapter weights require grad, so only they reach the optimizer (and its state);
+- the KL reference is the same model with its adapters disabled (peft's `disable_adapter`).
+  The base is frozen, so base-without-adapters *is* the initial policy: no second copy of
+  the model is loaded, which is much of LoRA's memory saving;
+- engines, the disk weight sync and the model a checkpoint holds get merged weights
+  W + alpha / r * B @ A under the base model's own names (`engine_state_dict`). They are
+  computed beside the trained module, never merged into it: merging then unmerging in place
+  does not give W back bit for bit, and a resumed run must match an uninterrupted one;
+- a checkpoint directory is a plain HF model (merged; loads with
+  `AutoModelForCausalLM.from_pretrained`) plus `adapter/` in PEFT format
+  (adapter_model.safetensors + adapter_config.json), from which training resumes on the base.
+
+peft is imported only when LoRA is on: its import alone takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from engines.train.config import LoraConfig, TrainConfig
+from engines.train.torch_models import load_causal_lm
+from storage.sample import Sample
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class NotHFModelError(TypeError):
+    """`save_hf` got a module that is neither a Hugging Face model nor a PeftModel."""
+
+
+def _peft_model(model: torch.nn.Module) -> PeftModel | None:
+    """`model` if it carries peft adapters. A PeftModel can only exist once peft was
+    imported, so a full fine-tuning run never pays for importing it here."""
+    peft = sys.modules.get("peft")
+    return model if peft is not None and isinstance(model, peft.PeftModel) else None
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    # peft 0.21 reads `is_gradient_checkpointing`, which transformers 5 deprecates.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
+
+
+def peft_config(cfg: LoraConfig) -> Any:
+    import peft
+
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        target_modules=cfg.target_modules,
+        lora_dropout=cfg.dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def load_policy(cfg: TrainConfig, base_path: str, source: str, device: torch.device) -> Any:
+    """The trainable policy. Without LoRA: the HF model at `source`. With LoRA: the base at
+    `base_path` with fresh adapters, or with those saved in `source/adapter` when `source`
+    is a checkpoint of the run (resume, `train.load`)."""
+    if not cfg.lora.enabled:
+        return load_causal_lm(source, device)
+    import peft
+
+    base = load_causal_lm(base_path, device)
+    with _quiet_peft():
+        if os.path.abspath(source) == os.path.abspath(base_path):
+            model = peft.get_peft_model(base, peft_config(cfg.lora))
+        else:
+            adapter = os.path.join(source, ADAPTER_DIR)
+            _check_saved_adapter(adapter, cfg.lora)
+            model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    torch.nn.Module.to(model, device)
+    return model
+
+
+def _check_saved_adapter(adapter_dir: str, cfg: LoraConfig) -> None:
+    """A checkpoint resumes only into the rank and alpha it was saved with. (Targets are not
+    compared: peft saves 'all-linear' as the module names it resolved to.)"""
+    import peft
+
+    if not os.path.isfile(os.path.join(adapter_dir, ADAPTER_CONFIG)):
+        raise FileNotFoundError(
+            f"checkpoint {os.path.dirname(adapter_dir)}: no LoRA adapter ({ADAPTER_DIR}/"
+            f"{ADAPTER_CONFIG}); with train.lora.rank > 0, train.load must be a checkpoint of a "
+            "LoRA run (to put adapters on a fully trained model, make it train.model_path)"
+        )
+    saved = peft.LoraConfig.from_pretrained(adapter_dir)
+    for key, have, want in (("rank", saved.r, cfg.rank), ("alpha", saved.lora_alpha, cfg.alpha)):
+        if have != want:
+            raise ValueError(
+                f"train.lora.{key}={want} differs from the checkpoint's adapter ({have} in "
+                f"{adapter_dir}); resume with the settings it was saved with"
+            )
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer gets: every parameter for full fine-tuning, the adapters for LoRA."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def engine_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The weights an engine (or a plain HF load) expects, named as in the base model's
+    `state_dict`: the model's own for full fine-tuning; for LoRA, each adapted layer's
+    W + scale * B @ A (peft's `get_delta_weight`), without lora_A/B tensors or peft's
+    `base_model.model.` / `.base_layer.` parts of the names."""
+    peft_model = _peft_model(model)
+    if peft_model is None:
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    inner = peft_model.get_base_model()
+    merged: dict[str, Tensor] = {}
+    for key, tensor in inner.state_dict().items():
+        if ".lora_" not in key:
+            merged[key.replace(".base_layer.", ".")] = tensor
+    for name, module in inner.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters:
+            layer: Any = module  # lora.Linear / Embedding / Conv: each has get_delta_weight
+            weight = layer.get_base_layer().weight
+            for adapter in layer.active_adapters:
+                weight = weight + layer.get_delta_weight(adapter)
+            merged[f"{name}.weight"] = weight
+    return merged
+
+
+def save_hf(model: torch.nn.Module, path: str) -> None:
+    """A directory `AutoModelForCausalLM.from_pretrained` loads as is (merged for LoRA)."""
+    peft_model = _peft_model(model)
+    if peft_model is None:
+        if not isinstance(model, PreTrainedModel):
+            raise NotHFModelError(f"{type(model).__name__} has no save_pretrained")
+        model.save_pretrained(path)
+        return
+    base = cast(PreTrainedModel, peft_model.get_base_model())
+    base.save_pretrained(path, state_dict=engine_state_dict(peft_model))
+
+
+def save_policy(model: torch.nn.Module, local_dir: str) -> None:
+    """A checkpoint's policy: the HF model (`save_hf`), and for LoRA the adapter in PEFT
+    format under `adapter/`, which `load_policy` resumes from."""
+    save_hf(model, local_dir)
+    peft_model = _peft_model(model)
+    if peft_model is not None:
+        peft_model.save_pretrained(os.path.join(local_dir, ADAPTER_DIR))
+
+
+ScoreFn = Callable[[list[Sample]], list[Tensor]]
+
+
+def without_adapters(model: torch.nn.Module, score: ScoreFn) -> ScoreFn:
+    """`score` run with `model`'s adapters off: the frozen base, i.e. the initial policy."""
+    peft_model = _peft_model(model)
+    if peft_model is None:
+        raise TypeError("without_adapters needs a model with LoRA adapters")
+
+    def scorer(samples: list[Sample]) -> list[Tensor]:
+        with peft_model.disable_adapter():
+            return score(samples)
+
+    return scorer
