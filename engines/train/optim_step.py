@@ -14,10 +14,11 @@ from torch import Tensor
 
 from engines.train.distributed import DataParallel
 from engines.train.finite import NonFiniteError
+from engines.train.step_model import MicroBatch
 
 MicroBatchLoss = Callable[[list[int]], tuple[Tensor, dict[str, Tensor]]]
 SKIPPED_STEPS = "skipped_steps"
-_TRAINED_LOSS = "__trained_loss__"  # summed over ranks with the metrics, then dropped
+TRAINED_LOSS = "__trained_loss__"  # summed over ranks with the metrics, then dropped
 
 
 @dataclass(slots=True)
@@ -35,16 +36,16 @@ class Optimized:
 
 def optimizer_step(
     opt: Optimized,
-    micro_batches: list[list[int]],
+    micro_batches: list[MicroBatch],
     loss_fn: MicroBatchLoss,
     dp: DataParallel,
     device: torch.device,
     prefix: str = "",
 ) -> dict[str, float]:
-    """Accumulate `loss_fn` over `micro_batches` (this rank's), clip, step.
+    """Accumulate `loss_fn(rows)` over `micro_batches` (this rank's), clip, step.
 
-    A rank without samples still runs one zero-weighted micro-batch (`[]` is passed and the
-    caller maps it to some sample), so DDP's collective gradient all-reduce never hangs.
+    An uncounted micro-batch (a rank without samples) runs with weight 0, so DDP's
+    collective gradient all-reduce never hangs.
 
     A non-finite gradient norm skips the step (weights, optimizer state and LR schedule
     untouched; `skipped_steps` is 1); a non-finite loss also raises `NonFiniteError`. Both
@@ -53,40 +54,53 @@ def optimizer_step(
     """
     opt.optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = defaultdict(float)
-    batches = micro_batches or [[]]
-    for k, mb in enumerate(batches):
-        with dp.no_sync(opt.module, skip=k < len(batches) - 1):
-            loss, terms = loss_fn(mb)
-            weight = float(dp.world_size) if mb else 0.0
+    for k, mb in enumerate(micro_batches):
+        with dp.no_sync(opt.module, skip=k < len(micro_batches) - 1):
+            loss, terms = loss_fn(mb.rows)
+            weight = float(dp.world_size) if mb.counted else 0.0
             (loss * weight).backward()
-        if mb:
-            totals[_TRAINED_LOSS] += float(loss.detach())
+        if mb.counted:
+            totals[TRAINED_LOSS] += float(loss.detach())
             for key, value in terms.items():
                 totals[prefix + key] += float(value)
     params = [p for p in opt.module.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opt.clip_grad))
     lr = opt.optimizer.param_groups[0]["lr"]
     out = dp.sum_metrics(dict(totals), device)
-    loss_value = out.pop(_TRAINED_LOSS, 0.0)
+    loss_value = out.pop(TRAINED_LOSS, 0.0)
     skip = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
-    opt.consecutive_skips = opt.consecutive_skips + 1 if skip else 0
     if skip:
         opt.optimizer.zero_grad(set_to_none=True)
-        if opt.consecutive_skips >= opt.max_consecutive_skips:
-            raise NonFiniteError(
-                f"{prefix or 'actor '}gradient norm was not finite for {opt.consecutive_skips} "
-                "optimizer steps in a row (train.max_consecutive_skipped_steps); the weights "
-                "are those before the first of them"
-            )
-    else:
+    opt.consecutive_skips = count_skip(
+        opt.consecutive_skips, skip, opt.max_consecutive_skips, prefix
+    )
+    if not skip:
         opt.optimizer.step()
         opt.scheduler.step()
         out[prefix + "grad_norm"] = grad_norm  # absent when skipped: step means leave it out
+    check_loss(loss_value, grad_norm, prefix)
+    out[prefix + SKIPPED_STEPS] = float(skip)
+    out[prefix + "lr"] = float(lr)
+    return out
+
+
+def count_skip(consecutive: int, skip: bool, limit: int, prefix: str = "") -> int:
+    """The run of consecutively skipped steps after this one; raises `NonFiniteError` once
+    it reaches `limit` (train.max_consecutive_skipped_steps): training cannot recover."""
+    consecutive = consecutive + 1 if skip else 0
+    if consecutive >= limit:
+        raise NonFiniteError(
+            f"{prefix or 'actor '}gradient norm was not finite for {consecutive} "
+            "optimizer steps in a row (train.max_consecutive_skipped_steps); the weights "
+            "are those before the first of them"
+        )
+    return consecutive
+
+
+def check_loss(loss_value: float, grad_norm: float, prefix: str = "") -> None:
+    """A non-finite step loss fails the step (its optimizer step was not taken)."""
     if not math.isfinite(loss_value):
         raise NonFiniteError(
             f"{prefix or 'actor '}loss is {loss_value} (grad norm {grad_norm}); the optimizer "
             f"step was not taken. Look for NaN/inf advantages, log-probs or a custom loss"
         )
-    out[prefix + SKIPPED_STEPS] = float(skip)
-    out[prefix + "lr"] = float(lr)
-    return out

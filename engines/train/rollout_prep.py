@@ -6,9 +6,12 @@
             kl = estimator(old, ref) if kl_coef  --> advantage registry --> advantages, returns
 
 Old log-probs are lazy when nothing before the first optimizer step needs them (no
-reward-shaping KL, no distillation, no custom estimator): the first step's samples then get
-theirs from that step's own forward, which runs before any update (see
-`TorchTrainBackend._old_rows`), saving one forward over a global batch.
+reward-shaping KL, no distillation, no custom estimator) and the backend allows it (one data
+parallel rank, one pipeline stage): the first step's samples then get theirs from that step's
+own forward, which runs before any update (see `step._old_rows`), saving one forward over a
+global batch. Otherwise the first step is scored on its own, then the rest: a backend that
+shards a scored batch like a training step (megatron) then scores the first step in exactly
+the micro-batches that train on it, so its on-policy ratio is exactly 1 even in bf16.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ def prepare_batch(
     estimator: Estimator,
     first_step: list[int],
     reward_key: str | None = None,
+    lazy: bool = True,
 ) -> PreparedBatch:
+    """`first_step`: the samples of the first optimizer step; `lazy`: whether the backend
+    may leave their old log-probs to that step's forward (see the module docstring)."""
     n = len(samples)
     lengths = [s.response_length for s in samples]
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
@@ -96,13 +102,13 @@ def prepare_batch(
     if algo.use_rollout_logprobs:
         assert rollout is not None
         old = list(rollout)
-    elif eager:
-        old = list(scorers.policy(samples))
     else:
         old = [None] * n
         rest = sorted(set(range(n)) - set(first_step))
-        for i, lp in zip(rest, scorers.policy([samples[i] for i in rest]), strict=True):
-            old[i] = lp
+        for part in ([rest] if lazy and not eager else [list(first_step), rest]):
+            if part:
+                for i, lp in zip(part, scorers.policy([samples[i] for i in part]), strict=True):
+                    old[i] = lp
     full_old = [t for t in old if t is not None] if eager or algo.use_rollout_logprobs else None
     if algo.kl_coef != 0:
         if ref is None or full_old is None:

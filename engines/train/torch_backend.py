@@ -1,29 +1,19 @@
 """The embedded train backend: Hugging Face models trained with plain PyTorch.
 
-One `train(samples, rollout_id)` call is one slime training step:
+`train(samples, rollout_id)` is the shared step (`step.py`: partitions, advantages, losses,
+metrics); this module is its `StepModel`: HF models for the actor, the frozen reference and
+teacher and the critic (`critic.py`), scored in token-budgeted micro-batches, and per
+optimizer step a forward/backward per micro-batch, clip, AdamW and the LR schedule
+(`optim_step.py`), with DDP across ranks (`distributed.py`: each rank's loss times the world
+size turns DDP's gradient average back into the step's sum).
 
-    samples --(rollout_prep)--> rewards, old / ref / teacher log-probs, critic values,
-                                advantages + returns from the estimator registry
-    for epoch in num_epochs_per_rollout:
-        shuffle (seeded) -> optimizer steps of global_batch_size samples
-            (or n / num_steps_per_rollout), each step:
-            critic (ppo): clipped value loss -> its own AdamW + LR schedule
-            actor (unless rollout_id < num_critic_only_steps): this rank's share, in
-                micro-batches within max_tokens_per_micro_batch padded tokens, loss scaled
-                by the step's sample (or token) count -> backward, clip, AdamW, LR step
-    version = rollout_id + 1
-
-Dividing every micro-batch loss by the *step's* denominator makes accumulation (and DDP
-ranks, see `distributed.py`) give the gradient of the unsplit batch. The weight version
-makes `train` idempotent. Dropout stays off (slime's RL recipes set it to 0): on-policy the
-importance ratio must be exactly 1. Checkpoints: see `checkpoint_io.py`.
+Dropout stays off (slime's RL recipes set it to 0): on-policy the importance ratio must be
+exactly 1. Checkpoints: see `checkpoint_io.py`.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,26 +21,18 @@ from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engines.algorithms.config import AlgorithmConfig
-from engines.algorithms.losses import LossInputs, actor_loss, critic_loss
-from engines.algorithms.registry import load_estimator
-from engines.hooks import load_hook
 from engines.train import checkpoint_io as ckpt
 from engines.train import lora
-from engines.train.batching import (
-    PaddedBatch,
-    build_padded_batch,
-    effective_temperature,
-    pad_response_values,
-    split_micro_batches,
-)
+from engines.train.batching import PaddedBatch, build_padded_batch, effective_temperature
 from engines.train.config import TrainConfig
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
-from engines.train.finite import check_finite, stale_on_failure
+from engines.train.finite import check_finite
 from engines.train.lr_schedule import make_scheduler
-from engines.train.metrics import SKIPPED, already_trained, summarise
 from engines.train.optim_step import Optimized, optimizer_step
-from engines.train.rollout_prep import PreparedBatch, Scorers, prepare_batch
+from engines.train.rollout_prep import Scorers
+from engines.train.step import TrainStep, needs_reference
+from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from engines.train.torch_models import (
     autocast,
     load_causal_lm,
@@ -91,13 +73,7 @@ class TorchTrainBackend:
             ckpt.verify_checkpoint(train_cfg.load)
         torch.manual_seed(train_cfg.seed)
         self._shuffle = torch.Generator().manual_seed(train_cfg.seed)
-        self.estimator = load_estimator(algo_cfg)
-        self.custom_loss: Callable[..., tuple[Tensor, dict[str, Tensor]]] | None = None
-        if algo_cfg.loss_type == "custom_loss":
-            assert algo_cfg.custom_loss_function_path is not None
-            self.custom_loss = load_hook(
-                algo_cfg.custom_loss_function_path, "algorithm.custom_loss_function_path", 3
-            )
+        self.step = TrainStep(train_cfg, algo_cfg, self, self._shuffle, reward_key)
         # LoRA: the reference is the policy with its adapters off (lora.py), not a copy
         lora_on = train_cfg.lora.enabled
         self.ref_model = self._frozen(self._initial) if self._needs_ref() and not lora_on else None
@@ -110,7 +86,7 @@ class TorchTrainBackend:
 
     # -- construction ---------------------------------------------------------------------
     def _needs_ref(self) -> bool:
-        return self.algo_cfg.use_kl_loss or self.algo_cfg.kl_coef != 0
+        return needs_reference(self.algo_cfg)
 
     def _frozen(self, path: str | None) -> PreTrainedModel:
         assert path is not None
@@ -187,158 +163,58 @@ class TorchTrainBackend:
         """Current policy's log-probs of each sample's response tokens (rollout temperature)."""
         return [t.tolist() for t in self._log_prob_scorer(self.model)(samples)]
 
-    # -- training -------------------------------------------------------------------------
-    def _step_partitions(self, n: int) -> list[list[int]]:
-        """One epoch's optimizer steps: a seeded shuffle cut into global-batch chunks."""
-        order = torch.randperm(n, generator=self._shuffle).tolist()
-        cfg = self.train_cfg
-        if cfg.num_steps_per_rollout is not None:
-            size = math.ceil(n / cfg.num_steps_per_rollout)
-        else:
-            size = cfg.global_batch_size or n
-        return [order[i : i + size] for i in range(0, n, size)]
+    def score(self, role: Role, samples: list[Sample]) -> list[Tensor]:
+        """Response log-probs (policy, ref, teacher) or values (critic) of each sample."""
+        scorer = getattr(self._scorers(), role)
+        if scorer is None:
+            raise ValueError(f"this torch trainer has no {role} model")
+        return list(scorer(samples))
 
-    def _denominator(self, samples: list[Sample], idx: list[int]) -> float:
-        if self.algo_cfg.calculate_per_token_loss:
-            return float(sum(sum(samples[i].loss_mask) for i in idx))
-        return float(len(idx))
+    # -- training (the algorithm is step.py's) ----------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
 
-    def _micro_batches(self, samples: list[Sample], idx: list[int]) -> list[list[int]]:
-        mine = self.dp.shard(idx)
-        lengths = [len(samples[i].tokens) for i in mine]
-        budget = self.train_cfg.max_tokens_per_micro_batch
-        return [[mine[j] for j in mb] for mb in split_micro_batches(lengths, budget)]
+    @property
+    def dp_size(self) -> int:
+        return self.dp.world_size
 
-    def _rows(self, prep: PreparedBatch, rows: list[int], width: int, key: str) -> Tensor | None:
-        values = getattr(prep, key)
-        if values is None:
-            return None
-        return pad_response_values([values[i] for i in rows], width).to(self.device)
-
-    @staticmethod
-    def _old_rows(prep: PreparedBatch, rows: list[int], log_probs: Tensor) -> list[Tensor]:
-        """Old log-probs of `rows`, filling (once) those that the current forward provides."""
-        assert prep.old_log_probs is not None
-        for r, i in enumerate(rows):
-            if prep.old_log_probs[i] is None:
-                width = prep.response_lengths[i]
-                prep.old_log_probs[i] = log_probs[r, :width].detach().float().cpu().clone()
-        return [t for t in (prep.old_log_probs[i] for i in rows) if t is not None]
-
-    def _actor_loss(
-        self, samples: list[Sample], prep: PreparedBatch, rows: list[int], denominator: float
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        batch = build_padded_batch([samples[i] for i in rows], self.pad_token_id).to(self.device)
-        width = batch.targets.shape[1]
-        with autocast(self.device, self._amp):
-            log_probs, entropy = response_log_probs(
-                self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0
-            )
-        old = None
-        if prep.old_log_probs is not None:
-            old_rows = self._old_rows(prep, rows, log_probs)
-            old = pad_response_values(old_rows, width).to(self.device)
-        inputs = LossInputs(
-            log_probs=log_probs,
-            loss_mask=batch.loss_mask,
-            entropy=entropy,
-            old_log_probs=old,
-            advantages=self._rows(prep, rows, width, "advantages"),
-            ref_log_probs=self._rows(prep, rows, width, "ref_log_probs"),
-            rollout_log_probs=self._rows(prep, rows, width, "rollout_log_probs"),
-        )
-        loss_fn = self.custom_loss or actor_loss
-        loss, terms = loss_fn(self.algo_cfg, inputs, denominator)
-        if prep.opd_reverse_kl is not None:
-            kl = self._rows(prep, rows, width, "opd_reverse_kl")
-            assert kl is not None
-            terms = {**terms, "opd_reverse_kl": _reduce_like(self.algo_cfg, kl, batch, denominator)}
-        return loss, terms
-
-    def _critic_loss(
-        self, samples: list[Sample], prep: PreparedBatch, rows: list[int], denominator: float
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        assert self.critic is not None
-        batch = build_padded_batch([samples[i] for i in rows], self.pad_token_id).to(self.device)
-        width = batch.targets.shape[1]
-        with autocast(self.device, self._amp):
-            values = response_values(self.critic.module, batch)
-        old_values = self._rows(prep, rows, width, "values")
-        returns = self._rows(prep, rows, width, "returns")
-        assert old_values is not None and returns is not None
-        return critic_loss(self.algo_cfg, values, old_values, returns, batch.loss_mask, denominator)
-
-    def _step(
-        self, samples: list[Sample], prep: PreparedBatch, idx: list[int], train_actor: bool
-    ) -> dict[str, float]:
-        denominator = self._denominator(samples, idx)
-        mbs = self._micro_batches(samples, idx)
-        out: dict[str, float] = {}
-        if self.critic is not None:
-            out.update(
-                optimizer_step(
-                    self.critic,
-                    mbs,
-                    lambda rows: self._critic_loss(samples, prep, rows or idx[:1], denominator),
-                    self.dp,
-                    self.device,
-                    prefix="critic/",
-                )
-            )
-        if train_actor:
-            out.update(
-                optimizer_step(
-                    self.actor,
-                    mbs,
-                    lambda rows: self._actor_loss(samples, prep, rows or idx[:1], denominator),
-                    self.dp,
-                    self.device,
-                )
-            )
-        return out
+    @property
+    def lazy_old_log_probs(self) -> bool:
+        return not self.dp.enabled
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned.
-
-        Raises before the version moves on if a loss or a weight is not finite; any failure
-        part-way leaves the backend at `STALE_VERSION` (see `finite.py`)."""
-        if already_trained(self.version, samples, rollout_id):
-            return dict(SKIPPED)
-        with stale_on_failure(self, rollout_id):
-            return self._train(samples, rollout_id)
-
-    def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        start = time.perf_counter()
-        epochs = [
-            self._step_partitions(len(samples))
-            for _ in range(self.train_cfg.num_epochs_per_rollout)
-        ]
-        # Lazy old log-probs need every rank to see its first-step samples again later,
-        # which sharding does not guarantee: data parallel scores them all up front.
-        first = [] if self.dp.enabled else epochs[0][0]
-        prep = prepare_batch(
-            samples, self.algo_cfg, self._scorers(), self.estimator, first, self.reward_key
-        )
+        """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned."""
         self.model.eval()
         if self.critic_model is not None:
             self.critic_model.eval()
-        train_actor = not (
-            self.critic is not None and rollout_id < self.train_cfg.num_critic_only_steps
+        return self.step.train(samples, rollout_id)
+
+    def optimizer_step(
+        self, part: Part, samples: list[Sample], micro_batches: list[MicroBatch],
+        loss_fn: MicroBatchLoss,
+    ) -> dict[str, float]:
+        opt = self.critic if part == "critic" else self.actor
+        assert opt is not None, f"no {part} to train"
+        return optimizer_step(
+            opt, micro_batches, lambda rows: loss_fn(rows, self._forward(part, samples, rows)),
+            self.dp, self.device, PREFIX[part],
         )
-        steps = [self._step(samples, prep, idx, train_actor) for ep in epochs for idx in ep]
+
+    def _forward(self, part: Part, samples: list[Sample], rows: list[int]) -> Forward:
+        """The trained (DDP-wrapped) module's outputs for `rows`, with gradients."""
+        batch = build_padded_batch([samples[i] for i in rows], self.pad_token_id).to(self.device)
+        with autocast(self.device, self._amp):
+            if part == "critic":
+                assert self.critic is not None
+                return Forward(batch, values=response_values(self.critic.module, batch))
+            log_probs, entropy = response_log_probs(
+                self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0
+            )
+        return Forward(batch, log_probs=log_probs, entropy=entropy)
+
+    def check_weights_finite(self) -> None:
         check_finite(self._named_weights(), "weights after training")
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        self.version = rollout_id + 1
-        tokens = sum(len(s.tokens) for s in samples) * len(epochs)
-        return summarise(
-            samples,
-            prep.rewards,
-            prep.advantages,
-            prep.old_log_probs,
-            steps,
-            tokens / elapsed,
-            self.version,
-        ).to_dict()
 
     def _named_weights(self) -> list[tuple[str, Tensor]]:
         """Every trained tensor (actor, then critic), as a checkpoint would hold them."""
@@ -421,10 +297,3 @@ class TorchTrainBackend:
             return None
         return AutoTokenizer.from_pretrained(src)
 
-
-def _reduce_like(
-    algo: AlgorithmConfig, x: Tensor, batch: PaddedBatch, denominator: float
-) -> Tensor:
-    from engines.algorithms.losses import make_reducer
-
-    return make_reducer(algo.calculate_per_token_loss, batch.loss_mask, denominator)(x).detach()

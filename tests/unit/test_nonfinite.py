@@ -14,6 +14,7 @@ from engines.algorithms.losses import LossInputs
 from engines.train.distributed import DataParallel
 from engines.train.finite import STALE_VERSION, NonFiniteError
 from engines.train.optim_step import Optimized, optimizer_step
+from engines.train.step_model import MicroBatch
 from flows.config import AlgorithmConfig
 from storage.batch_io import write_samples
 from storage.object_store import ObjectStore
@@ -74,7 +75,7 @@ def step(opt: Optimized, nan_grads: bool = False, nan_loss: bool = False) -> dic
             loss = loss + torch.sqrt(loss - loss)
         return loss, {"loss": loss.detach()}
 
-    return optimizer_step(opt, [[0, 1]], loss_fn, DataParallel(), torch.device("cpu"))
+    return optimizer_step(opt, [MicroBatch([0, 1])], loss_fn, DataParallel(), torch.device("cpu"))
 
 
 def snapshot(module: torch.nn.Module) -> list[Tensor]:

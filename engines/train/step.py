@@ -1,0 +1,213 @@
+"""One slime training step, the same for every backend (torch, megatron).
+
+    train(samples, rollout_id)        (a no-op if the policy is already past rollout_id)
+      partitions: per epoch a seeded shuffle cut into optimizer steps of global_batch_size
+                  samples (or n / num_steps_per_rollout)
+      prepare (rollout_prep): rewards; old / ref / teacher log-probs and critic values from
+                  the pre-update models (backend.score); advantages + returns (registry)
+      per epoch, per optimizer step:
+          denominator = the step's samples (or loss tokens), this DP rank's share cut into
+          micro-batches of at most max_tokens_per_micro_batch padded tokens
+          critic (ppo): clipped value loss          -> backend.optimizer_step("critic", ...)
+          actor (after num_critic_only_steps): actor_loss or the custom loss, TIS, OPD
+                                                    -> backend.optimizer_step("actor", ...)
+      weights finite? -> version = rollout_id + 1 -> metrics (step means, missing keys
+      skipped; batch statistics over all samples)
+
+The backend (`step_model.StepModel`) runs forward, backward and the optimizer; this module
+decides what is computed. Dividing every micro-batch loss by the *step's* denominator makes
+accumulation over micro-batches and ranks give the gradient of the unsplit batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from engines.algorithms.config import AlgorithmConfig
+from engines.algorithms.losses import LossInputs, actor_loss, critic_loss, make_reducer
+from engines.algorithms.registry import load_estimator
+from engines.hooks import load_hook
+from engines.train.batching import pad_response_values, split_micro_batches
+from engines.train.config import TrainConfig
+from engines.train.finite import stale_on_failure
+from engines.train.metrics import SKIPPED, already_trained, summarise
+from engines.train.rollout_prep import PreparedBatch, Scorers, prepare_batch
+from engines.train.step_model import Forward, MicroBatch, MicroBatchLoss, Role, StepModel
+from storage.sample import Sample
+
+CustomLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+
+def needs_reference(algo: AlgorithmConfig) -> bool:
+    """A frozen reference is scored for the KL loss and for KL reward shaping."""
+    return algo.use_kl_loss or algo.kl_coef != 0
+
+
+class TrainStep:
+    """The algorithm half of a backend's `train()`; `model` is the backend itself."""
+
+    def __init__(
+        self,
+        train_cfg: TrainConfig,
+        algo_cfg: AlgorithmConfig,
+        model: StepModel,
+        shuffle: torch.Generator,
+        reward_key: str | None = None,
+    ) -> None:
+        self.train_cfg, self.algo_cfg, self.model = train_cfg, algo_cfg, model
+        self.shuffle, self.reward_key = shuffle, reward_key
+        self.estimator = load_estimator(algo_cfg)
+        self.custom_loss: CustomLoss | None = None
+        if algo_cfg.loss_type == "custom_loss":
+            assert algo_cfg.custom_loss_function_path is not None
+            self.custom_loss = load_hook(
+                algo_cfg.custom_loss_function_path, "algorithm.custom_loss_function_path", 3
+            )
+
+    def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """Learn from one rollout batch; a no-op (`{"skipped": 1.0}`) if already learned.
+
+        Raises before the version moves on if a loss or a weight is not finite; any failure
+        part-way leaves the backend at `STALE_VERSION` (see `finite.py`)."""
+        if already_trained(self.model.version, samples, rollout_id):
+            return dict(SKIPPED)
+        with stale_on_failure(self.model, rollout_id):
+            return self._train(samples, rollout_id)
+
+    # -- partitioning ---------------------------------------------------------------------
+    def partitions(self, n: int) -> list[list[int]]:
+        """One epoch's optimizer steps: a seeded shuffle cut into global-batch chunks."""
+        order = torch.randperm(n, generator=self.shuffle).tolist()
+        cfg = self.train_cfg
+        if cfg.num_steps_per_rollout is not None:
+            size = math.ceil(n / cfg.num_steps_per_rollout)
+        else:
+            size = cfg.global_batch_size or n
+        return [order[i : i + size] for i in range(0, n, size)]
+
+    def _denominator(self, samples: list[Sample], idx: list[int]) -> float:
+        if self.algo_cfg.calculate_per_token_loss:
+            return float(sum(sum(samples[i].loss_mask) for i in idx))
+        return float(len(idx))
+
+    def micro_batches(self, samples: list[Sample], idx: list[int]) -> list[MicroBatch]:
+        """This DP rank's share of step `idx` (strided), packed by padded tokens; a rank
+        with no share gets one uncounted stand-in (see `MicroBatch`)."""
+        m = self.model
+        mine = idx[m.dp_rank :: m.dp_size]
+        if not mine:
+            return [MicroBatch(idx[:1], counted=False)]
+        lengths = [len(samples[i].tokens) for i in mine]
+        budget = self.train_cfg.max_tokens_per_micro_batch
+        return [MicroBatch([mine[j] for j in mb]) for mb in split_micro_batches(lengths, budget)]
+
+    # -- the step -------------------------------------------------------------------------
+    def _scorers(self) -> Scorers:
+        m, algo = self.model, self.algo_cfg
+
+        def role(name: Role) -> Callable[[list[Sample]], list[Tensor]]:
+            return lambda ss: m.score(name, ss)
+
+        return Scorers(
+            policy=role("policy"),
+            ref=role("ref") if needs_reference(algo) else None,
+            teacher=role("teacher") if algo.use_opd else None,
+            critic=role("critic") if algo.uses_critic else None,
+        )
+
+    def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        start = time.perf_counter()
+        epochs = [self.partitions(len(samples)) for _ in range(self.train_cfg.num_epochs_per_rollout)]
+        prep = prepare_batch(
+            samples, self.algo_cfg, self._scorers(), self.estimator, epochs[0][0],
+            self.reward_key, lazy=self.model.lazy_old_log_probs,
+        )
+        uses_critic = self.algo_cfg.uses_critic
+        train_actor = not (uses_critic and rollout_id < self.train_cfg.num_critic_only_steps)
+        steps = []
+        for idx in (idx for ep in epochs for idx in ep):
+            denominator = self._denominator(samples, idx)
+            mbs = self.micro_batches(samples, idx)
+            out: dict[str, float] = {}
+            if uses_critic:
+                loss = self._critic_loss(prep, denominator)
+                out.update(self.model.optimizer_step("critic", samples, mbs, loss))
+            if train_actor:
+                loss = self._actor_loss(prep, denominator)
+                out.update(self.model.optimizer_step("actor", samples, mbs, loss))
+            steps.append(out)
+        self.model.check_weights_finite()
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        self.model.version = rollout_id + 1
+        tokens = sum(len(s.tokens) for s in samples) * len(epochs)
+        return summarise(
+            samples, prep.rewards, prep.advantages, prep.old_log_probs, steps,
+            tokens / elapsed, self.model.version,
+        ).to_dict()
+
+    # -- losses ---------------------------------------------------------------------------
+    def _actor_loss(self, prep: PreparedBatch, denominator: float) -> MicroBatchLoss:
+        algo = self.algo_cfg
+        loss_fn = self.custom_loss or actor_loss
+
+        def micro_batch_loss(rows: list[int], fwd: Forward) -> tuple[Tensor, dict[str, Tensor]]:
+            assert fwd.log_probs is not None and fwd.entropy is not None
+            width, device = fwd.batch.targets.shape[1], fwd.log_probs.device
+            old = None
+            if prep.old_log_probs is not None:
+                old = pad_response_values(_old_rows(prep, rows, fwd.log_probs), width).to(device)
+            inputs = LossInputs(
+                log_probs=fwd.log_probs,
+                loss_mask=fwd.batch.loss_mask,
+                entropy=fwd.entropy,
+                old_log_probs=old,
+                advantages=_rows(prep.advantages, rows, width, device),
+                ref_log_probs=_rows(prep.ref_log_probs, rows, width, device),
+                rollout_log_probs=_rows(prep.rollout_log_probs, rows, width, device),
+            )
+            loss, terms = loss_fn(algo, inputs, denominator)
+            kl = _rows(prep.opd_reverse_kl, rows, width, device)
+            if kl is not None:
+                reduce = make_reducer(algo.calculate_per_token_loss, fwd.batch.loss_mask, denominator)
+                terms = {**terms, "opd_reverse_kl": reduce(kl).detach()}
+            return loss, terms
+
+        return micro_batch_loss
+
+    def _critic_loss(self, prep: PreparedBatch, denominator: float) -> MicroBatchLoss:
+        def micro_batch_loss(rows: list[int], fwd: Forward) -> tuple[Tensor, dict[str, Tensor]]:
+            assert fwd.values is not None
+            width, device = fwd.batch.targets.shape[1], fwd.values.device
+            old_values = _rows(prep.values, rows, width, device)
+            returns = _rows(prep.returns, rows, width, device)
+            assert old_values is not None and returns is not None
+            return critic_loss(
+                self.algo_cfg, fwd.values, old_values, returns, fwd.batch.loss_mask, denominator
+            )
+
+        return micro_batch_loss
+
+
+def _rows(
+    values: list[Tensor] | None, rows: list[int], width: int, device: torch.device
+) -> Tensor | None:
+    """Per-sample response values of `rows`, padded to `[len(rows), width]` on `device`."""
+    if values is None:
+        return None
+    return pad_response_values([values[i] for i in rows], width).to(device)
+
+
+def _old_rows(prep: PreparedBatch, rows: list[int], log_probs: Tensor) -> list[Tensor]:
+    """Old log-probs of `rows`, filling (once) the lazy ones from the current forward, which
+    runs before the first update (see `rollout_prep`)."""
+    assert prep.old_log_probs is not None
+    for r, i in enumerate(rows):
+        if prep.old_log_probs[i] is None:
+            width = prep.response_lengths[i]
+            prep.old_log_probs[i] = log_probs[r, :width].detach().float().cpu().clone()
+    return [t for t in (prep.old_log_probs[i] for i in rows) if t is not None]
