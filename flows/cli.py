@@ -88,6 +88,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 def format_status(status: dict[str, Any]) -> str:
     """`cluster status` for people: the head, then each run's actors with their age."""
     lines = [f"head {status['address']} ({'alive' if status['alive'] else 'not running'})"]
+    if status["alive"]:
+        res = status.get("resources", {})
+        lines.append(f"resources: {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU")
+        lines.append(_dashboard_line(status.get("dashboard"), status.get("auth")))
     by_run: dict[str, list[dict[str, Any]]] = {}
     for actor in status["actors"]:
         by_run.setdefault(actor.get("run") or "(other)", []).append(actor)
@@ -98,6 +102,17 @@ def format_status(status: dict[str, Any]) -> str:
     lines += [f"placement group {g['name']}: {g['bundles']} bundle(s), {g['state']}"
               for g in status["placement_groups"]]
     return "\n".join(lines)
+
+
+def _dashboard_line(url: str | None, auth: str | None) -> str:
+    """The dashboard's URL and how to reach Ray's state API (`ray list actors`) through it."""
+    if not url:
+        return "dashboard: none (Ray's state API needs it: install ray[default], restart the head)"
+    from engines.ray_auth import TOKEN_FILE
+
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH", str(TOKEN_FILE))
+    token = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={path} " if auth == "token" else ""
+    return f"dashboard {url}  (state API: {token}ray list actors --address {url})"
 
 
 def cmd_stop_run(args: argparse.Namespace) -> int:

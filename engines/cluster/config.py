@@ -18,6 +18,11 @@ class ClusterConfig(Section):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs of a local head started on demand."
     )
+    num_gpus: int | None = Field(
+        None, ge=0,
+        description="GPUs of a local head started on demand (None: every GPU torch sees in "
+        "the starting process, so CUDA_VISIBLE_DEVICES applies; 0 on a CPU-only machine).",
+    )
     actor_num_threads: int | None = Field(
         None, ge=1, description="torch threads per actor (None: all cores of the machine)."
     )

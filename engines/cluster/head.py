@@ -15,6 +15,7 @@ inherit it from the head.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -79,26 +80,59 @@ def _alive(address: str) -> bool:
         return False
 
 
-def start_local_head(num_cpus: int | None = None) -> str:
+def local_gpus() -> int:
+    """GPUs torch sees in this process (CUDA_VISIBLE_DEVICES applies): what a local head
+    offers its actors. Counted through NVML, so the driver holds no CUDA context."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+# What `ray.dashboard.optional_deps` imports (the `ray[default]` extra): without them a head
+# asked for a dashboard fails to start, so one is asked for only when they are all there.
+_DASHBOARD_DEPS = ("aiohttp", "aiohttp_cors", "grpc", "opencensus", "opentelemetry.proto",
+                   "opentelemetry.exporter.prometheus", "prometheus_client", "pydantic")
+
+
+def dashboard_available() -> bool:
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in _DASHBOARD_DEPS)
+    except ImportError:  # a parent package missing
+        return False
+
+
+def start_local_head(num_cpus: int | None = None, num_gpus: int | None = None) -> str:
     """`ray start --head` in this process's auth mode (token unless the user set
-    RAY_AUTH_MODE), its session files under ROLLFLOW_HOME/ray; returns the GCS address."""
+    RAY_AUTH_MODE), its session files under ROLLFLOW_HOME/ray, with every GPU torch sees
+    (unless `num_gpus`) and, where `ray[default]` is installed, the dashboard on 127.0.0.1
+    (Ray's state API, `ray list actors`, needs it); returns the GCS address."""
     auth = process_auth_mode()
     if auth != "token":
         log.warning("starting the local Ray head without authentication (RAY_AUTH_MODE=%s): "
                     "anyone who can reach this machine can run code on it", auth)
     port = free_port()
     temp_dir = HOME / "ray"
+    gpus = local_gpus() if num_gpus is None else num_gpus
     cmd = [
         _ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-        f"--num-cpus={num_cpus or max(os.cpu_count() or 1, 4)}", "--num-gpus=0",
+        "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        f"--num-cpus={num_cpus or max(os.cpu_count() or 1, 4)}", f"--num-gpus={gpus}",
     ]
+    dashboard = None
+    if dashboard_available():
+        dash_port = free_port()
+        # the agent's fixed default port (52365) would clash with a second head here
+        cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dash_port}", f"--dashboard-agent-listen-port={free_port()}"]
+        dashboard = f"http://127.0.0.1:{dash_port}"
+    else:
+        cmd.append("--include-dashboard=false")
     subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True)
     address = f"127.0.0.1:{port}"
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     STATE_FILE.write_text(json.dumps({
         "address": address, "started_at": time.time(), "auth": auth,
-        "temp_dir": str(temp_dir), **environment(),
+        "temp_dir": str(temp_dir), "dashboard": dashboard, "num_gpus": gpus, **environment(),
     }))
     return address
 
@@ -155,7 +189,7 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
         check_environment(state)
         check_auth(state)
         return str(state["address"])
-    return start_local_head(cfg.num_cpus) if start else None
+    return start_local_head(cfg.num_cpus, cfg.num_gpus) if start else None
 
 
 def connect(cfg: ClusterConfig) -> str:
@@ -200,12 +234,13 @@ def _stop_processes_of(temp_dir: str, wait_s: float = 10.0) -> None:
 
 
 def status(cfg: ClusterConfig) -> dict[str, Any]:
-    """Address, liveness, the named actors of the namespace (with the placement-group bundle
-    each is pinned to) and the placement groups. Only GCS calls: `ray.util.state` needs the
-    dashboard, which the local head runs without."""
+    """Address, liveness, the dashboard's URL, the cluster's CPUs and GPUs, the named actors
+    of the namespace (with the placement-group bundle each is pinned to) and the placement
+    groups. Only GCS calls, so it also works on a head without a dashboard."""
     address = cluster_address(cfg, start=False)
     if address is None or not _alive(address):
-        return {"address": address, "alive": False, "actors": [], "placement_groups": []}
+        return {"address": address, "alive": False, "dashboard": None, "resources": {},
+                "actors": [], "placement_groups": []}
     import ray
     from ray._private.state import actors as actor_table
     from ray.util import placement_group_table
@@ -214,9 +249,16 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
     from engines.cluster.registry import RunActor
 
     _ray_env()
+    dashboard = None
     if not ray.is_initialized():
-        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        ctx = ray.init(address=address, namespace=cfg.namespace, log_to_driver=False,
+                       logging_level=logging.WARNING)
+        url = ctx.dashboard_url
+        dashboard = (url if "://" in url else f"http://{url}") if url else None
+    state = read_state()
+    auth = process_auth_mode()
+    if state and state.get("address") == address:
+        dashboard, auth = state.get("dashboard"), state.get("auth", "disabled")
     rows = []
     now_ms = time.time() * 1000
     for name in sorted(ray.util.list_named_actors()):
@@ -235,4 +277,7 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
         {"name": g["name"], "id": pg_id, "state": g["state"], "bundles": len(g["bundles"])}
         for pg_id, g in placement_group_table().items() if g["state"] != "REMOVED"
     ]
-    return {"address": address, "alive": True, "actors": rows, "placement_groups": groups}
+    resources = {k: ray.cluster_resources().get(k, 0.0) for k in ("CPU", "GPU")}
+    return {"address": address, "alive": True, "auth": auth, "dashboard": dashboard,
+            "resources": resources,
+            "actors": rows, "placement_groups": groups}

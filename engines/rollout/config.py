@@ -192,7 +192,14 @@ class EngineConfig(Section):
     def _redact_urls(self, urls: list[str]) -> list[str]:
         return [redact_url(u) or u for u in urls]
     max_batch_size: int = Field(1024, ge=1, description="Requests decoded together.")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Embedded engine: the model's dtype (bfloat16 on GPUs)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Embedded engine: auto puts the model on the GPU the engine's process "
+        "sees (an engine placed on a GPU bundle sees its own GPU), else on the CPU.",
+    )
     mock_response: str = Field(
         "", description="Mock backend: fixed answer template; '' echoes the label."
     )

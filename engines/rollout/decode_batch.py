@@ -78,23 +78,27 @@ class DecodeBatch:
     def prefilled(
         cls, states: list[ReqState], attn: torch.Tensor, cache: DynamicCache, vocab: int
     ) -> DecodeBatch:
-        """Rows for requests just prefilled together (`attn` is their left-padded mask)."""
+        """Rows for requests just prefilled together (`attn` is their left-padded mask);
+        every row tensor lives on the model's device, beside the logits it is used with."""
         params = [s.request.params for s in states]
         width = max(1, max(len(s.stop_ids) for s in states))
+        dev = attn.device
         b = cls()
         b.rows = list(states)
-        b.alive = torch.ones(len(states), dtype=torch.bool)
+        b.alive = torch.ones(len(states), dtype=torch.bool, device=dev)
         b.n_alive = len(states)
-        b.stop_ids = torch.tensor([s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in states])
+        b.stop_ids = torch.tensor(
+            [s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in states], device=dev
+        )
         b.t = {
-            "seeds": torch.tensor([s.seed for s in states], dtype=torch.long),
-            "temps": torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            "top_k": torch.tensor([vocab if p.top_k < 0 else p.top_k for p in params]),
-            "budgets": torch.tensor([s.budget for s in states]),
-            "steps": torch.tensor([len(s.out_ids) for s in states]),
+            "seeds": torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
+            "temps": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            "top_k": torch.tensor([vocab if p.top_k < 0 else p.top_k for p in params], device=dev),
+            "budgets": torch.tensor([s.budget for s in states], device=dev),
+            "steps": torch.tensor([len(s.out_ids) for s in states], device=dev),
             "next_pos": attn.sum(-1),
-            "last_tok": torch.zeros(len(states), dtype=torch.long),
+            "last_tok": torch.zeros(len(states), dtype=torch.long, device=dev),
         }
         b.cache = KVCache.from_prefill(cache, attn, b.room())
         return b
@@ -155,7 +159,7 @@ class DecodeBatch:
         self.rows = [self.rows[j] for j in keep.tolist()]
         self.t = {k: v[keep] for k, v in self.t.items()}
         self.stop_ids = self.stop_ids[keep]
-        self.alive = torch.ones(len(keep), dtype=torch.bool)
+        self.alive = torch.ones(len(keep), dtype=torch.bool, device=keep.device)
         assert self.cache is not None
         mask = self.cache.mask[keep, : self.cache.width]
         trim = int((mask.cumsum(-1) == 0).sum(-1).min())
@@ -180,4 +184,4 @@ class DecodeBatch:
         self.cache = KVCache.concat(self.cache, other.cache, max(self.room(), other.room()))
         self.rows += other.rows
         self.n_alive += other.n_alive
-        self.alive = torch.ones(len(self.rows), dtype=torch.bool)
+        self.alive = torch.ones(len(self.rows), dtype=torch.bool, device=other.alive.device)

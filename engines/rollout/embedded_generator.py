@@ -38,6 +38,16 @@ from engines.rollout.sampling import sample_tokens
 from engines.weight_sync import weights_checksum
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_device(choice: str) -> torch.device:
+    """auto: the GPU this process sees (Ray gives an engine on a GPU bundle its own, as
+    device 0), else the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("engine.device is 'cuda' but this engine's process sees no GPU")
+    return torch.device("cuda", torch.cuda.current_device())
 _ABORT = {"type": "abort", "message": "Abort before decoding finished."}
 
 
@@ -51,13 +61,16 @@ class EmbeddedGenerator(GeneratorIdentity):
         max_batch_size: int = 1024,
         num_threads: int | None = None,
         seed: int = 0,
+        device: str = "auto",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = self.tokenizer_path = model_path
         self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.device = engine_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
         self.model.eval().requires_grad_(False)
         self._decoder = make_decoder(self.model)
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
@@ -123,6 +136,9 @@ class EmbeddedGenerator(GeneratorIdentity):
             torch.save({n: p.data for n, p in params.items()}, path)
             for p in params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._decoder = make_decoder(self.model)  # drops copies it made (fused weights)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # a colocated trainer needs the memory back
             self._weights_backup = path
 
     def resume_memory(self, tags: Collection[str]) -> None:
@@ -130,7 +146,7 @@ class EmbeddedGenerator(GeneratorIdentity):
             path = self._weights_backup
             if "weights" not in tags or path is None:
                 return
-            saved = torch.load(path, weights_only=True)
+            saved = torch.load(path, map_location=self.device, weights_only=True)
             for name, p in self.model.named_parameters():
                 p.data = saved[name].to(p.device)
             os.remove(path)
@@ -203,10 +219,10 @@ class EmbeddedGenerator(GeneratorIdentity):
         prompts = [torch.tensor(s.prefix) for s in states]
         ids = torch.nn.utils.rnn.pad_sequence(
             prompts, batch_first=True, padding_value=self._pad_id, padding_side="left"
-        )
-        lens = torch.tensor([len(p) for p in prompts])
+        ).to(self.device)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = ids.shape[1]
-        attn = (torch.arange(width)[None, :] >= width - lens[:, None]).long()
+        attn = (torch.arange(width, device=self.device)[None, :] >= width - lens[:, None]).long()
         positions = (attn.cumsum(-1) - 1).clamp_(min=0)
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,

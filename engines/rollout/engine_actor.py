@@ -39,6 +39,7 @@ def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Gene
         max_batch_size=config.max_batch_size,
         num_threads=num_threads,
         seed=index,
+        device=config.device,
     )
 
 

@@ -57,7 +57,7 @@ def sample_tokens(
     if bool((top_p < 1.0).any() or (top_k < vocab).any()):
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         probs = sorted_logp.exp()
-        keep = (torch.arange(vocab)[None, :] < top_k[:, None]) & (
+        keep = (torch.arange(vocab, device=logits.device)[None, :] < top_k[:, None]) & (
             (probs.cumsum(-1) - probs) <= top_p[:, None]
         )
         probs = probs * keep
