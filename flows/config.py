@@ -35,7 +35,7 @@ __all__ = [
     "REDACTED", "AlgorithmConfig", "ClusterConfig", "ConfigError",
     "DataConfig", "EngineConfig", "EvalConfig", "EvalDataset", "LoggingConfig",
     "RollflowConfig", "RolloutConfig", "Section", "StorageConfig", "TrainConfig",
-    "dotted_key", "drop_redacted", "format_validation_error", "megatron_unsupported",
+    "dotted_key", "drop_redacted", "format_validation_error",
 ]
 
 
@@ -72,37 +72,12 @@ class RollflowConfig(Section):
                 "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
             )
-        unsupported = megatron_unsupported(self) if self.train.backend == "megatron" else []
-        if unsupported:
-            raise ValueError(
-                "train.backend=megatron does not implement " + ", ".join(unsupported)
-                + " (train.backend=torch does)"
-            )
         if self.cluster.colocate and self.train.update_weights_interval > 1:
             raise ValueError(
                 "train.update_weights_interval > 1 needs cluster.colocate=false: colocated "
                 "engines release their weights during training and get them back by a push"
             )
         return self
-
-
-def megatron_unsupported(cfg: RollflowConfig) -> list[str]:
-    """The settings the megatron backend would otherwise silently ignore: it trains GRPO/GSPO
-    policy or SFT losses (KL loss, entropy, clipping variants) at a constant learning rate."""
-    a, t = cfg.algorithm, cfg.train
-    checks = {
-        f"algorithm.advantage_estimator={a.advantage_estimator}":
-            a.advantage_estimator not in ("grpo", "gspo"),
-        "algorithm.loss_type=custom_loss": a.loss_type == "custom_loss",
-        "algorithm.custom_advantage_function_path": a.custom_advantage_function_path is not None,
-        "algorithm.kl_coef (reward shaping)": a.kl_coef != 0.0,
-        "algorithm.normalize_advantages": a.normalize_advantages,
-        "algorithm.use_tis": a.use_tis,
-        "algorithm.use_opd": a.use_opd,
-        "train.lr_warmup_steps": t.lr_warmup_steps > 0,
-        f"train.lr_decay_style={t.lr_decay_style}": t.lr_decay_style != "constant",
-    }
-    return [name for name, used in checks.items() if used]
 
 
 def format_validation_error(err: ValidationError) -> str:

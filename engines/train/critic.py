@@ -22,20 +22,29 @@ CRITIC_DIR = "critic"
 HEAD_FILE = "value_head.pt"
 
 
+def init_value_head(head: nn.Linear, hidden_size: int, seed: int) -> None:
+    """Small init (OpenRLHF's std 1 / (hidden + 1)): initial values near 0, not
+    hidden-scale. From its own generator, so every backend (and every TP rank) starts
+    from the same head for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = torch.randn(head.weight.shape, generator=gen) / (hidden_size + 1)
+        head.weight.copy_(weight.to(head.weight.dtype))
+        head.bias.zero_()
+
+
 class ValueModel(nn.Module):
-    def __init__(self, backbone: PreTrainedModel, hidden_size: int) -> None:
+    def __init__(self, backbone: PreTrainedModel, hidden_size: int, seed: int = 0) -> None:
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
-        # Small init (OpenRLHF's 1 / (hidden + 1)): initial values near 0, not hidden-scale.
-        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
-        nn.init.zeros_(self.value_head.bias)
+        init_value_head(self.value_head, hidden_size, seed)
 
     @classmethod
-    def from_pretrained(cls, path: str, device: torch.device) -> ValueModel:
+    def from_pretrained(cls, path: str, device: torch.device, seed: int = 0) -> ValueModel:
         """A backbone from an HF model directory; the head too if `path` is a saved critic."""
         backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
-        model = cls(backbone, int(backbone.config.hidden_size))
+        model = cls(backbone, int(backbone.config.hidden_size), seed)
         head = os.path.join(path, HEAD_FILE)
         if os.path.exists(head):
             model.value_head.load_state_dict(torch.load(head, weights_only=True))

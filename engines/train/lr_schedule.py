@@ -39,18 +39,19 @@ def lr_at(
     raise ValueError(f"unknown lr_decay_style {decay_style!r}; one of constant, cosine, linear")
 
 
+def scheduled_lr(cfg: TrainConfig, base_lr: float, step: int) -> float:
+    """The rate of optimizer step `step` of a part (actor, critic) that peaks at `base_lr`;
+    `min_lr` scales with it. Megatron sets it on its param groups before each step."""
+    min_lr = cfg.min_lr * base_lr / cfg.lr
+    return lr_at(step, base_lr, cfg.lr_warmup_steps, cfg.lr_decay_style, cfg.lr_decay_steps, min_lr)
+
+
 def make_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, base_lr: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose factor is `lr_at(step) / base_lr` (min_lr scales with base_lr)."""
-    min_lr = cfg.min_lr * base_lr / cfg.lr
+    """A LambdaLR whose factor is `scheduled_lr(step) / base_lr`."""
 
     def factor(step: int) -> float:
-        return (
-            lr_at(
-                step, base_lr, cfg.lr_warmup_steps, cfg.lr_decay_style, cfg.lr_decay_steps, min_lr
-            )
-            / base_lr
-        )
+        return scheduled_lr(cfg, base_lr, step) / base_lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

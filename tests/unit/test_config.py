@@ -76,15 +76,13 @@ def test_storage_secrets_never_reach_config_yaml_but_survive_pickling():
     assert yaml.safe_load(dump_config(cfg))["storage"]["storage_options"]["secret"] == REDACTED
 
 
-def test_megatron_refuses_what_it_does_not_implement():
+def test_megatron_takes_every_algorithm():
+    """The train step is shared (engines/train/step.py): nothing is refused for megatron."""
     base = {"data": {"prompt_data": "x.jsonl"}, "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
-            "engine": {"backend": "mock"},
-            "train": {"backend": "megatron", "model_path": "m"}}
-    config_from_dict(base)  # GRPO at a constant learning rate is fine
-    with pytest.raises(ConfigError) as err:
-        config_from_dict({**base, "algorithm": {"advantage_estimator": "ppo", "use_tis": True},
-                          "train": {**base["train"], "lr_warmup_steps": 10}})
-    message = str(err.value)
-    for key in ("advantage_estimator=ppo", "algorithm.use_tis", "train.lr_warmup_steps"):
-        assert key in message
-    assert "use_opd" not in message
+            "engine": {"backend": "mock"}, "cluster": {"colocate": True},
+            "train": {"backend": "megatron", "model_path": "m", "lr_warmup_steps": 10,
+                      "lr_decay_style": "cosine", "lr_decay_steps": 20}}
+    cfg = config_from_dict({**base, "algorithm": {
+        "advantage_estimator": "ppo", "use_tis": True, "kl_coef": 0.1, "use_opd": True,
+        "opd_teacher_path": "t", "normalize_advantages": True}})
+    assert cfg.train.backend == "megatron" and cfg.algorithm.use_opd

@@ -108,21 +108,49 @@ def transformer_config(
     )
 
 
-def build_gpt_model(shape: ModelShape, config: Any, sdpa: bool = True) -> Any:
-    """This rank's `GPTModel` (its PP stage, its TP shard), on the current CUDA device."""
+class ValueHead(torch.nn.Linear):
+    """The critic's output layer in place of the vocab projection: hidden -> one value.
+
+    Called as megatron calls its output layer, `(hidden [s, b, h], weight=..., ...) ->
+    (values [s, b, 1], None)`. Replicated, not split, over TP ranks: its input (the final
+    norm's output) is the same on every TP rank, and so are its gradients; megatron's
+    checkpointing treats a plain module's tensors as replicated too."""
+
+    def forward(self, hidden: Tensor, *_: Any, **__: Any) -> tuple[Tensor, None]:  # type: ignore[override]
+        return super().forward(hidden), None
+
+
+def build_gpt_model(
+    shape: ModelShape, config: Any, sdpa: bool = True, value_head: bool = False,
+    seed: int = 0,
+) -> Any:
+    """This rank's `GPTModel` (its PP stage, its TP shard), on the current CUDA device, every
+    parameter in `config.params_dtype` (without apex/TE megatron's norms would stay float32,
+    and mixed dtypes break the distributed optimizer's checkpoint layout). `value_head`: a
+    critic, whose last stage ends in a `ValueHead` initialised from `seed` (see critic.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    from engines.train.critic import init_value_head
+
+    post = ps.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(sdpa),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        post_process=post,
         parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
     )
+    if value_head and post:
+        head = ValueHead(shape.hidden_size, 1)
+        init_value_head(head, shape.hidden_size, seed)
+        model.output_layer = head
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(device=torch.cuda.current_device(), dtype=config.params_dtype)
     return model

@@ -38,6 +38,11 @@ def init_parallel(tp: int, pp: int, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def current_device() -> torch.device:
+    """This process's CUDA device (the one `init_parallel` selected)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def vocab_parallel_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
     """log p(target) from vocab-sharded logits `[..., V/tp]` through megatron's
     `vocab_parallel_cross_entropy`, which overwrites its fp32 input: it gets a clone."""

@@ -1,0 +1,110 @@
+"""Megatron's forward(-backward) schedule over rollout samples, and its outputs turned into
+the shared step's response-space `Forward` (log-probs / entropy, or critic values).
+
+`run` feeds token-budgeted micro-batches through `get_forward_backward_func()` (PP-aware);
+`on_output(mb, batch, output)` runs on the last pipeline stage with the model's raw output
+(`[B, L, V/tp]` logits, or `[B, L, 1]` values for the critic) and returns `(loss, result)`;
+the results come back in micro-batch order (empty on other stages). `score` splits the
+samples over DP ranks, runs forward-only and gives every rank every sample's tensor.
+Megatron is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engines.train.batching import PaddedBatch, build_padded_batch, gather_response_logits
+from engines.train.megatron import parallel
+from engines.train.step_model import Forward, MicroBatch
+from storage.sample import Sample
+
+OnOutput = Callable[[MicroBatch, PaddedBatch, Tensor], tuple[Tensor, Any]]
+
+
+def run(
+    model: Any, samples: list[Sample], micro_batches: list[MicroBatch], pad_token_id: int,
+    on_output: OnOutput, forward_only: bool,
+) -> list[Any]:
+    """Megatron's schedule over `micro_batches` (rows of `samples`); see the module doc."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = parallel.current_device()
+    batches = [(mb, build_padded_batch([samples[i] for i in mb.rows], pad_token_id).to(device))
+               for mb in micro_batches]
+
+    def forward_step(data_iterator: Any, m: Any) -> tuple[Tensor, Any]:
+        mb, batch = next(data_iterator)
+        ids = batch.input_ids
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        out = m(input_ids=ids, position_ids=pos, attention_mask=None)
+
+        def loss_func(output: Tensor) -> tuple[Tensor, Tensor, Any]:
+            loss, result = on_output(mb, batch, output)
+            return loss, torch.ones((), dtype=torch.int, device=output.device), result
+
+        return out, loss_func
+
+    return list(get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=max(b.input_ids.shape[1] for _, b in batches),
+        micro_batch_size=max(len(mb.rows) for mb in micro_batches), forward_only=forward_only,
+    ))
+
+
+def to_forward(
+    batch: PaddedBatch, output: Tensor, values: bool, temperature: float,
+    entropy: bool = True, entropy_grad: bool = False,
+) -> Forward:
+    """Raw model output -> response-space `Forward` (TP-aware: logits are vocab-sharded)."""
+    if values:
+        v = output.squeeze(-1).float()
+        rows = torch.arange(v.shape[0], device=v.device).unsqueeze(-1)
+        return Forward(batch, values=v[rows, batch.logit_index])
+    resp = gather_response_logits(output, batch.logit_index).float()
+    if temperature != 1.0:
+        resp = resp / temperature
+    log_probs = parallel.vocab_parallel_log_probs(resp, batch.targets)
+    ent = None
+    if entropy:
+        ent = parallel.vocab_parallel_entropy(resp if entropy_grad else resp.detach())
+    return Forward(batch, log_probs=log_probs, entropy=ent)
+
+
+@torch.no_grad()
+def score(
+    model: Any, samples: list[Sample], max_tokens: int, pad_token_id: int, values: bool,
+    temperature: float,
+) -> list[Tensor]:
+    """Per-sample response log-probs (or values) as CPU float32, on every rank. DP ranks
+    split the samples (strided, as a training step does, so a step scored alone runs in the
+    micro-batches that train on it); the last stage's results reach every stage."""
+    from megatron.core import parallel_state as ps
+
+    from engines.train.batching import split_micro_batches
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = list(range(rank, len(samples), dp))
+    local: dict[int, Tensor] = {}
+    if mine:
+        lengths = [len(samples[i].tokens) for i in mine]
+        mbs = [MicroBatch([mine[j] for j in mb]) for mb in split_micro_batches(lengths, max_tokens)]
+
+        def on_output(mb: MicroBatch, batch: PaddedBatch, output: Tensor) -> tuple[Tensor, Any]:
+            fwd = to_forward(batch, output, values, temperature, entropy=False)
+            t = fwd.values if values else fwd.log_probs
+            assert t is not None
+            per = [(i, t[r, : samples[i].response_length].float().cpu().clone())
+                   for r, i in enumerate(mb.rows)]
+            return t.sum() * 0.0, per
+
+        for out in run(model, samples, mbs, pad_token_id, on_output, forward_only=True):
+            local.update(out)
+    local = parallel.broadcast_from_last_stage(local)
+    merged: dict[int, Tensor] = {}
+    for part in parallel.all_gather_dp(local):
+        merged.update(part)
+    return [merged[i] for i in range(len(samples))]
