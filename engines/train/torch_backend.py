@@ -30,12 +30,10 @@ from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite
 from engines.train.lr_schedule import make_scheduler
 from engines.train.optim_step import Optimized, optimizer_step
-from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.rollout_prep import Scorers
 from engines.train.step import TrainStep, needs_reference
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from engines.train.torch_models import (
-    BuildBatch,
     autocast,
     load_causal_lm,
     move_state,
@@ -120,30 +118,20 @@ class TorchTrainBackend:
             self.critic = self._optimized(self.critic_model, cfg.critic_lr or cfg.lr)
 
     # -- scoring --------------------------------------------------------------------------
-    def _score(
-        self, samples: list[Sample], fn: Callable[[PaddedBatch], Tensor],
-        build: BuildBatch = build_padded_batch,
-    ) -> list[Tensor]:
+    def _score(self, samples: list[Sample], fn: Callable[[PaddedBatch], Tensor]) -> list[Tensor]:
         def run(batch: PaddedBatch) -> Tensor:
             with autocast(self.device, self._amp):
                 return fn(batch)
 
         cfg = self.train_cfg
         return score_samples(
-            samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device, build
+            samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device
         )
-
-    def _log_prob_batch(self, model: torch.nn.Module) -> BuildBatch:
-        """How log-prob forwards of `model` see a micro-batch: one row per prompt where the
-        attention allows it (prompt_sharing.py), else one padded row per sample."""
-        share = self.train_cfg.share_prompts and supports_prompt_sharing(model)
-        return build_shared_prompt_batch if share else build_padded_batch
 
     def _log_prob_scorer(self, model: torch.nn.Module) -> Callable[[list[Sample]], list[Tensor]]:
         def scorer(samples: list[Sample]) -> list[Tensor]:
             model.eval()
-            return self._score(samples, lambda b: response_log_probs(model, b, self.temperature)[0],
-                               self._log_prob_batch(model))
+            return self._score(samples, lambda b: response_log_probs(model, b, self.temperature)[0])
 
         return scorer
 
@@ -215,9 +203,7 @@ class TorchTrainBackend:
 
     def _forward(self, part: Part, samples: list[Sample], rows: list[int]) -> Forward:
         """The trained (DDP-wrapped) module's outputs for `rows`, with gradients."""
-        module = self.actor.module if part == "actor" else None
-        build = self._log_prob_batch(module) if module is not None else build_padded_batch
-        batch = build([samples[i] for i in rows], self.pad_token_id).to(self.device)
+        batch = build_padded_batch([samples[i] for i in rows], self.pad_token_id).to(self.device)
         with autocast(self.device, self._amp):
             if part == "critic":
                 assert self.critic is not None
