@@ -55,10 +55,19 @@ class PaddedBatch:
     response_mask: Tensor
     loss_mask: Tensor
     response_lengths: tuple[int, ...]
+    # Shared-prompt batches (`prompt_sharing.py`) only: one input row per distinct prompt, a
+    # `[rows, 1, L, L]` boolean attention mask, positions restarting at each response, and
+    # `logit_row[b, t]`, the input row whose logits predict slot t of sample b (else row b).
+    position_ids: Tensor | None = None
+    logit_row: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask.sum().item())
+        """Real (not padding) input tokens: what the forward pass actually computes on."""
+        mask = self.attention_mask
+        if mask.dim() == 4:  # a real token attends to itself, padding does not
+            return int(mask.diagonal(dim1=-2, dim2=-1).sum().item())
+        return int(mask.sum().item())
 
     def to(self, device: torch.device) -> PaddedBatch:
         """The same batch with every tensor on `device` (a no-op on its own device)."""
@@ -71,7 +80,10 @@ class PaddedBatch:
                 "targets",
                 "response_mask",
                 "loss_mask",
+                "position_ids",
+                "logit_row",
             )
+            if getattr(self, f) is not None
         }
         return replace(self, **moved)
 
@@ -115,10 +127,14 @@ def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> Padd
     )
 
 
-def gather_response_logits(logits: Tensor, logit_index: Tensor) -> Tensor:
-    """`[B, L, V]` full-sequence logits -> `[B, R, V]` logits that predict each response slot."""
-    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(-1)
-    return logits[rows, logit_index]
+def gather_response_logits(
+    logits: Tensor, logit_index: Tensor, logit_row: Tensor | None = None
+) -> Tensor:
+    """`[rows, L, V]` full-sequence logits -> `[B, R, V]` logits that predict each response
+    slot; `logit_row` says which input row holds them (default: sample b is row b)."""
+    if logit_row is None:
+        logit_row = torch.arange(logits.shape[0], device=logits.device).unsqueeze(-1)
+    return logits[logit_row, logit_index]
 
 
 def pad_response_values(values: Sequence[Tensor], width: int, fill: float = 0.0) -> Tensor:

@@ -30,10 +30,12 @@ from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite
 from engines.train.lr_schedule import make_scheduler
 from engines.train.optim_step import Optimized, optimizer_step
+from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.rollout_prep import Scorers
 from engines.train.step import TrainStep, needs_reference
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from engines.train.torch_models import (
+    BuildBatch,
     autocast,
     load_causal_lm,
     move_state,
@@ -118,20 +120,30 @@ class TorchTrainBackend:
             self.critic = self._optimized(self.critic_model, cfg.critic_lr or cfg.lr)
 
     # -- scoring --------------------------------------------------------------------------
-    def _score(self, samples: list[Sample], fn: Callable[[PaddedBatch], Tensor]) -> list[Tensor]:
+    def _score(
+        self, samples: list[Sample], fn: Callable[[PaddedBatch], Tensor],
+        build: BuildBatch = build_padded_batch,
+    ) -> list[Tensor]:
         def run(batch: PaddedBatch) -> Tensor:
             with autocast(self.device, self._amp):
                 return fn(batch)
 
         cfg = self.train_cfg
         return score_samples(
-            samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device
+            samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device, build
         )
+
+    def _log_prob_batch(self, model: torch.nn.Module) -> BuildBatch:
+        """How log-prob forwards of `model` see a micro-batch: one row per prompt where the
+        attention allows it (prompt_sharing.py), else one padded row per sample."""
+        share = self.train_cfg.share_prompts and supports_prompt_sharing(model)
+        return build_shared_prompt_batch if share else build_padded_batch
 
     def _log_prob_scorer(self, model: torch.nn.Module) -> Callable[[list[Sample]], list[Tensor]]:
         def scorer(samples: list[Sample]) -> list[Tensor]:
             model.eval()
-            return self._score(samples, lambda b: response_log_probs(model, b, self.temperature)[0])
+            return self._score(samples, lambda b: response_log_probs(model, b, self.temperature)[0],
+                               self._log_prob_batch(model))
 
         return scorer
 
@@ -203,7 +215,9 @@ class TorchTrainBackend:
 
     def _forward(self, part: Part, samples: list[Sample], rows: list[int]) -> Forward:
         """The trained (DDP-wrapped) module's outputs for `rows`, with gradients."""
-        batch = build_padded_batch([samples[i] for i in rows], self.pad_token_id).to(self.device)
+        module = self.actor.module if part == "actor" else None
+        build = self._log_prob_batch(module) if module is not None else build_padded_batch
+        batch = build([samples[i] for i in rows], self.pad_token_id).to(self.device)
         with autocast(self.device, self._amp):
             if part == "critic":
                 assert self.critic is not None
@@ -243,10 +257,18 @@ class TorchTrainBackend:
             move_state(self.critic_model, self.critic.optimizer, device)
 
     # -- weights and checkpoints ----------------------------------------------------------
+    def export_weights(self) -> dict[str, Tensor]:
+        """The policy's weights as engines load them, on its device, named like the HF
+        model's own state_dict (merged when training LoRA adapters)."""
+        return lora.engine_state_dict(self.model)
+
+    def save_hf(self, path: str) -> None:
+        """`export_weights` as an HF model directory (disk weight sync)."""
+        lora.save_hf(self.model, path)
+
     def state_dict_for_engine(self) -> dict[str, Tensor]:
-        """A detached CPU copy named like the HF model's own state_dict; never NaN/inf."""
-        weights = lora.engine_state_dict(self.model)  # merged when training LoRA adapters
-        state = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        """A detached CPU copy of `export_weights`; never NaN/inf."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.export_weights().items()}
         check_finite(state.items(), "weights for the engines")
         return state
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -59,8 +59,9 @@ def response_log_probs(
     Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
     and is computed off the graph.
     """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = gather_response_logits(out.logits, batch.logit_index).float()
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False)
+    logits = gather_response_logits(out.logits, batch.logit_index, batch.logit_row).float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, batch.targets)
@@ -71,6 +72,9 @@ def response_log_probs(
 BatchFn = Callable[[PaddedBatch], Tensor]
 
 
+BuildBatch = Callable[[Sequence[Sample], int], PaddedBatch]
+
+
 @torch.no_grad()
 def score_samples(
     samples: list[Sample],
@@ -78,13 +82,14 @@ def score_samples(
     max_tokens: int,
     pad_token_id: int,
     device: torch.device,
+    build: BuildBatch = build_padded_batch,
 ) -> list[Tensor]:
-    """Apply `fn` (a `[B, R]` response-space function) to micro-batches of `samples`;
-    one 1-D float32 CPU tensor per sample, trimmed to its response length."""
+    """Apply `fn` (a `[B, R]` response-space function) to micro-batches of `samples`
+    (made by `build`); one 1-D float32 CPU tensor per sample, trimmed to its response length."""
     result: list[Tensor] = [torch.empty(0)] * len(samples)
     lengths = [len(s.tokens) for s in samples]
     for mb in split_micro_batches(lengths, max_tokens):
-        batch = build_padded_batch([samples[i] for i in mb], pad_token_id).to(device)
+        batch = build([samples[i] for i in mb], pad_token_id).to(device)
         values = fn(batch).float().cpu()
         for row, i in enumerate(mb):
             result[i] = values[row, : samples[i].response_length].clone()

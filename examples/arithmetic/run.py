@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from examples.arithmetic.build_model import save_tiny_model
 from examples.arithmetic.make_data import write_datasets
@@ -26,6 +27,33 @@ def phase_config(name: str, runs_root: str, data: dict[str, str], extra: list[st
         *extra,
     ]
     return load_config(HERE / f"{name}.yaml", overrides)
+
+
+def prepare_artifacts(artifacts: str) -> tuple[dict[str, str], str]:
+    """The example's datasets and its untrained tiny model (both made once, then reused)."""
+    data = write_datasets(os.path.join(artifacts, "data"), n_train=4000, n_test=500, n_sft=1000)
+    return data, save_tiny_model(os.path.join(artifacts, "tiny-llama"))
+
+
+def run_sft(runs_root: str, data: dict[str, str], model: str) -> tuple[dict[str, Any], str]:
+    """The SFT warm start (resumed, not redone, when committed): (train result, checkpoint)."""
+    from flows.train import train
+
+    sft = phase_config("sft", runs_root, data, [
+        f"data.prompt_data={data['sft']}", f"train.model_path={model}",
+    ])
+    result = train(sft)
+    last = sft.rollout.num_rollout - 1
+    return result, os.path.join(result["run_dir"], "checkpoints", f"{last:06d}")
+
+
+def grpo_config(
+    runs_root: str, data: dict[str, str], sft_ckpt: str, extra: list[str]
+) -> RollflowConfig:
+    """The GRPO phase's config: grpo.yaml from the SFT checkpoint, then `extra` overrides."""
+    return phase_config("grpo", runs_root, data, [
+        f"data.prompt_data={data['train']}", f"train.model_path={sft_ckpt}", *extra,
+    ])
 
 
 def accuracy(evals: dict[int, dict[str, float]], version: int) -> float:
@@ -45,26 +73,18 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     t0 = time.perf_counter()
-    data = write_datasets(os.path.join(args.artifacts, "data"), n_train=4000, n_test=500, n_sft=1000)
-    model = save_tiny_model(os.path.join(args.artifacts, "tiny-llama"))
+    data, model = prepare_artifacts(args.artifacts)
     if args.fresh:
         for run in ("arithmetic-sft", "arithmetic-grpo"):
             shutil.rmtree(os.path.join(args.runs, run), ignore_errors=True)
 
     from flows.train import train
 
-    sft = phase_config("sft", args.runs, data, [
-        f"data.prompt_data={data['sft']}", f"train.model_path={model}",
-    ])
     t_sft = time.perf_counter()
-    sft_result = train(sft)
+    sft_result, sft_ckpt = run_sft(args.runs, data, model)
     t_sft = time.perf_counter() - t_sft
-    last = sft.rollout.num_rollout - 1
-    sft_ckpt = os.path.join(sft_result["run_dir"], "checkpoints", f"{last:06d}")
 
-    grpo = phase_config("grpo", args.runs, data, [
-        f"data.prompt_data={data['train']}", f"train.model_path={sft_ckpt}", *args.set,
-    ])
+    grpo = grpo_config(args.runs, data, sft_ckpt, args.set)
     t_rl = time.perf_counter()
     rl_result = train(grpo)
     t_rl = time.perf_counter() - t_rl

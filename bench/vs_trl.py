@@ -1,0 +1,313 @@
+"""rollflow vs TRL on the main job: time to held-out accuracy, side by side, one invocation.
+
+    pip install -e .[bench]            # TRL, only for this benchmark
+    python -m bench.vs_trl             # ~5 min on 2 cores; --help for the knobs
+
+Both sides start from the same checkpoint, rollflow's own SFT warm start of the arithmetic
+main job (`examples/arithmetic/run.py`: made once under `--runs`, then reused), train on the
+same RL prompts and are scored on the same 500 held-out problems (greedy, exact match) by
+one evaluator (`trl_baseline.greedy_accuracy`), on the same machine, back to back:
+
+* TRL: `GRPOTrainer`, 64 completions (8 prompts x 8) per optimizer step, fp32, no gradient
+  checkpointing (its GPU defaults are ~10x slower on a CPU); weights copied every
+  `--snapshot-every` samples (the copy is off the clock).
+* rollflow: the GRPO phase of `scripts/main.sh` (examples/arithmetic/grpo.yaml, `--set` to
+  override), a fresh run of the `train` flow with a checkpoint every `--snapshot-every`
+  samples instead of in-flow evaluation; each step's end is its `COMMITTED` marker.
+
+Clocks: seconds of training, from the first step (rollflow: the first step's start less the
+typical gap between steps, i.e. its flow-run start-up; TRL: `on_train_begin`); start-up
+(actors, model loading / trainer construction) is reported apart. CPU: seconds of every
+process doing the work (TRL: this process; rollflow: this process and its children, e.g.
+the Prefect server, plus the run's Ray actors, not Ray's own daemons). Evaluation happens
+after both runs, on the snapshots, so it costs neither side time.
+
+Prints the curves (accuracy at each sample count, with seconds and CPU seconds), a
+time-to-accuracy table and the ratio rollflow time / TRL time to reach TRL's final accuracy;
+writes `curves.png` and `results.json` under `{runs}/vs_trl/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.trl_baseline import TrlRun, evaluate_states, read_rows, run_trl
+from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft
+
+RUN_NAME = "vs-trl-rollflow"
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    samples: int
+    seconds: float
+    cpu: float
+    accuracy: float = float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    name: str
+    points: list[Point]  # the start (SFT, 0 s) first
+    startup: float
+    seconds: float
+    cpu: float
+
+
+class CpuMeter:
+    """Polls the CPU seconds (user + system) of this process tree and of processes whose
+    title starts with `prefix`: a run's Ray actors carry `ray::<run>:<role>@...` while their
+    `__init__` runs (seconds: they import torch and load models), then only their class
+    name, so a process is followed from the first time its title matches. A process that
+    exits keeps its last reading, so the sum never goes down."""
+
+    def __init__(self, prefix: str | None = None, period: float = 0.1) -> None:
+        import psutil
+
+        self._psutil, self.prefix, self.period = psutil, prefix, period
+        self.seen: dict[int, float] = {}
+        self.own = 0.0
+        self.followed: dict[int, Any] = {}
+        self.series: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _procs(self) -> list[Any]:
+        me = self._psutil.Process()
+        if self.prefix:
+            for p in self._psutil.process_iter(["cmdline"]):
+                title = " ".join(p.info["cmdline"] or [])
+                if p.pid not in self.followed and title.startswith(self.prefix):
+                    self.followed[p.pid] = p
+        return [me, *me.children(recursive=True), *self.followed.values()]
+
+    def sample(self) -> None:
+        start = time.thread_time()
+        for p in self._procs():
+            try:
+                t = p.cpu_times()
+                self.seen[p.pid] = t.user + t.system
+            except self._psutil.Error:
+                pass
+        self.own += time.thread_time() - start  # the meter's own polling is not the run's
+        self.series.append((time.time(), sum(self.seen.values()) - self.own))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def __enter__(self) -> CpuMeter:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def at(self, when: float) -> float:
+        """CPU seconds at wall time `when` (the latest reading before it)."""
+        before = [c for t, c in self.series if t <= when]
+        return before[-1] if before else self.series[0][1]
+
+
+def trl_curve(run: TrlRun, accuracies: list[float], startup: float) -> Curve:
+    """`accuracies[0]` is the SFT checkpoint's, the rest the snapshots' in order."""
+    points = [Point(0, 0.0, 0.0, accuracies[0])]
+    points += [Point(s.samples, s.seconds, s.cpu, a)
+               for s, a in zip(run.snapshots, accuracies[1:], strict=True)]
+    return Curve(f"TRL lr={run.lr:g}", points, startup, run.seconds, run.cpu)
+
+
+def rollflow_run(
+    runs: str, data: dict[str, str], sft_ckpt: str, snapshot_every: int,
+    threads: int | None, extra: list[str],
+) -> tuple[Curve, list[str]]:
+    """A fresh GRPO run of the main job's config; (curve without accuracies, checkpoints)."""
+    from flows.train import train
+
+    base = grpo_config(runs, data, sft_ckpt, extra)
+    per_step = base.rollout.rollout_batch_size * base.rollout.n_samples_per_prompt
+    if snapshot_every % per_step:
+        raise SystemExit(f"--snapshot-every {snapshot_every}: not a multiple of rollflow's "
+                         f"{per_step} samples per rollout step")
+    sets = [f"storage.run_name={RUN_NAME}", "eval.datasets=[]",
+            f"train.save_interval={snapshot_every // per_step}", *extra]
+    if threads:
+        sets.append(f"cluster.actor_num_threads={threads}")
+    cfg = grpo_config(runs, data, sft_ckpt, sets)
+    run_dir = Path(runs) / RUN_NAME
+    shutil.rmtree(run_dir, ignore_errors=True)
+    called = time.time()
+    with CpuMeter(prefix=f"ray::{RUN_NAME}:") as meter:
+        train(cfg)
+    steps = sorted((run_dir / "steps").glob("[0-9]*"))
+    committed = [(s / "COMMITTED").stat().st_mtime for s in steps]
+    started = [json.loads((s / "tasks" / "sample_prompts.json").read_text())["started_at"]
+               for s in steps]
+    gaps = sorted(b - a for a, b in zip(committed, started[1:], strict=False))
+    t0 = started[0] - (gaps[len(gaps) // 2] if gaps else 0.0)  # step 0's flow-run start-up
+    samples, points, ckpts = 0, [Point(0, 0.0, 0.0)], [sft_ckpt]
+    for step, done in zip(steps, committed, strict=True):
+        metrics = json.loads((step / "metrics.json").read_text())
+        samples += int(metrics.get("train/num_samples", per_step))
+        ckpt = run_dir / "checkpoints" / step.name
+        if (ckpt / "model.safetensors").exists():
+            points.append(Point(samples, done - t0, meter.at(done) - meter.at(t0)))
+            ckpts.append(str(ckpt))
+    end = committed[-1]
+    return Curve("rollflow", points, t0 - called, end - t0,
+                 meter.at(end) - meter.at(t0)), ckpts
+
+
+def with_accuracy(curve: Curve, accuracies: list[float]) -> Curve:
+    points = [Point(p.samples, p.seconds, p.cpu, a)
+              for p, a in zip(curve.points, accuracies, strict=True)]
+    return Curve(curve.name, points, curve.startup, curve.seconds, curve.cpu)
+
+
+def time_to(curve: Curve, accuracy: float) -> Point | None:
+    """The first evaluated point at or above `accuracy` (None: never reached)."""
+    return next((p for p in curve.points if p.accuracy >= accuracy - 1e-9), None)
+
+
+def report_curves(curves: list[Curve]) -> dict[str, Any]:
+    print("\n=== held-out exact match (500 problems, greedy) during training ===")
+    print(f"{'run':<16} {'samples':>8} {'seconds':>8} {'cpu s':>8} {'acc %':>6}")
+    for c in curves:
+        for p in c.points:
+            print(f"{c.name:<16} {p.samples:>8} {p.seconds:>8.1f} {p.cpu:>8.1f} "
+                  f"{100 * p.accuracy:>6.1f}")
+        print(f"{c.name:<16} start-up {c.startup:.1f} s; training {c.seconds:.1f} s wall, "
+              f"{c.cpu:.1f} s CPU")
+    return {}
+
+
+def report(curves: list[Curve], trl: Curve, rollflow: Curve) -> dict[str, Any]:
+    report_curves(curves)
+    final = trl.points[-1].accuracy
+    levels = sorted({round(x / 100, 2) for x in range(60, 100, 5)} | {final})
+    print("\n=== time to accuracy (s; first evaluated point at or above) ===")
+    print(f"{'acc %':>6} " + " ".join(f"{c.name:>16}" for c in curves))
+    table = []
+    for level in levels:
+        if level <= trl.points[0].accuracy:
+            continue
+        hits = [time_to(c, level) for c in curves]
+        row = " ".join(f"{p.seconds:>16.1f}" if p else f"{'-':>16}" for p in hits)
+        print(f"{100 * level:>6.1f} {row}")
+        table.append({"accuracy": level, **{c.name: (p.seconds if p else None)
+                                            for c, p in zip(curves, hits, strict=True)}})
+    ours, theirs = time_to(rollflow, final), time_to(trl, final)
+    ratio = ours.seconds / theirs.seconds if ours and theirs and theirs.seconds else None
+    cpu_ratio = ours.cpu / theirs.cpu if ours and theirs and theirs.cpu else None
+    shown = f"{ratio:.2f}x wall, {cpu_ratio:.2f}x CPU" if ratio and cpu_ratio else "not reached"
+    print(f"\nrollflow time / {trl.name} time to {trl.name}'s final {100 * final:.1f}%: {shown}")
+    return {"time_to_accuracy": table, "final_trl_accuracy": final, "ratio": ratio,
+            "cpu_ratio": cpu_ratio}
+
+
+def plot(curves: list[Curve], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(11, 4))
+    for c in curves:
+        acc = [100 * p.accuracy for p in c.points]
+        by_time.plot([p.seconds for p in c.points], acc, marker="o", label=c.name)
+        by_samples.plot([p.samples for p in c.points], acc, marker="o", label=c.name)
+    by_time.set(xlabel="training seconds (wall)", ylabel="held-out exact match %")
+    by_samples.set(xlabel="training samples", ylabel="held-out exact match %")
+    for ax in (by_time, by_samples):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("arithmetic GRPO from the same SFT checkpoint: rollflow vs TRL")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", default="./runs", help="storage root (SFT run reused here)")
+    parser.add_argument("--artifacts", default=None, help="data + model dir (the example's)")
+    parser.add_argument("--trl-steps", type=int, default=600, help="TRL optimizer steps")
+    parser.add_argument("--trl-lr", default="1e-4", help="TRL learning rate(s), comma-separated"
+                        "; the first is the one the ratio is against; '' runs rollflow alone")
+    parser.add_argument("--snapshot-every", type=int, default=2048,
+                        help="samples between evaluated snapshots (both sides)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of TRL and of each rollflow actor (default: torch's "
+                        "default for TRL, rollflow's own for rollflow: all cores)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for rollflow's GRPO phase, e.g. train.lr=2e-4")
+    args = parser.parse_args()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.runs) / "vs_trl"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"load average before: {os.getloadavg()}; torch threads here: {torch.get_num_threads()}")
+
+    from examples.arithmetic.run import HERE
+
+    data, model = prepare_artifacts(args.artifacts or str(HERE / "artifacts"))
+    _, sft_ckpt = run_sft(args.runs, data, model)
+    train_rows, test_rows = read_rows(data["train"]), read_rows(data["test"])
+    max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
+
+    trl_runs, trl_startup = [], []
+    for lr in (float(x) for x in args.trl_lr.split(",") if x):
+        t = time.perf_counter()
+        trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr, steps=args.trl_steps,
+                                snapshot_every=args.snapshot_every,
+                                max_completion_length=max_new))
+        trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
+    ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, args.threads,
+                               args.set)
+    print(f"load average after: {os.getloadavg()}; evaluating the snapshots ...")
+
+    from transformers import AutoModelForCausalLM
+
+    def from_disk(path: str) -> Any:
+        return lambda: AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+    ours = with_accuracy(ours, evaluate_states(sft_ckpt, [from_disk(c) for c in ckpts],
+                                               test_rows, max_new))
+    curves = []
+    for run, startup in zip(trl_runs, trl_startup, strict=True):
+        states = [from_disk(sft_ckpt)] + [(lambda s=s: s.state) for s in run.snapshots]
+        curves.append(trl_curve(run, evaluate_states(sft_ckpt, states, test_rows, max_new),
+                                startup))
+    curves.append(ours)
+    summary = report(curves, curves[0], ours) if trl_runs else report_curves(curves)
+    plot(curves, out / "curves.png")
+    results = {"load_average_end": os.getloadavg(), "threads": args.threads,
+               "rollflow_overrides": args.set, **summary,
+               "curves": [{"name": c.name, "startup": c.startup, "seconds": c.seconds,
+                           "cpu": c.cpu, "points": [vars_of(p) for p in c.points]}
+                          for c in curves]}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"curves: {out / 'curves.png'}\nresults: {out / 'results.json'}")
+
+
+def vars_of(p: Point) -> dict[str, float]:
+    return {"samples": p.samples, "seconds": p.seconds, "cpu": p.cpu, "accuracy": p.accuracy}
+
+
+if __name__ == "__main__":
+    main()

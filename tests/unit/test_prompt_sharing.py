@@ -1,0 +1,108 @@
+"""Shared-prompt batches: one row per prompt gives the padded batch's log-probs, entropies
+and gradients (float rounding aside), and the torch backend trains the same with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.train.batching import build_padded_batch
+from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
+from engines.train.torch_models import response_log_probs
+from storage.sample import Sample
+from tests.unit.test_torch_backend import make_backend
+
+TOL = 1e-5
+
+
+def grouped_samples(groups: int, per_group: int, seed: int = 0) -> list[Sample]:
+    """`groups` prompts of different lengths, `per_group` responses each (lengths 0..5, one
+    masked token now and then), interleaved so that a group's samples are not adjacent."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 70, (2 + k,), generator=g).tolist() for k in range(groups)]
+    out = []
+    for j in range(per_group):
+        for k, prompt in enumerate(prompts):
+            r = int(torch.randint(0, 6, (1,), generator=g))
+            response = torch.randint(4, 70, (r,), generator=g).tolist()
+            mask = [int(t % 5 != 0) for t in response]
+            out.append(Sample(index=len(out), group_index=k, tokens=prompt + response,
+                              response_length=r, loss_mask=mask, reward=float(j % 2)))
+    return out
+
+
+def test_one_row_per_prompt_and_the_mask_by_hand() -> None:
+    a = Sample(index=0, group_index=0, tokens=[5, 6, 7, 8], response_length=2, loss_mask=[1, 0])
+    b = Sample(index=1, group_index=0, tokens=[5, 6, 9], response_length=1, loss_mask=[1])
+    c = Sample(index=2, group_index=1, tokens=[10, 11], response_length=1, loss_mask=[1])
+    batch = build_shared_prompt_batch([a, b, c], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]]
+    assert batch.position_ids is not None and batch.logit_row is not None
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    # a's tokens 7, 8 are predicted at positions 1 (prompt end) and 2; b's 9 at 1; c's 11 at 0
+    assert batch.logit_row.tolist() == [[0, 0], [0, 0], [1, 0]]
+    assert batch.logit_index.tolist() == [[1, 2], [1, 0], [0, 0]]
+    assert batch.targets.tolist() == [[7, 8], [9, 0], [11, 0]]
+    assert batch.loss_mask.tolist() == [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]
+    mask = batch.attention_mask[0, 0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # a's first token: the prompt and itself
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # b's token: the prompt and itself, not a's response
+    ]
+    assert batch.attention_mask[1, 0, 4].int().tolist() == [1, 0, 0, 0, 0]  # padding: prompt
+    assert batch.num_tokens == 5 + 2
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_log_probs_entropy_and_gradients_match_the_padded_batch(
+    tiny_model_dir: str, entropy_grad: bool
+) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert supports_prompt_sharing(model)
+    samples = grouped_samples(groups=3, per_group=5)
+    results = []
+    for build in (build_padded_batch, build_shared_prompt_batch):
+        batch = build(samples, 0)
+        model.zero_grad()
+        lp, ent = response_log_probs(model, batch, temperature=0.8, entropy_grad=entropy_grad)
+        loss = (lp * batch.loss_mask).sum() + (ent * batch.loss_mask).sum()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        mask = batch.response_mask.bool()
+        results.append((lp[mask], ent[mask], grads))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    assert lp0.numel() == sum(s.response_length for s in samples)
+    torch.testing.assert_close(lp1, lp0, atol=TOL, rtol=0)
+    torch.testing.assert_close(ent1, ent0, atol=TOL, rtol=0)
+    torch.testing.assert_close(g1, g0, atol=TOL, rtol=1e-4)
+
+
+def test_eager_attention_is_not_shared(tiny_model_dir: str) -> None:
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    assert not supports_prompt_sharing(eager)
+
+
+def test_backend_trains_the_same_with_and_without_sharing(tiny_model_dir: str) -> None:
+    """Two optimizer steps (the second with stored old log-probs) from one start: same
+    metrics and weights whichever way micro-batches are laid out."""
+    samples = grouped_samples(groups=4, per_group=4, seed=1)
+    for s in samples:
+        s.status = "completed"
+    runs = []
+    for share in (False, True):
+        backend = make_backend(tiny_model_dir, share_prompts=share, global_batch_size=8,
+                               max_tokens_per_micro_batch=60)
+        metrics = backend.train(samples, rollout_id=0)
+        runs.append((metrics, torch.cat([p.detach().flatten() for p in backend.model.parameters()])))
+    (m0, w0), (m1, w1) = runs
+    assert m0["num_optimizer_steps"] == 2.0
+    for key in ("loss", "pg_loss", "entropy", "approx_kl", "grad_norm"):
+        assert m1[key] == pytest.approx(m0[key], abs=1e-5), key
+    # Adam divides by sqrt(v): where a gradient is ~0, rounding moves a weight by up to a
+    # fraction of lr (1e-3), so weights agree to 5% of one step, not to float precision
+    torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)
