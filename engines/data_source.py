@@ -5,14 +5,20 @@ recycled groups wait there), then from the dataset, epoch by epoch, shuffled per
 seed derived from (seed, epoch). Each group is `n_samples_per_prompt` deep copies of one prompt with
 consecutive global sample indices. The state (epoch, offset, counters, buffer) is saved per
 rollout_id so a resumed run draws exactly the same groups as an uninterrupted one.
+
+The dataset is a `PromptSource`: rows become Samples only when drawn (`take`), so the epoch
+order is a numpy permutation of row numbers, not a list of prompts. A row the source drops
+(a prompt too long for the model) is skipped and counted, and the draw goes on to the next.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from storage.batch_io import read_samples, write_samples
 from storage.run_layout import RunLayout
@@ -28,13 +34,46 @@ def pop_first(args: Any, rollout_id: int, buffer: list[Group], num_samples: int)
     return taken
 
 
+class PromptSource(Protocol):
+    """Rows drawn by number (`engines.prompt_dataset.PromptDataset`, or a list of Samples)."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> list[Sample | None]:
+        """The Samples of rows `indices`, in order; None for a row the source drops."""
+        ...
+
+
+class SamplePrompts:
+    """A list of Samples as a PromptSource (tests, and sets built in memory)."""
+
+    def __init__(self, samples: Sequence[Sample]) -> None:
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> list[Sample | None]:
+        return [self.samples[int(i)] for i in indices]
+
+
 @dataclass
 class DataSourceState:
     epoch_id: int = 0
-    sample_offset: int = 0
+    sample_offset: int = 0  # rows of this epoch's order consumed (drawn or dropped)
     sample_index: int = 0
     group_index: int = 0
     rollout_id: int = -1  # the step whose draws this state includes
+    rows_dropped: int = 0  # rows skipped so far because the source dropped them
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """Row numbers in the order epoch `epoch` draws them: a permutation seeded by a stable
+    hash of (seed, epoch), the same in every process and on every resume."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    digest = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(n)
 
 
 def groups_in_order(samples: list[Sample]) -> list[Group]:
@@ -48,16 +87,18 @@ def groups_in_order(samples: list[Sample]) -> list[Group]:
 class RolloutDataSourceWithBuffer:
     def __init__(
         self,
-        prompts: list[Sample],
+        prompts: PromptSource | Sequence[Sample],
         n_samples_per_prompt: int,
         seed: int = 42,
         shuffle: bool = True,
         buffer_filter: BufferFilter = pop_first,
         hook_args: Any = None,
     ) -> None:
-        if not prompts:
+        if not len(prompts):
             raise ValueError("the prompt dataset is empty")
-        self.prompts = prompts
+        self.prompts: PromptSource = (
+            SamplePrompts(prompts) if isinstance(prompts, Sequence) else prompts
+        )
         self.n_samples_per_prompt = n_samples_per_prompt
         self.seed = seed
         self.shuffle = shuffle
@@ -65,26 +106,38 @@ class RolloutDataSourceWithBuffer:
         self.hook_args = hook_args
         self.buffer: list[Group] = []
         self.state = DataSourceState()
-        self._order = self._epoch_order(0)
+        self._order_epoch = -1
+        self._order = np.zeros(0, np.int64)
 
     # -- drawing -------------------------------------------------------------------------
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        if self.shuffle:
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
+    def _epoch_rows(self) -> np.ndarray:
+        """This epoch's order, computed once per epoch (not on every state load)."""
+        if self._order_epoch != self.state.epoch_id:
+            self._order = epoch_order(len(self.prompts), self.seed, self.state.epoch_id,
+                                      self.shuffle)
+            self._order_epoch = self.state.epoch_id
+        return self._order
 
     def _next_prompts(self, n: int) -> list[Sample]:
         out: list[Sample] = []
+        misses = 0  # rows dropped since the last usable one
         while len(out) < n:
-            if self.state.sample_offset >= len(self._order):
+            if self.state.sample_offset >= len(self.prompts):
                 self.state.epoch_id += 1
                 self.state.sample_offset = 0
-                self._order = self._epoch_order(self.state.epoch_id)
-            take = min(n - len(out), len(self._order) - self.state.sample_offset)
             start = self.state.sample_offset
-            out.extend(self.prompts[i] for i in self._order[start : start + take])
-            self.state.sample_offset += take
+            rows = self._epoch_rows()[start : start + n - len(out)]
+            for prompt in self.prompts.take(rows):
+                self.state.sample_offset += 1
+                if prompt is None:
+                    self.state.rows_dropped += 1
+                    misses += 1
+                else:
+                    out.append(prompt)
+                    misses = 0
+            if misses >= len(self.prompts):
+                raise ValueError(f"no usable prompt in {misses} rows drawn in a row: every "
+                                 "row of the prompt set is dropped (too long for the model?)")
         return out
 
     def _make_group(self, prompt: Sample) -> Group:
@@ -163,11 +216,9 @@ class RolloutDataSourceWithBuffer:
         self.buffer = groups_in_order(read_samples(layout.store, *buffer_parts))
         if len(self.buffer) != meta.get("buffer_groups", len(self.buffer)):
             raise ValueError(f"datasource {rollout_id}: buffer file does not match its state")
-        self._order = self._epoch_order(self.state.epoch_id)
         return meta
 
     def reset(self) -> None:
         """Back to the state of a fresh run (used when resuming at step 0)."""
         self.state = DataSourceState()
         self.buffer = []
-        self._order = self._epoch_order(0)

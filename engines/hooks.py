@@ -30,6 +30,7 @@ HOOKS: dict[str, type] = {
     "rollout.sample_filter_path": p.SampleFilterFn,
     "algorithm.custom_loss_function_path": p.CustomLossFn,
     "algorithm.custom_advantage_function_path": p.CustomAdvantageFn,
+    "eval.eval_function_path": p.EvalFn,
 }
 
 

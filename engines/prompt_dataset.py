@@ -1,46 +1,33 @@
-"""Prompt datasets (jsonl or parquet) loaded into pending Samples.
+"""Prompt sets as pending Samples: opened lazily, rows turned into Samples when drawn.
 
-Rows are validated while loading, so a bad row fails at start-up with its file, line and
-field instead of deep inside a rollout hours later.
+`open_prompt_dataset` keeps the rows where `engines.prompt_files` put them (Arrow, or raw
+JSON lines) and `PromptDataset.take(rows)` checks, renders and tokenizes just those rows, so a
+multi-million-row set costs no more start-up than a small one. `check_prompt_dataset` is the
+driver's check before step 0 (every row's fields; the first `data.preflight_token_rows` rows
+through the tokenizer too); `load_prompt_samples` reads a whole (small) set, e.g. an eval set.
+A bad row fails with its file, line and field whenever it is read.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
+from engines.prompt_checks import FieldReport, check_fields
+from engines.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
+from engines.rollout.config import DataConfig
+from storage.config import StorageConfig
 from storage.sample import Sample
 
+__all__ = ["DatasetError", "DatasetSpec", "DatasetCheck", "LoadedPrompts", "PromptDataset",
+           "check_prompt_dataset", "data_spec", "load_prompt_samples", "model_context", "open_prompt_dataset",
+           "prompt_limit"]
+
 logger = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """A bad dataset file or row; `line` 0 means the whole file, a `field` in parentheses
-    (`(file)`, `(row)`) the file or row as a whole."""
-
-    def __init__(self, path: str, line: int, field: str, problem: str) -> None:
-        super().__init__(f"{_location(path, line, field)}: {problem}")
-        self.path, self.line, self.field, self.problem = path, line, field, problem
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt from the init arguments: the default pickles `args` (the one message),
-        # which this __init__ cannot take, and Ray would show `UnserializableException`.
-        return type(self), (self.path, self.line, self.field, self.problem), vars(self)
-
-
-def _location(path: str, line: int, field: str) -> str:
-    """`train.jsonl, line 3, field 'prompt'`; parquet rows are rows, not lines, and the
-    placeholders for a whole file or row are left out (`train.jsonl: no rows`)."""
-    where = path
-    if line:
-        where += f", {'row' if Path(path).suffix.lower() == '.parquet' else 'line'} {line}"
-    if not field.startswith("("):
-        where += f", field {field!r}"
-    return where
 
 
 class PromptTokenizer(Protocol):
@@ -50,90 +37,10 @@ class PromptTokenizer(Protocol):
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
-    path: str
-    input_key: str = "prompt"
-    label_key: str | None = "label"
-    metadata_key: str | None = "metadata"
-    apply_chat_template: bool = False
-    max_prompt_len: int | None = None
-    config_key: str = "data"
-    """The config section these settings came from (e.g. `eval.datasets[0]`), so that an
-    error names the key the user has to change."""
-
-
-@dataclass(frozen=True)
 class LoadedPrompts:
     samples: list[Sample]
     dropped_too_long: int
     """Rows dropped for prompts over `max_prompt_len` tokens: reported, never silent."""
-
-
-def iter_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, row) pairs; line numbers are 1-based file lines (row numbers for
-    parquet)."""
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        yield from _jsonl_rows(path)
-    elif suffix == ".parquet":
-        yield from enumerate(_read_parquet(path).to_pylist(), start=1)
-    else:
-        raise DatasetError(path, 0, "(file)", "expected a .jsonl or .parquet file")
-
-
-def _jsonl_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    try:
-        data = Path(path).read_bytes()  # bytes, so that a decoding error has an exact line
-    except OSError as e:
-        raise DatasetError(path, 0, "(file)", e.strerror or str(e)) from None
-    for lineno, raw in enumerate(data.splitlines(), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DatasetError(path, lineno, "(row)", "not UTF-8 text") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            # e's own "line 1 column 21" would read as another line of the file
-            raise DatasetError(path, lineno, "(row)",
-                               f"not valid JSON at column {e.colno}: {e.msg}") from None
-        if not isinstance(row, dict):
-            hint = " (one per line: JSON Lines, not a JSON array)" if isinstance(row, list) else ""
-            raise DatasetError(path, lineno, "(row)", f"a row must be a JSON object{hint}")
-        yield lineno, row
-
-
-def _read_parquet(path: str) -> Any:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path)
-    except OSError as e:
-        raise DatasetError(path, 0, "(file)", e.strerror or str(e)) from None
-    except pa.ArrowException as e:
-        raise DatasetError(path, 0, "(file)", f"not a readable parquet file: {e}") from None
-
-
-def _check_columns(spec: DatasetSpec) -> None:
-    """A parquet file without the prompt column fails once, listing what it has, instead of
-    once per row."""
-    if Path(spec.path).suffix.lower() != ".parquet":
-        return
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        columns = pq.read_schema(spec.path).names
-    except (OSError, pa.ArrowException):  # unreadable: _read_parquet says why
-        return
-    if spec.input_key not in columns:
-        raise DatasetError(
-            spec.path, 0, spec.input_key,
-            f"no such column; columns: {columns} (set {spec.config_key}.input_key)",
-        )
 
 
 def _check_messages(path: str, line: int, field: str, prompt: list[Any]) -> None:
@@ -146,21 +53,21 @@ def _is_blank(content: Any) -> bool:
     return content is None or (isinstance(content, str) and not content.strip())
 
 
-def _check_prompt(spec: DatasetSpec, line: int, prompt: Any) -> None:
+def _check_prompt(spec: DatasetSpec, file: str, line: int, prompt: Any) -> None:
     """Reject prompts that would fail (or train on nothing) only once a step generates."""
     if isinstance(prompt, list):
-        _check_messages(spec.path, line, spec.input_key, prompt)
+        _check_messages(file, line, spec.input_key, prompt)
         if all(_is_blank(m["content"]) for m in prompt):
-            raise DatasetError(spec.path, line, spec.input_key, "empty prompt")
+            raise DatasetError(file, line, spec.input_key, "empty prompt")
         if not spec.apply_chat_template:
             raise DatasetError(
-                spec.path, line, spec.input_key,
+                file, line, spec.input_key,
                 f"chat messages need {spec.config_key}.apply_chat_template: true",
             )
     elif not isinstance(prompt, str):
-        raise DatasetError(spec.path, line, spec.input_key, "must be a string or messages")
+        raise DatasetError(file, line, spec.input_key, "must be a string or messages")
     elif _is_blank(prompt):
-        raise DatasetError(spec.path, line, spec.input_key, "empty prompt")
+        raise DatasetError(file, line, spec.input_key, "empty prompt")
 
 
 def _check_chat_template(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> None:
@@ -174,7 +81,8 @@ def _check_chat_template(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -
         )
 
 
-def _render_chat(spec: DatasetSpec, line: int, prompt: Any, tokenizer: PromptTokenizer) -> Any:
+def _render_chat(spec: DatasetSpec, file: str, line: int, prompt: Any,
+                 tokenizer: PromptTokenizer) -> Any:
     """The row through the chat template; a template that cannot render it (e.g. one that
     raises on a system role, or on roles that do not alternate) fails with its line."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -183,53 +91,91 @@ def _render_chat(spec: DatasetSpec, line: int, prompt: Any, tokenizer: PromptTok
     except Exception as e:  # jinja2's TemplateError, transformers' ValueError, ...
         problem = (str(e).strip().splitlines() or [""])[0]
         raise DatasetError(
-            spec.path, line, spec.input_key,
+            file, line, spec.input_key,
             f"the chat template cannot render it ({spec.config_key}.apply_chat_template): "
             f"{type(e).__name__}: {problem}",
         ) from None
 
 
-def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> LoadedPrompts:
-    """Pending samples, one per usable row; `tokens` holds the prompt ids when a tokenizer
-    is given. Prompts over `max_prompt_len` tokens are dropped, as slime does, and counted
-    (a warning, and `LoadedPrompts.dropped_too_long`)."""
-    _check_columns(spec)
+def check_row(spec: DatasetSpec, file: str, line: int, row: dict[str, Any]) -> dict[str, Any]:
+    """Raise unless the row's fields are usable; returns its metadata (empty if none)."""
+    if spec.input_key not in row:
+        raise DatasetError(file, line, spec.input_key, f"missing (set {spec.config_key}.input_key)")
+    _check_prompt(spec, file, line, row[spec.input_key])
+    if spec.label_key is not None:
+        label = row.get(spec.label_key)
+        if label is not None and not isinstance(label, str | int | float):
+            raise DatasetError(file, line, spec.label_key, "must be a string or number")
+    metadata = row.get(spec.metadata_key) if spec.metadata_key is not None else None
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise DatasetError(file, line, str(spec.metadata_key), "must be an object")
+    return metadata
+
+
+def to_sample(spec: DatasetSpec, tokenizer: PromptTokenizer | None, file: str, line: int,
+              row: dict[str, Any], source_file: bool = False) -> Sample | None:
+    """The row as a pending Sample (`tokens`: the prompt ids when a tokenizer is given);
+    None when its prompt is over `max_prompt_len` tokens (dropped, as slime does)."""
+    metadata = check_row(spec, file, line, row)
+    prompt = row[spec.input_key]
+    raw_label = row.get(spec.label_key) if spec.label_key is not None else None
+    text = prompt
+    if spec.apply_chat_template and tokenizer is not None:
+        text = _render_chat(spec, file, line, prompt, tokenizer)
+    tokens = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
+    if spec.max_prompt_len is not None and len(tokens) > spec.max_prompt_len:
+        return None
+    where = {"source_line": line, **({"source_file": file} if source_file else {})}
+    return Sample(index=-1, group_index=-1, prompt=text, tokens=tokens,
+                  label=None if raw_label is None else str(raw_label),
+                  metadata={**metadata, **where})
+
+
+class PromptDataset:
+    """A prompt set whose rows become Samples only when taken (`take`), for the data source.
+    Holds the rows as `engines.prompt_files` opened them, never a list of Samples."""
+
+    def __init__(self, spec: DatasetSpec, tokenizer: PromptTokenizer | None,
+                 rows: PromptRows) -> None:
+        self.spec, self.tokenizer, self.rows = spec, tokenizer, rows
+        self.multi_file = len(rows.shards) > 1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> list[Sample | None]:
+        """Samples of rows `indices`, in order; None for a row dropped as too long."""
+        return [to_sample(self.spec, self.tokenizer, file, line, row, self.multi_file)
+                for file, line, row in self.rows.rows(indices)]
+
+
+def open_prompt_dataset(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> PromptDataset:
+    """The set at `spec.path`, opened without reading its rows into Python objects."""
     _check_chat_template(spec, tokenizer)
-    samples: list[Sample] = []
-    rows = dropped = 0
-    for line, row in iter_rows(spec.path):
-        rows += 1
-        if spec.input_key not in row:
-            raise DatasetError(
-                spec.path, line, spec.input_key, f"missing (set {spec.config_key}.input_key)"
-            )
-        prompt = row[spec.input_key]
-        _check_prompt(spec, line, prompt)
-        label = None
-        if spec.label_key is not None and spec.label_key in row:
-            raw_label = row[spec.label_key]
-            if raw_label is not None and not isinstance(raw_label, str | int | float):
-                raise DatasetError(spec.path, line, spec.label_key, "must be a string or number")
-            label = None if raw_label is None else str(raw_label)
-        metadata: dict[str, Any] = {}
-        if spec.metadata_key is not None and row.get(spec.metadata_key) is not None:
-            metadata = row[spec.metadata_key]
-            if not isinstance(metadata, dict):
-                raise DatasetError(spec.path, line, spec.metadata_key, "must be an object")
-        text = prompt
-        if spec.apply_chat_template and tokenizer is not None:
-            text = _render_chat(spec, line, prompt, tokenizer)
-        tokens = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
-        if spec.max_prompt_len is not None and len(tokens) > spec.max_prompt_len:
-            dropped += 1
-            continue
-        samples.append(
-            Sample(index=-1, group_index=-1, prompt=text, tokens=tokens, label=label,
-                   metadata={**metadata, "source_line": line})
-        )
-    if rows == 0:
+    rows = open_rows(spec)
+    if not len(rows):
         raise DatasetError(spec.path, 0, "(file)", "no rows")
-    if not samples:  # before the warning, which would otherwise be the first line a user sees
+    return PromptDataset(spec, tokenizer, rows)
+
+
+def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
+                        limit: int | None = None) -> LoadedPrompts:
+    """Pending samples, one per usable row (of the first `limit`), all in memory: for sets
+    read whole, like eval sets. Prompts over `max_prompt_len` tokens are dropped and counted
+    (a warning, and `LoadedPrompts.dropped_too_long`)."""
+    dataset = open_prompt_dataset(spec, tokenizer)
+    samples = [s for batch in dataset.rows.batches(limit=limit) for s in (
+        to_sample(spec, tokenizer, f, line, row, dataset.multi_file) for f, line, row in batch
+    ) if s is not None]
+    rows = min(len(dataset), limit or len(dataset))
+    _report_drops(spec, rows, rows - len(samples))
+    return LoadedPrompts(samples, rows - len(samples))
+
+
+def _report_drops(spec: DatasetSpec, rows: int, dropped: int) -> None:
+    if rows and dropped == rows:  # before the warning, which would be the first line read
         raise DatasetError(
             spec.path, 0, spec.input_key,
             f"no usable rows: all {rows} prompts are longer than {spec.max_prompt_len} tokens",
@@ -237,7 +183,59 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None) ->
     if dropped:
         logger.warning("%s: dropped %d of %d prompts longer than %d tokens",
                        spec.path, dropped, rows, spec.max_prompt_len)
-    return LoadedPrompts(samples, dropped)
+
+
+@dataclass(frozen=True)
+class DatasetCheck:
+    """What the check before step 0 found in one prompt set."""
+
+    fields: FieldReport
+    tokenized: int
+    """Rows rendered and tokenized (all of a set up to `token_rows` rows)."""
+    dropped_too_long: int
+    """Of those, prompts over `max_prompt_len` tokens (the rollout actor skips them)."""
+
+    @property
+    def rows(self) -> int:
+        return self.fields.rows
+
+    @property
+    def usable(self) -> int:
+        """Rows a step can draw, as far as the tokenized rows tell."""
+        return self.rows - self.dropped_too_long
+
+
+def check_prompt_dataset(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
+                         token_rows: int | None = None) -> DatasetCheck:
+    """Every row's fields (vectorised where the columns allow), then the first `token_rows`
+    rows (None: all) through the chat template and tokenizer, counting prompts too long.
+    The rows past `token_rows` are rendered when drawn: a too-long one is skipped then, a
+    template error fails the step that draws it, naming its row."""
+    dataset = open_prompt_dataset(spec, tokenizer)
+    fields = check_fields(dataset.rows, spec, check_row)
+    tokenized = dropped = 0
+    if tokenizer is not None:
+        for batch in dataset.rows.batches(limit=token_rows):
+            tokenized += len(batch)
+            dropped += sum(to_sample(spec, tokenizer, f, line, row) is None
+                           for f, line, row in batch)
+        if tokenized == fields.rows:
+            _report_drops(spec, tokenized, dropped)
+        elif dropped:
+            logger.warning("%s: %d of the first %d prompts are longer than %d tokens (the rest "
+                           "are checked when drawn)", spec.path, dropped, tokenized,
+                           spec.max_prompt_len)
+    return DatasetCheck(fields, tokenized, dropped)
+
+
+def data_spec(data: DataConfig, storage: StorageConfig, max_prompt_len: int | None) -> DatasetSpec:
+    """How the training set is read: the data section's keys, s3:// through `storage`."""
+    return DatasetSpec(
+        path=data.prompt_data, input_key=data.input_key, label_key=data.label_key,
+        metadata_key=data.metadata_key, apply_chat_template=data.apply_chat_template,
+        max_prompt_len=max_prompt_len, config_key="data", split=data.split,
+        endpoint_url=storage.endpoint_url, storage_options=dict(storage.storage_options),
+    )
 
 
 def model_context(model_path: str | None) -> int | None:

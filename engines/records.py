@@ -98,20 +98,25 @@ class SamplePromptsRecord(StageRecord):
     epoch: int | None = None
     """The data source's epoch after drawing (None in `rollout.debug_train_only`)."""
     debug_train_only: bool = False
+    rows_dropped: int | None = None
+    """Dataset rows skipped so far, as drawn, for prompts too long for the model (None: none)."""
 
     def to_json(self) -> dict[str, Any]:
         return {**_present(uri=self.uri), "groups": self.groups,
-                **_present(epoch=self.epoch, debug_train_only=self.debug_train_only),
+                **_present(epoch=self.epoch, debug_train_only=self.debug_train_only,
+                           rows_dropped=self.rows_dropped),
                 **self.timing_json()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         return cls(groups=data["groups"], uri=data.get("uri"), epoch=data.get("epoch"),
-                   debug_train_only=bool(data.get("debug_train_only")), **timing_of(data))
+                   debug_train_only=bool(data.get("debug_train_only")),
+                   rows_dropped=data.get("rows_dropped"), **timing_of(data))
 
     def to_metrics(self) -> Metrics:
         own = {"groups": self.groups,
-               **_present(epoch=self.epoch, debug_train_only=self.debug_train_only)}
+               **_present(epoch=self.epoch, debug_train_only=self.debug_train_only,
+                          rows_dropped=self.rows_dropped)}
         return {**{f"sample_prompts/{k}": v for k, v in own.items()}, **self.timing_metrics()}
 
 

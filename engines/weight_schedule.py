@@ -45,8 +45,14 @@ def pushes_weights(cfg: ScheduleConfig, rollout_id: int) -> bool:
     after = rollout_id + 1
     if after % cfg.train.update_weights_interval == 0 or after >= cfg.rollout.num_rollout:
         return True
+    return evaluates_after(cfg, rollout_id)
+
+
+def evaluates_after(cfg: ScheduleConfig, rollout_id: int) -> bool:
+    """Whether the weights step `rollout_id` trains (version rollout_id + 1) are evaluated:
+    every `eval.eval_interval` steps, when the run evaluates at all."""
     interval = cfg.eval.eval_interval
-    return bool(cfg.eval.datasets and interval and after % interval == 0)
+    return bool(cfg.eval.enabled and interval and (rollout_id + 1) % interval == 0)
 
 
 def oldest_trainable_version(cfg: ScheduleConfig, rollout_id: int) -> int | None:

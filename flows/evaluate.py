@@ -30,8 +30,9 @@ def eval_config(config: RollflowConfig) -> RollflowConfig:
 @flow(name="evaluate", flow_run_name="evaluate-{config.storage.run_name}", persist_result=False)
 def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[str, Any]:
     """`weight_version` None: the newest committed one (the weights after the last step)."""
-    if not config.eval.datasets:
-        raise ConfigError("eval.datasets is empty: nothing to evaluate")
+    if not config.eval.enabled:
+        raise ConfigError("eval.datasets is empty and eval.eval_function_path unset: nothing "
+                          "to evaluate")
     connect(config.cluster)
     layout = open_layout(config)
     newest = layout.next_rollout_id()

@@ -20,14 +20,21 @@ from typing import Any
 
 from engines.cluster.head import warn_if_public
 from engines.hooks import load_hook, validate_hooks
-from engines.prompt_dataset import DatasetSpec, load_prompt_samples, model_context, prompt_limit
+from engines.prompt_checks import FieldReport
+from engines.prompt_dataset import (
+    DatasetCheck,
+    DatasetSpec,
+    check_prompt_dataset,
+    data_spec,
+    model_context,
+    prompt_limit,
+)
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.protocols import RewardFn
 from engines.rollout.rewards.hub import RewardHub, builtin_reward
 from flows.config import ConfigError, EvalDataset, RollflowConfig
 from flows.config_paths import MODEL_FIELDS, is_uri
 from storage.run_layout import RunLayout
-from storage.sample import Sample
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +86,17 @@ def checked_prompt_limit(cfg: RollflowConfig, context: int | None) -> int | None
     return limit
 
 
-def _load(spec: DatasetSpec, tokenizer: Any) -> tuple[list[Sample], int]:
-    loaded = load_prompt_samples(spec, tokenizer)
-    return list(loaded.samples), loaded.dropped_too_long
+def _check(cfg: RollflowConfig, spec: DatasetSpec, tokenizer: Any) -> DatasetCheck:
+    return check_prompt_dataset(spec, tokenizer, cfg.data.preflight_token_rows)
+
+
+def is_pattern(path: str) -> bool:
+    """A glob of shards (`data/train-*.parquet`): it exists when it matches something."""
+    return any(c in path for c in "*?[")
 
 
 def input_files(cfg: RollflowConfig) -> dict[str, str]:
-    """Config key -> local file or directory the run reads (URIs and hub ids excluded)."""
+    """Config key -> local file, directory or glob the run reads (URIs and hub ids excluded)."""
     files = {"data.prompt_data": cfg.data.prompt_data}
     files.update({f"eval.datasets[{i}].path": ds.path for i, ds in enumerate(cfg.eval.datasets)})
     if cfg.rollout.debug_rollout_data:
@@ -100,7 +111,8 @@ def input_files(cfg: RollflowConfig) -> dict[str, str]:
 
 def check_files_exist(cfg: RollflowConfig) -> None:
     missing = [f"{key}: no such file or directory: {path}"
-               for key, path in input_files(cfg).items() if not os.path.exists(path)]
+               for key, path in input_files(cfg).items()
+               if not (glob.glob(path) if is_pattern(path) else os.path.exists(path))]
     if missing:
         raise ConfigError("\n".join(missing))
 
@@ -134,19 +146,17 @@ def check_storage(cfg: RollflowConfig) -> RunLayout:
     return layout
 
 
-def check_rewards(cfg: RollflowConfig, hub: RewardHub, samples: list[Sample]) -> None:
-    """Every training sample has a reward function: the run's, or its metadata.rm_type."""
+def check_rewards(cfg: RollflowConfig, hub: RewardHub, fields: FieldReport) -> None:
+    """Every training row has a reward function: the run's, or its metadata.rm_type."""
     if cfg.rollout.function_path or cfg.rollout.debug_train_only or hub.configured:
         return
-    for s in samples:
-        if not s.metadata.get("rm_type"):
-            raise ConfigError(
-                "rollout.rm_type: no reward function (set rollout.rm_type or "
-                f"rollout.custom_rm_path); {cfg.data.prompt_data}, line "
-                f"{s.metadata.get('source_line')} has no metadata.rm_type either"
-            )
-    for s in samples:
-        hub.for_sample(s)  # an unknown per-row rm_type fails here, naming its line
+    if fields.without_rm_type is not None:
+        raise ConfigError(
+            "rollout.rm_type: no reward function (set rollout.rm_type or "
+            f"rollout.custom_rm_path); {fields.without_rm_type} has no metadata.rm_type either"
+        )
+    for rm_type, where in fields.rm_types.items():  # an unknown one fails, naming its row
+        builtin_reward(rm_type, f"{where}, metadata.rm_type", hub.remote)
 
 
 def check_eval_reward(ds: EvalDataset, index: int, hub: RewardHub) -> None:
@@ -174,26 +184,22 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
     hub = RewardHub.from_config(cfg.rollout)
     tokenizer, context = load_tokenizer_and_context(cfg)
     limit = checked_prompt_limit(cfg, context)
-    d = cfg.data
-    spec = DatasetSpec(path=d.prompt_data, input_key=d.input_key, label_key=d.label_key,
-                       metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
-                       max_prompt_len=limit, config_key="data")
-    samples, dropped = _load(spec, tokenizer)  # a drop is logged there, with the count
-    check_rewards(cfg, hub, samples)
+    checked = _check(cfg, data_spec(cfg.data, cfg.storage, limit), tokenizer)  # logs drops
+    check_rewards(cfg, hub, checked.fields)
     groups_needed = cfg.rollout.submit_batch_size
     generation_loop = not (cfg.rollout.debug_train_only or cfg.rollout.function_path)
-    if generation_loop and len(samples) < groups_needed:
+    if generation_loop and checked.usable < groups_needed:
         log.warning("%s: %d usable prompts, fewer than the %d groups a step draws; prompts "
-                    "repeat within a step", d.prompt_data, len(samples), groups_needed)
+                    "repeat within a step", cfg.data.prompt_data, checked.usable, groups_needed)
     eval_prompts = {}
     for i, ds in enumerate(cfg.eval.datasets):
         check_eval_reward(ds, i, hub)
-        eval_samples, eval_dropped = _load(eval_spec(ds, i, limit), tokenizer)
-        if eval_dropped:
+        evals = _check(cfg, eval_spec(ds, i, limit, cfg.storage), tokenizer)
+        if evals.dropped_too_long:
             log.warning("eval.datasets[%d] (%s): %d prompts longer than %d tokens will get no "
-                        "room to answer", i, ds.path, eval_dropped, limit)
-        eval_prompts[ds.name] = len(eval_samples) + eval_dropped
-    return PreflightReport(len(samples), dropped, limit, eval_prompts,
+                        "room to answer", i, ds.path, evals.dropped_too_long, limit)
+        eval_prompts[ds.name] = evals.rows
+    return PreflightReport(checked.usable, checked.dropped_too_long, limit, eval_prompts,
                            time.perf_counter() - start)
 
 

@@ -16,6 +16,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 
 from engines.cluster.actors import get_or_create_actors
 from engines.cluster.head import connect
+from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.reporting import publish_step_report
 from storage.run_layout import RunLayout
@@ -92,4 +93,6 @@ def _run_stages(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
     if pipelined:
         gates.wait_for_next_generate(ctx.layout, ctx.cfg, rollout_id)
     pushed = t.broadcast_weights(ctx, rollout_id)
+    if pipelined and evaluates_after(ctx.cfg, rollout_id):  # see tasks/step_gates.py
+        t.evaluate(ctx, rollout_id + 1)
     return t.commit(ctx, rollout_id, [sampled, generated, filtered, rewarded, trained, pushed])

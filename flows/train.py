@@ -19,6 +19,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
+from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
@@ -109,7 +110,7 @@ def train(config: RollflowConfig) -> dict[str, Any]:
     save_config(layout, config)
     ctx, start, restored = start_run(config, layout)
 
-    evaluate_now = bool(config.eval.datasets)
+    evaluate_now = config.eval.enabled
     if evaluate_now and config.eval.before_train:
         t.evaluate(ctx, start)
     total = config.rollout.num_rollout
@@ -125,8 +126,7 @@ def train(config: RollflowConfig) -> dict[str, Any]:
         bar.update(1)
         bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
         update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
-        interval = config.eval.eval_interval
-        if evaluate_now and interval and (rollout_id + 1) % interval == 0 and not pipelined:
+        if evaluates_after(config, rollout_id) and not pipelined:  # (async: in the step)
             t.evaluate(ctx, rollout_id + 1)
 
     pipelined = config.rollout.off_policy_async

@@ -69,8 +69,9 @@ class Sample:
 
     def describe(self) -> str:
         """How errors name this sample: its index and the dataset line of its prompt."""
-        line = self.metadata.get("source_line")
-        return f"sample {self.index}" + (f" (prompt line {line})" if line is not None else "")
+        line, file = self.metadata.get("source_line"), self.metadata.get("source_file")
+        where = f"prompt line {line}" + (f" of {file}" if file else "")
+        return f"sample {self.index}" + (f" ({where})" if line is not None else "")
 
     def check_reward(self, source: str | None = None) -> None:
         """Raise `RewardError` if the reward is NaN, inf or not a number, or a dict reward

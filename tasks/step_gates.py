@@ -12,6 +12,13 @@
 Each gate waits on what the other flow run wrote to storage (records, COMMITTED), so the flow
 runs stay independent and restartable; a step that fails writes FAILED, which releases every
 gate waiting on it with an error instead of a hang.
+
+Periodic evaluation (`eval.eval_interval`) of version k+1 runs inside step k's flow run,
+between broadcast and commit: the engines keep v_{k+1} until step k+1's broadcast, and step
+k+1 trains only after this commit, so what is evaluated is exactly v_{k+1} (a generation
+that may overlap, with max_staleness > 1, runs on the same weights, one rollout-actor call at
+a time). The driver, evaluating after the step as in synchronous mode, would race the next
+step's weight push and label another version's accuracy as v_{k+1}'s.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ def weights_ready_step(cfg: RollflowConfig, rollout_id: int) -> int:
     return required_weight_version(cfg, rollout_id) - 1
 
 
-@task(name="wait_for_weights", cache_policy=NO_CACHE)
+@task(name="wait_for_weights", task_run_name="wait_for_weights", cache_policy=NO_CACHE)
 def wait_for_weights(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
     step = weights_ready_step(cfg, rollout_id)
     if step < 0:
@@ -59,7 +66,8 @@ def wait_for_weights(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) ->
     return wait_until(layout, lambda: layout.is_committed(step), step, f"commit of step {step}")
 
 
-@task(name="wait_for_previous_commit", cache_policy=NO_CACHE)
+@task(name="wait_for_previous_commit", task_run_name="wait_for_previous_commit",
+      cache_policy=NO_CACHE)
 def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
     prev = rollout_id - 1
     if prev < 0:
@@ -67,7 +75,7 @@ def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
     return wait_until(layout, lambda: layout.is_committed(prev), prev, f"commit of step {prev}")
 
 
-@task(name="wait_for_next_generate", cache_policy=NO_CACHE)
+@task(name="wait_for_next_generate", task_run_name="wait_for_next_generate", cache_policy=NO_CACHE)
 def wait_for_next_generate(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
     """Weights change only between generations (slime waits for the next rollout too)."""
     nxt = rollout_id + 1

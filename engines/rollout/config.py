@@ -12,7 +12,19 @@ from storage.secrets import redact_url
 
 
 class DataConfig(Section):
-    prompt_data: str = Field(..., description="Training prompts: a .jsonl or .parquet file.")
+    prompt_data: str = Field(
+        ...,
+        description="Training prompts: a .jsonl/.json, .parquet or .arrow file; a directory or "
+        "glob of such shards (read in sorted order); a Hugging Face `save_to_disk` directory; "
+        "`hf://datasets/org/name[/config]` from the local hub cache. Local or s3:// (through "
+        "the storage section's endpoint and options). Read lazily: rows become samples when "
+        "drawn.",
+    )
+    split: str | None = Field(
+        None,
+        description="Split of a dataset that has several (a DatasetDict directory, a hub "
+        "dataset); default: its only split, else 'train'.",
+    )
     input_key: str = Field("prompt", description="Column/key holding the prompt.")
     label_key: str | None = Field("label", description="Column/key holding the label.")
     metadata_key: str | None = Field("metadata", description="Column/key with a metadata dict.")
@@ -26,6 +38,14 @@ class DataConfig(Section):
     )
     shuffle: bool = Field(True, description="Shuffle the dataset at every epoch.")
     seed: int = Field(42, description="Seed of the per-epoch shuffle.")
+    preflight_token_rows: int = Field(
+        100_000, ge=0,
+        description="Rows that the check before step 0 also renders and tokenizes (chat "
+        "template, prompt length): every row of a set up to this size, the first rows of a "
+        "larger one, whose later rows are rendered when drawn (a too-long prompt is skipped "
+        "and counted then; a row the template cannot render fails the step, naming the row). "
+        "Every row's fields are checked either way.",
+    )
 
 
 class RolloutConfig(Section):
@@ -209,7 +229,11 @@ class EvalDataset(Section):
     """One held-out set; unset sampling fields fall back to the rollout section's."""
 
     name: str = Field(..., description="Metric prefix: eval/{name}.")
-    path: str = Field(..., description="A .jsonl or .parquet file.")
+    path: str = Field(..., description="Prompts, in any form data.prompt_data takes.")
+    split: str | None = Field(
+        None, description="Split of a dataset that has several; default: its only one, else "
+        "'test'."
+    )
     input_key: str | None = Field(
         None, description="Column/key holding the prompt (default: data.input_key)."
     )
@@ -242,8 +266,24 @@ class EvalDataset(Section):
 
 class EvalConfig(Section):
     datasets: list[EvalDataset] = Field(default_factory=list)
-    eval_interval: int | None = Field(None, ge=1, description="Evaluate every N steps.")
+    eval_interval: int | None = Field(
+        None, ge=1,
+        description="Evaluate every N steps (in one-step off-policy mode too: the step's flow "
+        "run evaluates its new weights before it commits, while no other step can change them).",
+    )
     before_train: bool = Field(True, description="Evaluate the initial policy too.")
+    eval_function_path: str | None = Field(
+        None,
+        description="Custom evaluation `async (args, weight_version) -> {metric: value}` "
+        "(import string; slime's --eval-function-path), run after the datasets' evaluation "
+        "(none needed) with `args` holding the run config, engine_url(s) and tokenizer; "
+        "metric names get an `eval/` prefix if they lack one.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates at all: held-out sets or a custom eval function."""
+        return bool(self.datasets or self.eval_function_path)
 
     @model_validator(mode="after")
     def _check_names(self) -> EvalConfig:

@@ -4,26 +4,29 @@ Each named dataset has its own sampling params, reward and `n_samples_per_eval_p
 (fields left unset fall back to the rollout section), and is reported as
 `eval/{name}` (mean reward: accuracy for 0/1 rewards), `eval/{name}/truncated_ratio`, and
 with several samples per prompt `eval/{name}/pass@{n}` (share of prompts with any sample
-rewarded > 0).
+rewarded > 0). A custom `eval.eval_function_path` (`protocols.EvalFn`) adds its own metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.config import EvalDataset, RolloutConfig
 from engines.rollout.generation import EngineClient, GenerationLoop
-from engines.rollout.protocols import RewardFn
+from engines.rollout.protocols import EvalFn, RewardFn
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import resolve_reward_fn
+from storage.config import StorageConfig
 from storage.sample import Group, Status
 
 
-def eval_spec(ds: EvalDataset, index: int, max_prompt_len: int | None = None) -> DatasetSpec:
-    """How eval set `index` is read; its errors name `eval.datasets[index].*` keys. Row keys
-    left unset were filled from the data section when the config was validated."""
+def eval_spec(ds: EvalDataset, index: int, max_prompt_len: int | None = None,
+              storage: StorageConfig | None = None) -> DatasetSpec:
+    """How eval set `index` is read (s3:// paths through `storage`); its errors name
+    `eval.datasets[index].*` keys. Row keys left unset were filled from the data section
+    when the config was validated."""
     return DatasetSpec(
         path=ds.path,
         input_key=ds.input_key or "prompt",
@@ -32,11 +35,17 @@ def eval_spec(ds: EvalDataset, index: int, max_prompt_len: int | None = None) ->
         apply_chat_template=bool(ds.apply_chat_template),
         max_prompt_len=max_prompt_len,
         config_key=f"eval.datasets[{index}]",
+        split=ds.split,
+        endpoint_url=storage.endpoint_url if storage else None,
+        storage_options=dict(storage.storage_options) if storage else {},
     )
 
 
-def eval_groups(ds: EvalDataset, tokenizer: Any, index: int = 0) -> list[Group]:
-    prompts = load_prompt_samples(eval_spec(ds, index), tokenizer).samples[: ds.max_prompts]
+def eval_groups(ds: EvalDataset, tokenizer: Any, index: int = 0,
+                storage: StorageConfig | None = None) -> list[Group]:
+    """The set's first `max_prompts` prompts (only those rows are read), as groups."""
+    spec = eval_spec(ds, index, storage=storage)
+    prompts = load_prompt_samples(spec, tokenizer, limit=ds.max_prompts).samples
     groups: list[Group] = []
     index = 0
     for gi, p in enumerate(prompts):
@@ -96,12 +105,28 @@ async def evaluate_datasets(
     rollout_cfg: RolloutConfig,
     reward_fn: RewardHub | RewardFn | None,
     hook_args: Any,
+    storage: StorageConfig | None = None,
 ) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for index, ds in enumerate(datasets):
         rewards = eval_reward_fn(ds, reward_fn, rollout_cfg.rm_rule_timeout_s)
         loop = GenerationLoop(eval_rollout_config(ds, rollout_cfg), clients, rewards, hook_args)
-        groups, stats = await loop.run(eval_groups(ds, tokenizer, index))
+        groups, stats = await loop.run(eval_groups(ds, tokenizer, index, storage))
         metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))
         metrics[f"eval/{ds.name}/seconds"] = stats.seconds
+    return metrics
+
+
+async def custom_eval_metrics(fn: EvalFn, args: Any, weight_version: int) -> dict[str, float]:
+    """The custom eval function's metrics, named `eval/...` like the built-in ones; a
+    non-numeric value fails here, naming the key (not later in a metric sink)."""
+    result = await fn(args, weight_version)
+    if not isinstance(result, Mapping):
+        raise TypeError(f"eval.eval_function_path returned {type(result).__name__}, expected a "
+                        "mapping of metric name -> number")
+    metrics: dict[str, float] = {}
+    for key, value in result.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"eval.eval_function_path: metric {key!r} is {value!r}, not a number")
+        metrics[key if str(key).startswith("eval/") else f"eval/{key}"] = float(value)
     return metrics

@@ -19,13 +19,14 @@ section for the loss and advantage hooks.
 | SampleFilterFn        | rollout.sample_filter_path               | per sample: train on it?      |
 | CustomLossFn          | algorithm.custom_loss_function_path      | per micro-batch               |
 | CustomAdvantageFn     | algorithm.custom_advantage_function_path | per rollout batch             |
+| EvalFn                | eval.eval_function_path                  | per evaluated weight version  |
 
 A custom generate function finds the engine through `engine_url(args, sample)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from storage.sample import Group, Sample
@@ -86,6 +87,16 @@ class CustomAdvantageFn(Protocol):
     """`(algo_cfg, AdvantageInputs) -> (advantages, returns)`, like the built-in estimators."""
 
     def __call__(self, args: Any, inputs: Any, /) -> Any: ...
+
+
+class EvalFn(Protocol):
+    """`async (args, weight_version) -> {metric: value}`, slime's `--eval-function-path`:
+    runs in the rollout actor while the engines hold `weight_version`, after the built-in
+    evaluation of `eval.datasets`; `args` is the generation loop's `HookArgs` (the run
+    config, `engine_url`, `engine_urls`, `tokenizer`), so it can generate through the router
+    (`engine_url(args, sample)`) or call `engines.rollout.evaluation.evaluate_datasets`."""
+
+    async def __call__(self, args: Any, weight_version: int, /) -> Mapping[str, float]: ...
 
 
 class EngineUrlError(ValueError):

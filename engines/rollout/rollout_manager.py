@@ -16,15 +16,10 @@ from typing import Any
 
 from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
 from engines.hooks import load_hook
-from engines.prompt_dataset import (
-    DatasetSpec,
-    load_prompt_samples,
-    model_context,
-    prompt_limit,
-)
+from engines.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
-from engines.rollout.evaluation import evaluate_datasets
+from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
 from engines.rollout.filters import (
     DynamicFilter,
     resolve_dynamic_filter,
@@ -37,6 +32,7 @@ from engines.rollout.generation import (
     RolloutResult,
     is_finished,
 )
+from engines.rollout.protocols import EvalFn
 from engines.rollout.protocols import GenerateFn as GenerateFnProtocol
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
@@ -126,16 +122,9 @@ class RolloutManager:
             cfg.storage.storage_options,
         )
         self.tokenizer = self._load_tokenizer()
-        spec = DatasetSpec(
-            path=cfg.data.prompt_data,
-            input_key=cfg.data.input_key,
-            label_key=cfg.data.label_key,
-            metadata_key=cfg.data.metadata_key,
-            apply_chat_template=cfg.data.apply_chat_template,
-            max_prompt_len=prompt_limit(  # as preflight computed it in the driver
-                cfg.data.rollout_max_prompt_len, model_context(tokenizer_path(cfg)),
-                cfg.rollout.max_response_len,
-            ),
+        limit = prompt_limit(  # as preflight computed it in the driver
+            cfg.data.rollout_max_prompt_len, model_context(tokenizer_path(cfg)),
+            cfg.rollout.max_response_len,
         )
         buffer_filter = (
             load_hook(cfg.rollout.buffer_filter_path, "rollout.buffer_filter_path", 4)
@@ -143,7 +132,7 @@ class RolloutManager:
             else pop_first
         )
         self.data_source = RolloutDataSourceWithBuffer(
-            load_prompt_samples(spec, self.tokenizer).samples,
+            open_prompt_dataset(data_spec(cfg.data, cfg.storage, limit), self.tokenizer),
             n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             seed=cfg.data.seed,
             shuffle=cfg.data.shuffle,
@@ -166,6 +155,10 @@ class RolloutManager:
             ),
         )
         self.rewards = self.hooks.rewards
+        self.eval_fn: EvalFn | None = (
+            load_hook(cfg.eval.eval_function_path, "eval.eval_function_path", EvalFn)
+            if cfg.eval.eval_function_path else None
+        )
         self.over_sampling_filter = resolve_over_sampling_filter(r.over_sampling_filter_path)
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
@@ -242,8 +235,9 @@ class RolloutManager:
             compression=self._compression(),
         )
         self.data_source.save(self.layout, rollout_id, self._compression())
-        return SamplePromptsRecord(uri=uri, groups=len(groups),
-                                   epoch=self.data_source.state.epoch_id)
+        state = self.data_source.state
+        return SamplePromptsRecord(uri=uri, groups=len(groups), epoch=state.epoch_id,
+                                   rows_dropped=state.rows_dropped or None)
 
     def _keep_target(self) -> int:
         """Groups generation keeps: the over-sampling filter chooses among more."""
@@ -355,9 +349,10 @@ class RolloutManager:
         )
 
     def evaluate(self, weight_version: int) -> dict[str, float]:
-        metrics = asyncio.run(
-            run_evaluation(self.cfg, self.engine_urls, self.tokenizer, self.rewards)
-        )
+        metrics = asyncio.run(run_evaluation(
+            self.cfg, self.engine_urls, self.router_url(), self.tokenizer, self.rewards,
+            self.eval_fn, weight_version,
+        ))
         self.layout.save_eval(weight_version, metrics)
         return metrics
 
@@ -393,12 +388,18 @@ async def run_generation(
 
 
 async def run_evaluation(
-    cfg: RollflowConfig, urls: list[str], tokenizer: Any, rewards: RewardHub
+    cfg: RollflowConfig, urls: list[str], router_url: str | None, tokenizer: Any,
+    rewards: RewardHub, eval_fn: EvalFn | None, weight_version: int,
 ) -> dict[str, float]:
+    """The held-out sets' metrics, then the custom eval function's (`eval.eval_function_path`)."""
     clients = [SGLangClient(url) for url in urls]
     try:
-        return await evaluate_datasets(
-            cfg.eval.datasets, clients, tokenizer, cfg.rollout, rewards, cfg
+        metrics = await evaluate_datasets(
+            cfg.eval.datasets, clients, tokenizer, cfg.rollout, rewards, cfg, cfg.storage
         )
+        if eval_fn is not None:
+            args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
+            metrics.update(await custom_eval_metrics(eval_fn, args, weight_version))
+        return metrics
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))

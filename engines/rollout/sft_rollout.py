@@ -15,7 +15,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from engines.prompt_dataset import iter_rows
+from engines.prompt_dataset import DatasetSpec, data_spec
+from engines.prompt_files import open_rows
 from engines.rollout.loss_mask import chat_loss_mask
 from storage.sample import Group, Sample, Status
 
@@ -28,10 +29,15 @@ def _tokenizer(path: str) -> Any:
 
 
 @lru_cache(maxsize=2)
-def _conversations(path: str, input_key: str) -> dict[int, list[dict[str, Any]]]:
-    """Raw chat rows by file line: the prompt loader keeps chat prompts only as rendered
+def _conversations(spec: DatasetSpec) -> dict[tuple[str | None, int], list[dict[str, Any]]]:
+    """Raw chat rows by (file, line), the file None for a one-file set (as the samples'
+    `source_file` metadata has it): the prompt loader keeps chat prompts only as rendered
     text (with a generation prompt), which cannot be split back into turns."""
-    return {line: row[input_key] for line, row in iter_rows(path) if isinstance(row.get(input_key), list)}
+    rows = open_rows(spec)
+    many = len(rows.shards) > 1
+    return {(file if many else None, line): row[spec.input_key]
+            for batch in rows.batches() for file, line, row in batch
+            if isinstance(row.get(spec.input_key), list)}
 
 
 def _messages(args: Any, s: Sample) -> list[dict[str, Any]] | None:
@@ -40,7 +46,8 @@ def _messages(args: Any, s: Sample) -> list[dict[str, Any]] | None:
     line = s.metadata.get("source_line")
     if line is None:
         return None
-    return _conversations(args.data.prompt_data, args.data.input_key).get(int(line))
+    spec = data_spec(args.data, args.storage, None)
+    return _conversations(spec).get((s.metadata.get("source_file"), int(line)))
 
 
 def _finish(s: Sample, tokens: list[int], response_length: int, loss_mask: list[int], text: str) -> None:

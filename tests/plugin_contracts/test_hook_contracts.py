@@ -67,6 +67,10 @@ def buffer_ok(args: Any, rollout_id: int, buffer: list, num_samples: int) -> lis
     return buffer[:num_samples]
 
 
+async def eval_ok(args: Any, weight_version: int) -> dict[str, float]:
+    return {"eval/mine": float(weight_version)}
+
+
 def one_arg(args: Any) -> None:
     return None
 
@@ -90,6 +94,7 @@ GOOD: dict[type, str] = {
     p.SampleFilterFn: "two_args_ok",
     p.CustomLossFn: "three_args_ok",
     p.CustomAdvantageFn: "two_args_ok",
+    p.EvalFn: "eval_ok",
 }
 KEYS = [(k, proto) for k, proto in HOOKS.items()] + [("rollout.custom_rm_path", p.GroupRewardFn)]
 
@@ -105,7 +110,7 @@ def test_user_hooks_are_checked_with_the_key_named(key: str, protocol: type) -> 
         load_hook(f"{mod}:missing_fn", key, protocol)
     with pytest.raises(HookError, match=rf"^{key}: one_arg cannot take \d positional arguments"):
         load_hook(f"{mod}:one_arg", key, protocol)
-    wants_async = protocol in (p.GenerateFn, p.RewardFn, p.GroupRewardFn)
+    wants_async = protocol in (p.GenerateFn, p.RewardFn, p.GroupRewardFn, p.EvalFn)
     wrong_kind = "sync_any" if wants_async else "async_any"
     with pytest.raises(HookError, match=rf"^{key}: {wrong_kind} must be"):
         load_hook(f"{mod}:{wrong_kind}", key, protocol)
@@ -148,3 +153,38 @@ def test_validate_hooks_checks_every_configured_key_at_startup() -> None:
         validate_hooks(config(over_sampling_filter_path="sort_by_std"))
     with pytest.raises(HookError, match="^rollout.custom_generate_function_path: reward_ok cannot take"):
         validate_hooks(config(custom_generate_function_path=f"{mod}:reward_ok"))
+
+
+def test_the_eval_function_is_checked_at_startup_and_its_metrics_named() -> None:
+    import asyncio
+
+    from engines.rollout.evaluation import custom_eval_metrics
+
+    mod = __name__
+    cfg = config()
+    cfg.eval.eval_function_path = f"{mod}:eval_ok"
+    assert validate_hooks(cfg) == {"eval.eval_function_path": eval_ok}
+    cfg.eval.eval_function_path = f"{mod}:buffer_ok"
+    with pytest.raises(HookError, match=r"^eval.eval_function_path: buffer_ok cannot take 2"):
+        validate_hooks(cfg)
+    cfg.eval.eval_function_path = f"{mod}:two_args_ok"
+    with pytest.raises(HookError, match=r"^eval.eval_function_path: two_args_ok must be an `async"):
+        validate_hooks(cfg)
+
+    async def plain(args: Any, version: int) -> dict[str, Any]:
+        return {"score": version, "eval/already": 0.5}
+
+    assert asyncio.run(custom_eval_metrics(plain, None, 3)) == {"eval/score": 3.0,
+                                                                 "eval/already": 0.5}
+
+    async def text(args: Any, version: int) -> dict[str, Any]:
+        return {"score": "high"}
+
+    with pytest.raises(TypeError, match=r"metric 'score' is 'high', not a number"):
+        asyncio.run(custom_eval_metrics(text, None, 3))
+
+    async def not_a_mapping(args: Any, version: int) -> list[float]:
+        return [1.0]
+
+    with pytest.raises(TypeError, match=r"returned list, expected a mapping"):
+        asyncio.run(custom_eval_metrics(not_a_mapping, None, 3))
