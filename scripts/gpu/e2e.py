@@ -1,0 +1,224 @@
+"""The whole system through the real `train` flow (issue 12, item 4): a local Ray head that
+sees the machine's GPUs, Prefect (ephemeral), the embedded engine and the trainer each on
+their placement-group bundle, weights over `train.weight_sync`. `scripts/gpu/e2e.sh` runs the
+parts on a 2-GPU machine; each also runs on a CPU (`--quick`, gloo instead of NCCL).
+
+    python scripts/gpu/e2e.py arithmetic [--backend torch|megatron]   # (a) SFT, then GRPO
+    python scripts/gpu/e2e.py qwen [--colocate]                       # (b), (c)
+
+Everything printed comes from what the flow stored: each step's metrics.json (the per-task
+seconds `time/<task>`, tokens/s, weight-sync seconds), train.arrow (tokens per sample, for
+MFU) and the held-out evaluations. MFU counts FLOPs as bench/megatron_grpo.py does (old
+log-prob forward + forward/backward) against --peak-tflops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+TASKS = ("sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit")
+ARITH = REPO / "examples" / "arithmetic"
+
+
+def step_rows(run_dir: str) -> list[dict[str, Any]]:
+    """Each committed step's metrics, plus the mean tokens per trained sample."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rows = []
+    for step in sorted(Path(run_dir, "steps").iterdir()):
+        if not (step / "COMMITTED").exists():
+            continue
+        m = json.loads((step / "metrics.json").read_text())
+        table = pa.ipc.open_file(str(step / "train.arrow")).read_all()
+        m["tokens_per_sample"] = pc.mean(pc.list_value_length(table["tokens"])).as_py()
+        rows.append(m)
+    return rows
+
+
+def flops_per_token(model_dir: str, seq: float) -> float:
+    """bench.megatron_grpo's count for any Llama/Qwen2-like config: 8N + 8·L·h·s per token
+    (old log-prob forward 2N + 2·attn, forward + backward 6N + 6·attn)."""
+    c = json.loads(Path(model_dir, "config.json").read_text())
+    h, layers, f, v = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    kv = h * c.get("num_key_value_heads", c["num_attention_heads"]) // c["num_attention_heads"]
+    n = layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v
+    attn = layers * h * seq
+    return 8 * n + 8 * attn
+
+
+def task_sum(m: dict[str, Any]) -> float:
+    return sum(m.get(f"time/{t}", 0.0) for t in TASKS)
+
+
+def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tflops: float) -> dict[str, Any]:
+    """The per-task time table and the run's weight-sync seconds, tok/s and MFU."""
+    print(f"\n=== {title}: seconds per task, per step (from steps/*/metrics.json) ===")
+    head = ["step", "prompts", "generate", "filter", "reward", "train", "w-sync", "commit",
+            "sum", "gen tok", "gen tok/s", "trn tok/s", "MFU"]
+    print(" | ".join(f"{h:>9}" for h in head))
+    mfus = []
+    for m in rows:
+        mfu = m.get("train/train_tokens_per_s", 0.0) * flops_per_token(
+            model_dir, m["tokens_per_sample"]) / (peak_tflops * 1e12)
+        mfus.append(mfu)
+        cells = [m["rollout_id"], *(m.get(f"time/{t}", 0.0) for t in TASKS),
+                 task_sum(m), m.get("rollout/generated_tokens", 0),
+                 m.get("rollout/tokens_per_s", 0.0), m.get("train/train_tokens_per_s", 0.0), mfu]
+        print(" | ".join(f"{c:>9.4g}" if isinstance(c, float) else f"{c:>9}" for c in cells))
+    later = rows[1:] or rows  # step 0 includes warm-up (CUDA init, allocator growth)
+
+    def mean(key: str, src: list[dict[str, Any]] = later) -> float:
+        return sum(m.get(key, 0.0) for m in src) / max(len(src), 1)
+
+    summary = {
+        "part": title, "steps": len(rows),
+        "weight_sync_s": [round(m.get("broadcast_weights/seconds", 0.0), 3) for m in rows],
+        "gen_tokens_per_s": round(mean("rollout/tokens_per_s"), 1),
+        "train_tokens_per_s": round(mean("train/train_tokens_per_s"), 1),
+        "mfu": round(sum(mfus[1:] or mfus) / max(len(mfus[1:] or mfus), 1), 4),
+        "step_s": round(sum(task_sum(m) for m in later) / max(len(later), 1), 2),
+        "reward_mean": [round(m.get("reward/mean", 0.0), 3) for m in rows],
+    }
+    print("summary " + json.dumps(summary))
+    return summary
+
+
+def load(name: str, overrides: list[str]) -> Any:
+    from flows.config_loader import load_config
+
+    return load_config(ARITH / f"{name}.yaml", overrides)
+
+
+def arithmetic(args: argparse.Namespace) -> None:
+    """(a) The main job (scripts/main.sh's steps: SFT warm start, then GRPO), placed on GPUs
+    by the local head; the GRPO phase syncs weights over `--weight-sync`."""
+    from examples.arithmetic.build_model import save_tiny_model
+    from examples.arithmetic.make_data import write_datasets
+    from flows.train import train
+
+    art = Path(args.work, "arithmetic")
+    data = write_datasets(str(art / "data"), n_train=4000, n_test=500, n_sft=1000)
+    model = save_tiny_model(str(art / "tiny-llama"))
+    runs = str(Path(args.work, "runs"))
+    common = [f"storage.uri={runs}",
+              f"eval.datasets=[{{name: test, path: {data['test']}, temperature: 0.0}}]"]
+    quick = ["rollout.num_rollout=2", "rollout.rollout_batch_size=32"] if args.quick else []
+    sft_ckpt = Path(runs, "arithmetic-sft", "checkpoints")
+    t0 = time.perf_counter()
+    if args.backend == "torch" or not sft_ckpt.exists():
+        sft = load("sft", [*common, f"data.prompt_data={data['sft']}", f"train.model_path={model}",
+                           *(["rollout.num_rollout=2"] if args.quick else [])])
+        res = train(sft)
+        print(f"SFT: {res['run_dir']} ({time.perf_counter() - t0:.1f} s)")
+    last = sorted(p.name for p in sft_ckpt.iterdir() if p.name.isdigit())[-1]
+    run_name = "arithmetic-grpo" if args.backend == "torch" else f"arithmetic-grpo-{args.backend}"
+    grpo = load("grpo", [*common, f"data.prompt_data={data['train']}",
+                         f"train.model_path={sft_ckpt / last}", f"storage.run_name={run_name}",
+                         f"train.backend={args.backend}", f"train.weight_sync={args.weight_sync}",
+                         *quick, *args.set])
+    t1 = time.perf_counter()
+    res = train(grpo)
+    seconds = time.perf_counter() - t1
+    before, after = (100.0 * res["evals"][v]["eval/test"] for v in (0, grpo.rollout.num_rollout))
+    rows = step_rows(res["run_dir"])
+    summary = print_table(f"arithmetic GRPO ({args.backend} trainer)", rows, model, args.peak_tflops)
+    print(f"held-out exact match ({args.backend}): before RL {before:.1f}%, after RL {after:.1f}% "
+          f"({after - before:+.1f} points); GRPO {seconds:.1f} s, {grpo.rollout.num_rollout} steps")
+    print("result " + json.dumps({**summary, "acc_before": before, "acc_after": after,
+                                  "grpo_s": round(seconds, 1)}))
+
+
+def save_qwen2_shaped(path: Path, quick: bool) -> str:
+    """A random Qwen2-0.5B-shaped model (bench.megatron_grpo's shape; `quick`: 2 narrow
+    layers) with the example's character tokenizer: prompts are arithmetic text, and the
+    token ids it samples beyond the tokenizer's vocabulary decode to nothing."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from bench.megatron_grpo import QWEN2_05B
+    from examples.arithmetic.build_model import build_tokenizer
+
+    if (path / "config.json").exists():
+        return str(path)
+    tok = build_tokenizer()
+    shape = dict(QWEN2_05B)
+    if quick:
+        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen2Config(**shape, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
+def qwen(args: argparse.Namespace) -> None:
+    """(b) GRPO on a Qwen2-0.5B-shaped model, trainer and engine on their own GPUs;
+    (c) `--colocate`: both on one GPU, offloading between phases."""
+    from examples.arithmetic.make_data import write_datasets
+    from flows.train import train
+
+    art = Path(args.work, "arithmetic")
+    data = write_datasets(str(art / "data"), n_train=4000, n_test=500, n_sft=1000)
+    model = save_qwen2_shaped(Path(args.work, "qwen2-0.5b-shaped" + ("-quick" if args.quick else "")),
+                              args.quick)
+    name = "qwen2-grpo-colocate" if args.colocate else "qwen2-grpo"
+    cfg = load("grpo", [
+        f"storage.uri={Path(args.work, 'runs')}", f"storage.run_name={name}", "eval.datasets=[]",
+        f"data.prompt_data={data['train']}", f"train.model_path={model}",
+        f"rollout.num_rollout={args.steps}", f"rollout.rollout_batch_size={args.prompts}",
+        "rollout.n_samples_per_prompt=8", f"rollout.max_response_len={args.response_len}",
+        f"train.global_batch_size={args.prompts * 8 // 2}", "train.lr=1e-6",
+        f"train.max_tokens_per_micro_batch={args.micro_tokens}",
+        f"train.dtype={args.dtype}", f"engine.dtype={args.dtype}",
+        f"cluster.colocate={str(args.colocate).lower()}",
+        f"train.weight_sync={'tensor' if args.colocate else args.weight_sync}",
+        "logging.plot=false", *args.set,
+    ])
+    t0 = time.perf_counter()
+    res = train(cfg)
+    seconds = time.perf_counter() - t0
+    title = "qwen2-0.5B-shaped GRPO, " + ("colocated on one GPU" if args.colocate else
+                                          "trainer GPU 0, engine GPU 1")
+    summary = print_table(title, step_rows(res["run_dir"]), model, args.peak_tflops)
+    print("result " + json.dumps({**summary, "flow_s": round(seconds, 1),
+                                  "weight_sync": cfg.train.weight_sync}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=["arithmetic", "qwen"])
+    ap.add_argument("--work", default=os.environ.get("E2E_WORK", "/tmp/rf-e2e"))
+    ap.add_argument("--backend", default="torch", choices=["torch", "megatron"])
+    ap.add_argument("--weight-sync", default="distributed", choices=["distributed", "tensor", "disk"])
+    ap.add_argument("--colocate", action="store_true")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (8 samples each)")
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--micro-tokens", type=int, default=16384)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU (H200)")
+    ap.add_argument("--quick", action="store_true", help="CPU check: fewer, smaller steps")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.part == "arithmetic":
+        arithmetic(args)
+    else:
+        qwen(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The whole system end to end on a 2-GPU machine (nvidia-h200-x2), through the real `train`
+# flow (issue 12, item 4): the local Ray head rollflow starts on demand (it sees both GPUs),
+# Prefect's ephemeral server, placement groups putting the trainer on GPU 0 and the embedded
+# engine on GPU 1, weights over NCCL (`train.weight_sync=distributed`).
+#
+#   bash scripts/gpu/e2e.sh [a] [b] [c]      (default: all three; logs to $OUT or ./e2e-logs)
+#   (a) the arithmetic main job (scripts/main.sh's steps: SFT warm start, then GRPO) with the
+#       torch trainer, and with the megatron trainer too where megatron-core imports
+#       (E2E_MEGATRON=0 skips it): held-out accuracy before/after
+#   (b) GRPO on a Qwen2-0.5B-shaped random model, 4 steps: per-task time table
+#   (c) the same colocated on one GPU (cluster.colocate; weights through Ray's object store,
+#       since NCCL refuses two ranks on one GPU)
+# scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
+# weight-sync seconds, generation and training tokens/s, MFU.
+#
+# Packages the image lacks travel as .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh:
+# Ray, Prefect and their dependencies) plus any .gpu_wheels/*/megatron_core*.whl; E2E_WHEELS
+# points elsewhere (e.g. when this runs from a snapshot of the repo). E2E_ARGS go to every
+# e2e.py call (on a CPU: E2E_ARGS="--quick --steps 2 --prompts 4 --response-len 16").
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+export PREFECT_LOGGING_LEVEL=WARNING PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180
+# short paths (Ray's socket paths are limited); the head's raylet passes this environment,
+# the NCCL settings above included, to every Ray worker
+export ROLLFLOW_HOME=${ROLLFLOW_HOME:-/tmp/rf-home} PREFECT_HOME=${PREFECT_HOME:-/tmp/rf-prefect}
+export E2E_WORK=${E2E_WORK:-/tmp/rf-e2e}
+LOG=$(realpath -m "${OUT:-e2e-logs}"); mkdir -p "$LOG"
+PY=${PYTHON:-python3}
+WHEELS=${E2E_WHEELS:-.gpu_wheels}
+PARTS=${*:-a b c}
+SITE=/tmp/site
+
+if [ -f "$WHEELS/g/site.tar.xz" ] && [ ! -d "$SITE/ray" ]; then
+  mkdir -p "$SITE" && tar -C "$SITE" -xJf "$WHEELS/g/site.tar.xz" || exit 1
+fi
+MCORE=$(ls "$WHEELS"/*/megatron_core*.whl 2>/dev/null | head -n 1)
+if [ -n "$MCORE" ] && [ ! -d "$SITE/megatron" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$MCORE"
+fi
+[ -d "$SITE" ] && export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH || export PYTHONPATH=$PWD
+
+nvidia-smi -L
+$PY - <<'EOF' 2>&1 | tee "$LOG/env.log"
+import importlib.util, torch, transformers, ray, prefect, pydantic
+print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "transformers",
+      transformers.__version__, "ray", ray.__version__, "prefect", prefect.__version__,
+      "megatron-core", importlib.util.find_spec("megatron") is not None)
+EOF
+T0=$(date +%s)
+$PY -m flows.cli cluster up > "$LOG/cluster.log" 2>&1
+$PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1; cat "$LOG/cluster.log"
+
+# the embedded engine's unit tests on a GPU (greedy == HF generate, log-probs within 1e-5)
+(CUDA_VISIBLE_DEVICES=1 timeout 200 $PY -m pytest -q -p no:cacheprovider -x \
+   tests/unit/test_embedded_generator.py > "$LOG/engine_unit.log" 2>&1
+ echo "engine unit tests on GPU rc=$?" >> "$LOG/engine_unit.log") &
+UNIT=$!
+
+run() {  # name, timeout (s), e2e.py arguments...
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s)
+  timeout "$limit" $PY scripts/gpu/e2e.py "$@" ${E2E_ARGS:-} > "$LOG/$name.log" 2>&1
+  echo "== $name rc=$? ($(( $(date +%s) - t )) s): e2e.py $*" | tee -a "$LOG/summary.txt"
+  grep -E "^ +(step|[0-9]+) \||^summary|^held-out|^SFT|Error|error:" "$LOG/$name.log" | tail -n 40 | tee -a "$LOG/summary.txt"
+}
+for part in $PARTS; do
+  case $part in
+    a) run a_torch "${T_A:-330}" arithmetic
+       if [ "${E2E_MEGATRON:-1}" != 0 ] && $PY -c 'import megatron.core' 2>/dev/null; then
+         run a_megatron "${T_AM:-200}" arithmetic --backend megatron
+       fi ;;
+    b) run b_qwen "${T_B:-240}" qwen ;;
+    c) run c_colocate "${T_C:-240}" qwen --colocate ;;
+  esac
+done
+wait $UNIT; tail -n 3 "$LOG/engine_unit.log" | tee -a "$LOG/summary.txt"
+$PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1
+$PY -m flows.cli cluster down >> "$LOG/cluster.log" 2>&1
+echo "e2e parts [$PARTS]: $(( $(date +%s) - T0 )) s" | tee -a "$LOG/summary.txt"
