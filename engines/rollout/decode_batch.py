@@ -7,7 +7,9 @@ requests are prefilled on their own and merged in by left-padding both caches to
 length; finished rows ride along masked until they are a quarter of the batch, then the
 batch (and cache) is compacted and columns that are padding for every row are trimmed.
 Padding is masked out, so a row's log-probs equal a full-sequence forward of that request
-alone.
+alone. Per-token bookkeeping (lengths, stop tokens, which rows live) is plain Python over
+the rows: at decode batch sizes a handful of list operations cost less than the tensor ops
+(one dispatch each) they replace.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engines.rollout.gen_types import GenRequest
 from engines.rollout.kv_decode import KVCache
+from engines.rollout.sampling import SamplingRows, uniform_table
 
 _COMPACT_BELOW = 0.75
 _ROOM = 64  # free cache columns given to a new or rebuilt cache (at most what rows can use)
-ROW_TENSORS = ("seeds", "temps", "top_p", "top_k", "budgets", "steps", "next_pos", "last_tok")
+_UNIFORM_BLOCK = 32  # steps of sampling uniforms drawn at once
+ROW_TENSORS = ("seeds", "temps", "top_p", "top_k", "next_pos", "last_tok")
 
 
 @dataclass(slots=True)
@@ -49,18 +52,21 @@ class ReqState:
 class DecodeBatch:
     """Requests waiting for prefill, and the rows being decoded with their KV cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 0) -> None:
         self.waiting: deque[ReqState] = deque()
+        self.vocab = vocab
         self.drop_rows()
 
     def drop_rows(self) -> None:
         """Forget every row and the KV cache (waiting requests stay)."""
         self.rows: list[ReqState] = []
-        self.alive = torch.zeros(0, dtype=torch.bool)
+        self.alive: list[bool] = []
         self.n_alive = 0
         self.t: dict[str, torch.Tensor] = {}
-        self.stop_ids = torch.zeros(0, 1, dtype=torch.long)
+        self.sampling: SamplingRows | None = None
         self.cache: KVCache | None = None
+        self._uniforms = torch.zeros(0, 0)
+        self._next_uniform = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + self.n_alive
@@ -69,9 +75,14 @@ class DecodeBatch:
     def num_running(self) -> int:
         return self.n_alive
 
+    def live_rows(self) -> list[int]:
+        if self.n_alive == len(self.rows):
+            return list(range(len(self.rows)))
+        return [j for j, alive in enumerate(self.alive) if alive]
+
     def room(self) -> int:
         """Cache columns worth reserving: what the longest remaining budget can use."""
-        left = int((self.t["budgets"] - self.t["steps"]).max()) if self.rows else 0
+        left = max((s.budget - len(s.out_ids) for s in self.rows), default=0)
         return max(1, min(_ROOM, left))
 
     @classmethod
@@ -81,27 +92,42 @@ class DecodeBatch:
         """Rows for requests just prefilled together (`attn` is their left-padded mask);
         every row tensor lives on the model's device, beside the logits it is used with."""
         params = [s.request.params for s in states]
-        width = max(1, max(len(s.stop_ids) for s in states))
         dev = attn.device
-        b = cls()
+        b = cls(vocab)
         b.rows = list(states)
-        b.alive = torch.ones(len(states), dtype=torch.bool, device=dev)
+        b.alive = [True] * len(states)
         b.n_alive = len(states)
-        b.stop_ids = torch.tensor(
-            [s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in states], device=dev
-        )
         b.t = {
             "seeds": torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
             "temps": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
             "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
             "top_k": torch.tensor([vocab if p.top_k < 0 else p.top_k for p in params], device=dev),
-            "budgets": torch.tensor([s.budget for s in states], device=dev),
-            "steps": torch.tensor([len(s.out_ids) for s in states], device=dev),
             "next_pos": attn.sum(-1),
             "last_tok": torch.zeros(len(states), dtype=torch.long, device=dev),
         }
+        b._rows_changed()
         b.cache = KVCache.from_prefill(cache, attn, b.room())
         return b
+
+    def _rows_changed(self) -> None:
+        t = self.t
+        self.sampling = SamplingRows.of(t["temps"], t["top_p"], t["top_k"], self.vocab)
+        self._next_uniform = _UNIFORM_BLOCK  # redraw for the new rows at the next token
+
+    def uniforms(self) -> torch.Tensor | None:
+        """Each row's sampling uniform for the token it draws next, i.e. `seeded_uniform(seed,
+        tokens so far)` (None when every row is greedy). Every sample advances every row by
+        one token, so a table for the next `_UNIFORM_BLOCK` tokens is read column by column."""
+        assert self.sampling is not None
+        if self.sampling.all_greedy:
+            return None
+        if self._next_uniform >= _UNIFORM_BLOCK:
+            seeds = self.t["seeds"]
+            steps = torch.tensor([len(s.out_ids) for s in self.rows], device=seeds.device)
+            self._uniforms = uniform_table(seeds, steps, _UNIFORM_BLOCK)
+            self._next_uniform = 0
+        self._next_uniform += 1
+        return self._uniforms[:, self._next_uniform - 1]
 
     def record(
         self,
@@ -110,36 +136,29 @@ class DecodeBatch:
         match_stop: Callable[[ReqState], str | None],
     ) -> list[ReqState]:
         """Append each live row's new token; mark and return the rows that finished."""
-        t, alive = self.t, self.alive
-        t["steps"] += 1
-        t["last_tok"] = tok
-        toks, lps, steps = tok.tolist(), logp.tolist(), t["steps"].tolist()
-        live = alive.nonzero()[:, 0].tolist()
-        for j in live:
-            self.rows[j].out_ids.append(toks[j])
-            self.rows[j].out_logprobs.append(lps[j])
-        hit_len = (t["steps"] >= t["budgets"]) & alive
-        hit_stop = (tok[:, None] == self.stop_ids).any(-1) & alive & ~hit_len
+        self.t["last_tok"] = tok
+        toks, lps = tok.tolist(), logp.tolist()
         ended: list[int] = []
-        for j in hit_len.nonzero()[:, 0].tolist():
-            self.rows[j].reason = {"type": "length", "length": steps[j]}
+        for j in self.live_rows():
+            row, token = self.rows[j], toks[j]
+            row.out_ids.append(token)
+            row.out_logprobs.append(lps[j])
+            if len(row.out_ids) >= row.budget:
+                row.reason = {"type": "length", "length": len(row.out_ids)}
+            elif token in row.stop_ids:
+                row.reason = {"type": "stop", "matched": token}
+            elif row.request.params.stop and (matched := match_stop(row)) is not None:
+                row.reason = {"type": "stop", "matched": matched}
+            else:
+                continue
             ended.append(j)
-        for j in hit_stop.nonzero()[:, 0].tolist():
-            self.rows[j].reason = {"type": "stop", "matched": toks[j]}
-            ended.append(j)
-        for j in live:
-            row = self.rows[j]
-            if row.reason is None and row.request.params.stop:
-                matched = match_stop(row)
-                if matched is not None:
-                    row.reason = {"type": "stop", "matched": matched}
-                    ended.append(j)
         return self.end_rows(ended)
 
     def end_rows(self, rows: list[int]) -> list[ReqState]:
-        if rows:
-            self.alive[rows] = False
-            self.n_alive = int(self.alive.sum())
+        for j in rows:
+            if self.alive[j]:
+                self.alive[j] = False
+                self.n_alive -= 1
         return [self.rows[j] for j in rows]
 
     def maybe_compact(self) -> None:
@@ -150,17 +169,19 @@ class DecodeBatch:
 
     def compact(self) -> None:
         """Keep the live rows; trim cache columns that are padding for all of them."""
-        keep = self.alive.nonzero()[:, 0]
-        if len(keep) == len(self.rows):
+        live = self.live_rows()
+        if len(live) == len(self.rows):
             return
-        if len(keep) == 0:
+        if not live:
             self.drop_rows()
             return
-        self.rows = [self.rows[j] for j in keep.tolist()]
-        self.t = {k: v[keep] for k, v in self.t.items()}
-        self.stop_ids = self.stop_ids[keep]
-        self.alive = torch.ones(len(keep), dtype=torch.bool, device=keep.device)
         assert self.cache is not None
+        keep = torch.tensor(live, device=self.cache.mask.device)
+        self.rows = [self.rows[j] for j in live]
+        self.t = {k: v[keep] for k, v in self.t.items()}
+        self.alive = [True] * len(live)
+        self.n_alive = len(live)
+        self._rows_changed()
         mask = self.cache.mask[keep, : self.cache.width]
         trim = int((mask.cumsum(-1) == 0).sum(-1).min())
         self.cache = self.cache.select(keep, trim, self.room())
@@ -171,17 +192,15 @@ class DecodeBatch:
         if other.n_alive == 0:
             return
         if self.n_alive == 0:
-            for name in ("rows", "alive", "n_alive", "t", "stop_ids", "cache"):
+            for name in ("rows", "alive", "n_alive", "t", "vocab", "cache"):
                 setattr(self, name, getattr(other, name))
+            self._rows_changed()
             return
         self.compact()
         assert self.cache is not None and other.cache is not None
-        stops = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
-        self.stop_ids = torch.cat(
-            [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
-        )
         self.t = {k: torch.cat([v, other.t[k]]) for k, v in self.t.items()}
         self.cache = KVCache.concat(self.cache, other.cache, max(self.room(), other.room()))
         self.rows += other.rows
         self.n_alive += other.n_alive
-        self.alive = torch.ones(len(self.rows), dtype=torch.bool, device=other.alive.device)
+        self.alive = [True] * len(self.rows)
+        self._rows_changed()

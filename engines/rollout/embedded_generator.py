@@ -159,7 +159,7 @@ class EmbeddedGenerator(GeneratorIdentity):
     # -- generation ------------------------------------------------------------------------
 
     def new_batch(self) -> DecodeBatch:
-        return DecodeBatch()
+        return DecodeBatch(self.vocab_size)
 
     def generate(
         self, requests: list[GenRequest], should_abort: ShouldAbort = never_abort
@@ -190,7 +190,7 @@ class EmbeddedGenerator(GeneratorIdentity):
             ended = [s for s in batch.waiting if hit(s.request.rid)]
             if ended:
                 batch.waiting = deque(s for s in batch.waiting if not hit(s.request.rid))
-            live = batch.alive.nonzero()[:, 0].tolist()
+            live = batch.live_rows()
             ended += batch.end_rows([j for j in live if hit(batch.rows[j].request.rid)])
             for s in ended:
                 s.reason = dict(_ABORT)
@@ -199,7 +199,7 @@ class EmbeddedGenerator(GeneratorIdentity):
 
     def retract(self, batch: DecodeBatch) -> None:
         with self._lock, torch.inference_mode():
-            running = [batch.rows[j] for j in batch.alive.nonzero()[:, 0].tolist()]
+            running = [batch.rows[j] for j in batch.live_rows()]
             batch.waiting.extendleft(reversed(running))
             batch.drop_rows()
 
@@ -236,14 +236,12 @@ class EmbeddedGenerator(GeneratorIdentity):
     def _decode(self, b: DecodeBatch) -> list[ReqState]:
         assert b.cache is not None
         logits = self._decoder(b.t["last_tok"], b.t["next_pos"], b.cache)
-        b.t["next_pos"] = b.t["next_pos"] + 1
+        b.t["next_pos"].add_(1)
         return self._sample(b, logits)
 
     def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> list[ReqState]:
-        t = b.t
-        tok, logp = sample_tokens(
-            logits.float(), t["temps"], t["top_p"], t["top_k"], t["seeds"], t["steps"]
-        )
+        assert b.sampling is not None
+        tok, logp = sample_tokens(logits.float(), b.sampling, b.uniforms())
         return b.record(tok, logp, self._match_stop)
 
     def _match_stop(self, s: ReqState) -> str | None:

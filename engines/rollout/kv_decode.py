@@ -3,12 +3,15 @@
 Profiled at batch 64 on the example model, HF's per-step forward spent most of its time on
 bookkeeping rather than matmuls: `DynamicCache` re-concatenates every layer's keys and
 values each step (O(length) copies per token), a 4-D mask is rebuilt from the 2-D one, and
-each of the ~40 modules per layer goes through `nn.Module.__call__`. `KVCache` keeps keys and
-values in preallocated buffers that grow by chunks (one column written per step), and
-`LlamaDecoder` runs the step as plain tensor ops on the model's own parameters (read at call
-time, so weight updates and memory release need no hook). It does the same ops in the same
-order as HF's Llama with SDPA, so logits match HF's cached decode bit for bit here; models
-it does not cover fall back to `HFDecoder`, the HF forward over views of the same buffers.
+each of the ~40 modules per layer goes through `nn.Module.__call__`. On a CPU every aten op
+also costs a few microseconds of dispatch whatever its size, which at this model size is
+as much as the matmuls. `KVCache` keeps each layer's keys and values in one preallocated
+buffer that grows by chunks (one column written per step, keys and values with one copy),
+and `LlamaDecoder` runs the step as ~25 tensor ops per layer on weights it gathers once
+(fused q|k|v and gate|up, transposed o/down) and regathers only when a parameter changes.
+It does the same arithmetic in the same order as HF's Llama with SDPA, so logits match
+HF's cached decode; models it does not cover fall back to `HFDecoder`, the HF forward over
+views of the same buffers.
 """
 
 from __future__ import annotations
@@ -24,79 +27,92 @@ _CHUNK = 64  # columns added when a cache fills up (plus half its size, for amor
 
 
 def _buffer(like: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
-    return like.new_zeros(rows, like.shape[1], capacity, like.shape[3])
+    """`[rows, 2, kv_heads, capacity, head_dim]`: keys at index 0, values at 1."""
+    return like.new_zeros(rows, 2, like.shape[1], capacity, like.shape[3])
 
 
 @dataclass(slots=True)
 class KVCache:
-    """Left-padded keys and values, `[rows, kv_heads, capacity, head_dim]` per layer.
+    """Left-padded keys and values, one `[rows, 2, kv_heads, capacity, head_dim]` buffer
+    per layer (keys at index 0 of dim 1, values at 1, so a step stores both with one copy).
 
-    Columns `[0, width)` hold tokens; `mask[:, :width]` marks which are real (not padding).
-    Every row appends at column `width`, so a step writes one column in place.
+    Columns `[0, width)` hold tokens; `mask[:, :width]` marks which are real (not padding),
+    `padded` whether any of them is padding. Every row appends at column `width`, so a step
+    writes one column in place.
     """
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    layers: list[torch.Tensor]
     mask: torch.Tensor  # bool [rows, capacity]
     width: int
+    padded: bool = True
 
     @property
     def capacity(self) -> int:
         return self.mask.shape[1]
 
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [x[:, 0] for x in self.layers]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [x[:, 1] for x in self.layers]
+
     @classmethod
     def from_prefill(cls, cache: DynamicCache, attn: torch.Tensor, room: int) -> KVCache:
         """Copy a prefill's `DynamicCache` (mask `attn`) into buffers with `room` free columns."""
-        layers: list[Any] = list(cache.layers)
         rows, width = attn.shape
-        kv = cls([], [], attn.new_zeros(rows, width + room, dtype=torch.bool), width)
+        kv = cls([], attn.new_zeros(rows, width + room, dtype=torch.bool), width)
         kv.mask[:, :width] = attn.bool()
-        for layer in layers:
-            for buffers, x in ((kv.keys, layer.keys), (kv.values, layer.values)):
-                buffers.append(_buffer(x, rows, width + room))
-                buffers[-1][:, :, :width] = x
+        for layer in list[Any](cache.layers):
+            buf = _buffer(layer.keys, rows, width + room)
+            buf[:, 0, :, :width] = layer.keys
+            buf[:, 1, :, :width] = layer.values
+            kv.layers.append(buf)
+        kv._check_padding()
         return kv
 
     def reserve(self, columns: int) -> None:
         """Make room for `columns` more tokens (copying into larger buffers if needed)."""
         need = self.width + columns
         if need > self.capacity:
-            self._resize(torch.arange(self.mask.shape[0]), 0, need + max(_CHUNK, need // 2))
+            self._resize(None, 0, need + max(_CHUNK, need // 2))
 
     def select(self, rows: torch.Tensor, trim: int, room: int) -> KVCache:
         """Rows `rows` without the first `trim` columns, with `room` free columns."""
-        out = KVCache(list(self.keys), list(self.values), self.mask, self.width)
+        out = KVCache(list(self.layers), self.mask, self.width)
         out._resize(rows, trim, self.width - trim + room)
         return out
 
-    def _resize(self, rows: torch.Tensor, trim: int, capacity: int) -> None:
+    def _resize(self, rows: torch.Tensor | None, trim: int, capacity: int) -> None:
         width = self.width - trim
-        mask = self.mask.new_zeros(len(rows), capacity)
-        mask[:, :width] = self.mask[rows, trim : self.width]
-        for buffers in (self.keys, self.values):
-            for i, x in enumerate(buffers):
-                buffers[i] = _buffer(x, len(rows), capacity)
-                buffers[i][:, :, :width] = x[rows, :, trim : self.width]
-        self.mask, self.width = mask, width
+        mask = self.mask if rows is None else self.mask[rows]
+        self.mask = mask.new_zeros(mask.shape[0], capacity)
+        self.mask[:, :width] = mask[:, trim : trim + width]
+        for i, x in enumerate(self.layers):
+            src = x if rows is None else x[rows]
+            self.layers[i] = _buffer(src[:, 0], src.shape[0], capacity)
+            self.layers[i][..., :width, :] = src[..., trim : trim + width, :]
+        self.width = width
+        self._check_padding()
+
+    def _check_padding(self) -> None:
+        self.padded = not bool(self.mask[:, : self.width].all())
 
     @staticmethod
     def concat(a: KVCache, b: KVCache, room: int) -> KVCache:
         """Rows of `a` then `b`, right-aligned to the wider of the two (left padding)."""
         width = max(a.width, b.width)
-        rows = a.mask.shape[0] + b.mask.shape[0]
-        out = KVCache([], [], a.mask.new_zeros(rows, width + room), width)
-        starts = ((0, a), (a.mask.shape[0], b))
-        for start, src in starts:
-            out.mask[start : start + src.mask.shape[0], width - src.width : width] = src.mask[
-                :, : src.width
-            ]
-        for name in ("keys", "values"):
-            for xa, xb in zip(getattr(a, name), getattr(b, name), strict=True):
-                buf = _buffer(xa, rows, width + room)
-                for (start, src), x in zip(starts, (xa, xb), strict=True):
-                    n = src.mask.shape[0]
-                    buf[start : start + n, :, width - src.width : width] = x[:, :, : src.width]
-                getattr(out, name).append(buf)
+        na, rows = a.mask.shape[0], a.mask.shape[0] + b.mask.shape[0]
+        out = KVCache([], a.mask.new_zeros(rows, width + room), width)
+        for start, end, src in ((0, na, a), (na, rows, b)):
+            out.mask[start:end, width - src.width : width] = src.mask[:, : src.width]
+        for xa, xb in zip(a.layers, b.layers, strict=True):
+            buf = _buffer(xa[:, 0], rows, width + room)
+            for start, end, src, x in ((0, na, a, xa), (na, rows, b, xb)):
+                buf[start:end, ..., width - src.width : width, :] = x[..., : src.width, :]
+            out.layers.append(buf)
+        out._check_padding()
         return out
 
 
@@ -109,11 +125,14 @@ class Decoder(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    if x.dtype != torch.float32:  # HF normalizes in float32, then scales in the model dtype
-        h = F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon)
-        return norm.weight * h.to(x.dtype)
-    return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm op for op (float32 statistics, scale in the model dtype), with
+    in-place steps where HF allocates and no dtype round trip for a float32 model."""
+    if x.dtype != torch.float32:
+        h = x.float()
+        h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return h.to(x.dtype).mul_(weight)
+    return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
 
 
 def _cat_params(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -121,23 +140,49 @@ def _cat_params(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat(present) if len(present) == len(tensors) else None
 
 
-@dataclass(slots=True)
-class _Fused:
-    """One layer's projections concatenated: q|k|v and gate|up are one matmul each."""
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One layer's weights as the step uses them: q|k|v and gate|up concatenated (one
+    matmul each), o and down as transposed views (their residual adds fold into `addmm`)."""
 
+    norm1: torch.Tensor
+    eps1: float
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
+    o_t: torch.Tensor
+    scaling: float
+    norm2: torch.Tensor
+    eps2: float
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
+    down_t: torch.Tensor
+
+    @classmethod
+    def of(cls, layer: Any) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        return cls(
+            n1.weight, n1.variance_epsilon,
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            _cat_params(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+            a.o_proj.weight.t(), a.scaling,
+            n2.weight, n2.variance_epsilon,
+            torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            _cat_params(m.gate_proj.bias, m.up_proj.bias),
+            m.down_proj.weight.t(),
+        )  # fmt: skip
 
 
 class LlamaDecoder:
     """The Llama decode step as tensor ops on the model's parameters (see the module doc).
 
     Fewer, larger ops per layer than HF's modules (q|k|v and gate|up fused, RoPE applied to
-    q and k at once, residual adds folded into `addmm`): on a 2-core box each op is also a
-    thread-pool round trip. Fused weights are rebuilt whenever a source parameter changes
-    (in-place copy or swapped storage), so weight updates need no hook.
+    q and k at once and in place, keys and values stored with one copy, the padding mask
+    turned into an additive bias once per step instead of once per layer, residual adds
+    folded into `addmm`): on a CPU each op is a dispatch and often a thread-pool round trip.
+    The weights it uses are regathered whenever a parameter changes (in-place copy or
+    swapped storage, seen through its version counter and data pointer), so weight updates
+    and memory release need no hook.
     """
 
     def __init__(self, model: Any) -> None:
@@ -148,32 +193,12 @@ class LlamaDecoder:
         self.head_dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        self._cos = self._sin = torch.zeros(0)
-        self._fused: list[_Fused] = []
-        self._fused_key: list[tuple[int, int]] = []
-
-    def _sources(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                out += [proj.weight] + ([proj.bias] if proj.bias is not None else [])
-        return out
-
-    def _layers(self) -> list[_Fused]:
-        key = [(t.data_ptr(), t._version) for t in self._sources()]
-        if key != self._fused_key:
-            self._fused = []
-            for layer in self.model.model.layers:
-                a, m = layer.self_attn, layer.mlp
-                self._fused.append(_Fused(
-                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    _cat_params(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
-                    torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                    _cat_params(m.gate_proj.bias, m.up_proj.bias),
-                ))  # fmt: skip
-            self._fused_key = key
-        return self._fused
+        self._params = list(model.parameters())
+        self._key: list[tuple[int, int]] = []
+        self._layers: list[_Layer] = []
+        self._rope_table = torch.zeros(0)
+        self._zero = self._neg_inf = torch.zeros(0)
+        self._head: tuple[Any, ...] = ()  # embedding, final norm weight and eps, lm_head
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -194,48 +219,68 @@ class LlamaDecoder:
             and getattr(inner.layers[0].self_attn.o_proj, "bias", None) is None
         )
 
+    def _weights(self) -> list[_Layer]:
+        key = [(p.data_ptr(), p._version) for p in self._params]
+        if key != self._key:
+            inner, lm_head = self.model.model, self.model.lm_head
+            self._layers = [_Layer.of(layer) for layer in inner.layers]
+            weight = inner.embed_tokens.weight
+            self._head = (
+                weight, inner.norm.weight, inner.norm.variance_epsilon, lm_head.weight,
+                lm_head.bias,
+            )  # fmt: skip
+            self._zero = weight.new_zeros(())
+            self._neg_inf = weight.new_full((), float("-inf"))
+            self._key = key
+        return self._layers
+
     def _rope(self, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin `[rows, 1, head_dim]` (`rotate_half(x) * sin` becomes
-        `halves_swapped(x) * sin`) from a table made by the model's own rotary module, so any
-        static scaling applies; positions are at most `width`."""
+        """cos and sign-folded sin `[rows, 1, 1, head_dim]` (`rotate_half(x) * sin` becomes
+        `roll(x, head_dim / 2) * sin`) from a table made by the model's own rotary module, so
+        any static scaling applies; positions are at most `width`."""
         weight = self.model.model.embed_tokens.weight
-        if self._cos.shape[0] <= width or self._cos.dtype != weight.dtype:
+        table = self._rope_table
+        if table.shape[0] <= width or table.dtype != weight.dtype or table.device != weight.device:
             size = max(256, 2 * (width + 1))
             probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
-            cos, sin = self.model.model.rotary_emb(probe, torch.arange(size)[None].to(probe.device))
+            pos = torch.arange(size, device=weight.device)[None]
+            cos, sin = self.model.model.rotary_emb(probe, pos)
             half = sin.shape[-1] // 2
-            self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+            sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
+            self._rope_table = table = torch.stack([cos[0], sin], 1)  # [size, 2, head_dim]
+        cos, sin = table[positions].unbind(1)
+        return cos[:, None, None], sin[:, None, None]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        layers = self._weights()
         cache.reserve(1)
         rows, col, d = tokens.shape[0], cache.width, self.head_dim
-        qk = self.heads + self.kv_heads
-        inner = self.model.model
+        heads, qk = self.heads, self.heads + self.kv_heads
+        embed, norm, eps, lm_head, lm_bias = self._head
         cos, sin = self._rope(positions, col)
         cache.mask[:, col] = True
-        mask = cache.mask[:, None, None, : col + 1]
-        x = inner.embed_tokens(tokens)
-        for layer, fused, keys, values in zip(
-            inner.layers, self._layers(), cache.keys, cache.values, strict=True
-        ):
-            attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm)
-            qkv = F.linear(h, fused.qkv, fused.qkv_bias).view(rows, -1, d)
-            rot = qkv[:, :qk].unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
-            q_k = torch.addcmul(qkv[:, :qk] * cos, rot, sin)  # RoPE on q and k heads at once
-            keys[:, :, col] = q_k[:, self.heads :]
-            values[:, :, col] = qkv[:, qk:]
+        bias = None  # SDPA would turn a bool mask into this bias in every layer
+        if cache.padded:
+            bias = torch.where(cache.mask[:, None, None, : col + 1], self._zero, self._neg_inf)
+        gqa = {"enable_gqa": True} if heads != self.kv_heads else {}
+        x = F.embedding(tokens, embed)
+        for w, kv in zip(layers, cache.layers, strict=True):
+            h = _rms_norm(x, w.norm1, w.eps1)
+            qkv = F.linear(h, w.qkv, w.qkv_bias).view(rows, -1, 1, d)  # heads q | k | v
+            q_k = qkv[:, :qk]
+            rot = q_k.roll(d // 2, -1)
+            torch.addcmul(q_k * cos, rot, sin, out=q_k)  # RoPE on q and k heads, in place
+            kv.select(3, col).copy_(qkv[:, heads:].view(rows, 2, self.kv_heads, d))
+            keys, values = kv.narrow(3, 0, col + 1).unbind(1)
             out = F.scaled_dot_product_attention(
-                q_k[:, : self.heads, None], keys[:, :, : col + 1], values[:, :, : col + 1],
-                attn_mask=mask, scale=attn.scaling, enable_gqa=self.heads != self.kv_heads,
-            )  # fmt: skip
-            x = torch.addmm(x, out.view(rows, -1), attn.o_proj.weight.t())
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            gate, up = F.linear(h, fused.gate_up, fused.gate_up_bias).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())
+                qkv[:, :heads], keys, values, attn_mask=bias, scale=w.scaling, **gqa
+            )
+            x = torch.addmm(x, out.view(rows, -1), w.o_t)
+            h = _rms_norm(x, w.norm2, w.eps2)
+            gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), w.down_t)
         cache.width = col + 1
-        return self.model.lm_head(_rms_norm(x, inner.norm))
+        return F.linear(_rms_norm(x, norm, eps), lm_head, lm_bias)
 
 
 class HFDecoder:
@@ -248,17 +293,16 @@ class HFDecoder:
         cache.reserve(1)
         col = cache.width
         dynamic = DynamicCache()
-        for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            dynamic.update(k[:, :, :col], v[:, :, :col], i)
+        for i, kv in enumerate(cache.layers):
+            dynamic.update(kv[:, 0, :, :col], kv[:, 1, :, :col], i)
         cache.mask[:, col] = True
         out = self.model(
             input_ids=tokens[:, None], attention_mask=cache.mask[:, : col + 1].long(),
             position_ids=positions[:, None], past_key_values=dynamic, use_cache=True,
         )  # fmt: skip
-        layers: list[Any] = list(dynamic.layers)
-        for layer, keys, values in zip(layers, cache.keys, cache.values, strict=True):
-            keys[:, :, col] = layer.keys[:, :, -1]
-            values[:, :, col] = layer.values[:, :, -1]
+        for layer, kv in zip(list[Any](dynamic.layers), cache.layers, strict=True):
+            kv[:, 0, :, col] = layer.keys[:, :, -1]
+            kv[:, 1, :, col] = layer.values[:, :, -1]
         cache.width = col + 1
         return out.logits[:, -1, :]
 
