@@ -88,6 +88,8 @@ def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tfl
         "mfu": round(sum(mfus[1:] or mfus) / max(len(mfus[1:] or mfus), 1), 4),
         "step_s": round(sum(task_sum(m) for m in later) / max(len(later), 1), 2),
         "reward_mean": [round(m.get("reward/mean", 0.0), 3) for m in rows],
+        # the engine's log-probs vs the trainer's recomputation of the same tokens
+        "logprob_abs_diff": [round(m.get("train/rollout_logprob_abs_diff", 0.0), 5) for m in rows],
     }
     print("summary " + json.dumps(summary))
     return summary
@@ -206,7 +208,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step (8 samples each)")
     ap.add_argument("--response-len", type=int, default=256)
-    ap.add_argument("--micro-tokens", type=int, default=16384)
+    ap.add_argument("--micro-tokens", type=int, default=4096,
+                    help="train.max_tokens_per_micro_batch (a 152k vocab: ~2.4 GB of fp32 "
+                    "logits per 4k tokens, several copies live in the loss)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU (H200)")
     ap.add_argument("--quick", action="store_true", help="CPU check: fewer, smaller steps")

@@ -53,30 +53,25 @@ T0=$(date +%s)
 $PY -m flows.cli cluster up > "$LOG/cluster.log" 2>&1
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1; cat "$LOG/cluster.log"
 
-# the embedded engine's unit tests on a GPU (greedy == HF generate, log-probs within 1e-5)
-(CUDA_VISIBLE_DEVICES=1 timeout 200 $PY -m pytest -q -p no:cacheprovider -x \
-   tests/unit/test_embedded_generator.py > "$LOG/engine_unit.log" 2>&1
- echo "engine unit tests on GPU rc=$?" >> "$LOG/engine_unit.log") &
-UNIT=$!
-
-run() {  # name, timeout (s), e2e.py arguments...
-  local name=$1 limit=$2; shift 2
+run() {  # name, timeout (s), the runs it makes (comma-separated), e2e.py arguments...
+  local name=$1 limit=$2 runs=$3; shift 3
   local t=$(date +%s)
   timeout "$limit" $PY scripts/gpu/e2e.py "$@" ${E2E_ARGS:-} > "$LOG/$name.log" 2>&1
   echo "== $name rc=$? ($(( $(date +%s) - t )) s): e2e.py $*" | tee -a "$LOG/summary.txt"
   grep -E "^ +(step|[0-9]+) \||^summary|^held-out|^SFT|Error|error:" "$LOG/$name.log" | tail -n 40 | tee -a "$LOG/summary.txt"
+  # a failed run keeps its actors (and GPUs) for a rerun: free them for the next part
+  for r in ${runs//,/ }; do $PY -m flows.cli runs stop "$r" >> "$LOG/cluster.log" 2>&1; done
 }
 for part in $PARTS; do
   case $part in
-    a) run a_torch "${T_A:-330}" arithmetic
+    a) run a_torch "${T_A:-330}" arithmetic-sft,arithmetic-grpo arithmetic
        if [ "${E2E_MEGATRON:-1}" != 0 ] && $PY -c 'import megatron.core' 2>/dev/null; then
-         run a_megatron "${T_AM:-200}" arithmetic --backend megatron
+         run a_megatron "${T_AM:-200}" arithmetic-grpo-megatron arithmetic --backend megatron
        fi ;;
-    b) run b_qwen "${T_B:-240}" qwen ;;
-    c) run c_colocate "${T_C:-240}" qwen --colocate ;;
+    b) run b_qwen "${T_B:-240}" qwen2-grpo qwen ;;
+    c) run c_colocate "${T_C:-240}" qwen2-grpo-colocate qwen --colocate ;;
   esac
 done
-wait $UNIT; tail -n 3 "$LOG/engine_unit.log" | tee -a "$LOG/summary.txt"
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1
 $PY -m flows.cli cluster down >> "$LOG/cluster.log" 2>&1
 echo "e2e parts [$PARTS]: $(( $(date +%s) - T0 )) s" | tee -a "$LOG/summary.txt"
