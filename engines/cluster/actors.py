@@ -39,7 +39,7 @@ from engines.rollout.rollout_manager import RolloutManager
 from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.run_config import RunConfig
 from engines.train.null_trainer import NullTrainActor
-from engines.train.train_actor import TrainActor
+from engines.train.train_actor import COLLECTIVE_EXPORT, TrainActor
 from storage.config import ConfigError
 
 
@@ -139,6 +139,7 @@ def _trainer(cfg: RunConfig, placement: Placement | None) -> Any:
     return get_or_create_group(
         names, cfg.cluster.namespace,
         lambda rank, world: _named(TrainActor, names[rank], cfg, cfg, rank, world, pin=pin(rank)),
+        collective_export=cfg.train.backend in COLLECTIVE_EXPORT,
     )
 
 

@@ -13,7 +13,9 @@ the same method surface and returns real `ObjectRef`s:
  group.weights.remote()     ──> rank 0 .weights()      ──> ObjectRef (rank 0 only)
 ```
 Every rank runs the collective methods (train, checkpoints, offload); rank 0 alone answers
-the rest (its weights and version are everyone's). A failed or killed rank leaves the others
+the rest (its weights and version are everyone's) -- except that `weights` and
+`push_weights` are collective too when the backend's weight export is (`collective_export`:
+megatron gathers TP shards and PP stages from every rank; rank 0 alone talks to engines). A failed or killed rank leaves the others
 inside a collective that can never finish, so any rank failure kills the whole group; the
 next attach (every task reattaches) creates it afresh, and the ranks come back to the run's
 weight version through the trainer's own rebuild path (checkpoint + replay).
@@ -33,6 +35,7 @@ import ray
 # Methods every rank must run (they touch the model collectively); the others go to rank 0.
 COLLECTIVE = ("train", "train_step", "ensure_version", "save_checkpoint", "offload", "onload")
 RANK0 = ("version", "weights", "push_weights", "close_weight_sender", "trained_indices")
+EXPORT = ("weights", "push_weights")  # collective when the backend's export is
 
 JOIN_TIMEOUT_S = 900.0  # a join includes loading the model on every rank
 
@@ -101,17 +104,22 @@ class _GroupMethod:
 class TrainGroup:
     """The handle of N train ranks; duck-types a `TrainActor` handle for the step tasks."""
 
-    def __init__(self, ranks: Sequence[Any], names: Sequence[str], namespace: str) -> None:
+    def __init__(
+        self, ranks: Sequence[Any], names: Sequence[str], namespace: str,
+        collective_export: bool = False,
+    ) -> None:
         self.ranks, self.names, self.namespace = list(ranks), list(names), namespace
         for method in COLLECTIVE + RANK0:
-            setattr(self, method, _GroupMethod(self, method, method in COLLECTIVE))
+            collective = method in COLLECTIVE or (collective_export and method in EXPORT)
+            setattr(self, method, _GroupMethod(self, method, collective))
 
     def kill(self) -> int:
         return kill_group(self.names, self.namespace)
 
 
 def get_or_create_group(
-    names: Sequence[str], namespace: str, create: Callable[[int, int], Any]
+    names: Sequence[str], namespace: str, create: Callable[[int, int], Any],
+    collective_export: bool = False,
 ) -> TrainGroup:
     """Attach to the ranks named `names`, or (re)create all of them.
 
@@ -123,7 +131,8 @@ def get_or_create_group(
     world = len(names)
     alive = [_actor_exists(n, namespace) for n in names]
     if all(alive):
-        return TrainGroup([ray.get_actor(n, namespace=namespace) for n in names], names, namespace)
+        ranks = [ray.get_actor(n, namespace=namespace) for n in names]
+        return TrainGroup(ranks, names, namespace, collective_export)
     if any(alive):
         kill_group(names, namespace)
     try:
@@ -134,7 +143,7 @@ def get_or_create_group(
     except BaseException:
         kill_group(names, namespace)  # never leave ranks half-joined
         raise
-    return TrainGroup(ranks, names, namespace)
+    return TrainGroup(ranks, names, namespace, collective_export)
 
 
 def _get(refs: Any, what: str) -> Any:

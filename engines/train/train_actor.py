@@ -7,7 +7,9 @@ its state: load the last checkpoint, then replay the committed batches after it.
 In a train group (`train_group.py`) there is one TrainActor per rank: each is built with its
 rank and the world size, joins the process group in `join_group` (only then is its backend
 built, since DDP wraps the model at construction), and trains on the same step as the others.
-Rank 0 alone writes to storage (checkpoints, LATEST) and sends weights to the engines.
+Rank 0 alone writes to storage (checkpoints, LATEST) and sends weights to the engines; where
+exporting them is a collective (megatron gathers TP shards and PP stages), the other ranks
+join that export and return nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ TRAIN_BACKENDS: dict[str, Callable[[TrainActorConfig], Any]] = {
     "megatron": _megatron_backend,
     "mock": _mock_backend,
 }
+
+COLLECTIVE_EXPORT: frozenset[str] = frozenset({"megatron"})
+"""Backends whose weight export every rank must join (`weights`, `push_weights`): a train
+group calls those on all its ranks, not only on rank 0."""
 
 
 class TrainActor:
@@ -119,17 +125,26 @@ class TrainActor:
         included): the evidence that no sample was trained twice or skipped."""
         return list(self._trained_indices)
 
+    def _joins_export(self) -> bool:
+        """A rank other than 0 whose backend's export is a collective it must take part in."""
+        return self.rank != 0 and self.cfg.train.backend in COLLECTIVE_EXPORT
+
     def push_weights(self, engine_urls: list[str]) -> list[int]:
         """Send the current weights to the engines over HTTP + a process group (or disk),
-        pause -> push -> flush -> continue; returns the versions the engines report."""
+        pause -> push -> flush -> continue; returns the versions the engines report.
+        Other ranks only join a collective export (once per push, as rank 0's sender)."""
         from engines.train.weight_sender import build_weight_sender
 
+        if self.rank != 0:
+            if self._joins_export():
+                self.backend.export_weights()
+            return []
         if self._sender is None or self._sender_urls != engine_urls:
             self.close_weight_sender()
             self._sender = build_weight_sender(self.cfg.train, engine_urls)
             self._sender.connect()
             self._sender_urls = list(engine_urls)
-        return list(self._sender.update(self.backend.model, self.version()))
+        return list(self._sender.update(self.backend, self.version()))
 
     def close_weight_sender(self) -> None:
         if self._sender is not None:
@@ -144,8 +159,10 @@ class TrainActor:
         self.backend.onload()
 
     def weights(self) -> dict[str, Any]:
-        """State dict for the engines; returned through Ray's object store."""
-        return dict(self.backend.state_dict_for_engine())
+        """State dict for the engines; returned through Ray's object store. In a group whose
+        export is a collective every rank joins it and only rank 0 returns the result."""
+        state = self.backend.state_dict_for_engine()
+        return {} if self._joins_export() else dict(state)
 
     def save_checkpoint(self, rollout_id: int) -> str:
         """Checkpoint of the weights after step `rollout_id`; LATEST is moved last."""

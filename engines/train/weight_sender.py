@@ -11,20 +11,23 @@ then the engines' `get_weight_version` is read back. The push is one of (`train.
 
 Buckets hold about `update_weight_buffer_size` bytes. Engines are addressed by URL, so the
 same sender works for embedded engines and real SGLang servers. What is sent is always the
-base model's HF-named weights: merged ones when the trainer trains LoRA adapters (lora.py).
+base model's HF-named weights, from a `WeightSource`: a train backend (`export_weights`;
+megatron's gathers TP shards and PP stages, a collective every rank joins) or an HF model
+(merged weights when it trains LoRA adapters, lora.py).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 import torch
+from torch import Tensor
 
 from engines.cluster.head import free_port
 from engines.train.config import TrainConfig
@@ -43,11 +46,41 @@ class WeightSyncError(RuntimeError):
     """An engine refused an update, or holds weights other than the trainer's."""
 
 
+class WeightSource(Protocol):
+    """What a sender pushes: the policy's full weights under HF names (any device)."""
+
+    def export_weights(self) -> Mapping[str, Tensor]: ...
+
+    def save_hf(self, path: str) -> None:
+        """The same weights as a directory `AutoModelForCausalLM.from_pretrained` loads."""
+        ...
+
+
+class ModuleWeights:
+    """An HF (or peft LoRA) model as a `WeightSource`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def export_weights(self) -> Mapping[str, Tensor]:
+        return engine_state_dict(self.model)
+
+    def save_hf(self, path: str) -> None:
+        save_hf(self.model, path)
+
+
+Weights = WeightSource | torch.nn.Module
+
+
+def as_weight_source(weights: Weights) -> WeightSource:
+    return ModuleWeights(weights) if isinstance(weights, torch.nn.Module) else weights
+
+
 class WeightSender(Protocol):
     def connect(self) -> None: ...
 
-    def update(self, model: torch.nn.Module, version: int) -> list[int]:
-        """Push `model`'s weights as `version`; returns each engine's reported version."""
+    def update(self, weights: Weights, version: int) -> list[int]:
+        """Push `weights` as `version`; returns each engine's reported version."""
         ...
 
     def close(self) -> None: ...
@@ -95,26 +128,26 @@ class _HTTPSender:
 
         return list(self._pool.map(get, self.urls))
 
-    def update(self, model: torch.nn.Module, version: int) -> list[int]:
+    def update(self, weights: Weights, version: int) -> list[int]:
         self.post_all("/pause_generation", {"mode": self.pause_mode})
         try:
-            self.push(model, version)
+            self.push(as_weight_source(weights), version)
             for url in self.urls:  # SGLang refuses while requests hold KV (in_place pause)
                 self._http.post(f"{url}/flush_cache")
         finally:
             self.post_all("/continue_generation", {})
         return self.versions()
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, source: WeightSource, version: int) -> None:
         raise NotImplementedError
 
-    def named_buckets(self, model: torch.nn.Module) -> list[NamedTensors]:
-        return list(buckets(engine_state_dict(model).items(), self.bucket_bytes))
+    def named_buckets(self, source: WeightSource) -> list[NamedTensors]:
+        return list(buckets(source.export_weights().items(), self.bucket_bytes))
 
 
 class TensorWeightSender(_HTTPSender):
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        for bucket in self.named_buckets(model):
+    def push(self, source: WeightSource, version: int) -> None:
+        for bucket in self.named_buckets(source):
             body = {
                 "serialized_named_tensors": [encode_named_tensors(bucket)],
                 "weight_version": str(version),
@@ -167,10 +200,10 @@ class DistributedWeightSender(_HTTPSender):
         for join in joins:
             join.result()
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, source: WeightSource, version: int) -> None:
         if self.group is None:
             raise WeightSyncError("connect() the distributed weight sender first")
-        for bucket in self.named_buckets(model):
+        for bucket in self.named_buckets(source):
             body = {
                 "names": [n for n, _ in bucket],
                 "dtypes": [dtype_name(t.dtype) for _, t in bucket],
@@ -204,10 +237,10 @@ class DiskWeightSender(_HTTPSender):
         self.save_dir = Path(save_dir or tempfile.mkdtemp(prefix="rollflow-weights-"))
         self._last: Path | None = None
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, source: WeightSource, version: int) -> None:
         path = self.save_dir / f"v{version:06d}"
         try:
-            save_hf(model, str(path))
+            source.save_hf(str(path))
         except NotHFModelError as err:
             raise WeightSyncError(f"disk weight sync needs a Hugging Face model: {err}") from err
         self.post_all(
@@ -238,9 +271,9 @@ def build_weight_sender(config: TrainConfig, engine_urls: list[str]) -> WeightSe
     return factory(config, engine_urls)
 
 
-def check_weight_update_equal(model: torch.nn.Module, engine_urls: list[str]) -> str:
-    """Raise WeightSyncError unless every engine's weights hash like `model`'s; returns it."""
-    expected = weights_checksum(engine_state_dict(model).items())
+def check_weight_update_equal(weights: Weights, engine_urls: list[str]) -> str:
+    """Raise WeightSyncError unless every engine's weights hash like `weights`; returns it."""
+    expected = weights_checksum(as_weight_source(weights).export_weights().items())
     with httpx.Client(timeout=120.0) as http:
         for url in engine_urls:
             response = http.post(f"{url.rstrip('/')}/weights_checker", json={"action": "checksum"})

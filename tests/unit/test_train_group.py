@@ -113,3 +113,50 @@ def _group_kill(names: list[str]) -> None:
     from engines.cluster.train_group import kill_group
 
     kill_group(names, NAMESPACE)
+
+
+class _ExportingBackend:
+    """Stands in for megatron's: counts its (collective) exports."""
+
+    version = 3
+
+    def __init__(self) -> None:
+        self.exports = 0
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        self.exports += 1
+        return {"w": torch.ones(2)}
+
+    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
+        return self.export_weights()
+
+
+def test_a_collective_export_runs_on_every_rank(torch_config, tmp_path):
+    """megatron's export gathers TP shards / PP stages from every rank: a group with
+    `collective_export` calls `weights` and `push_weights` on all ranks, each rank other
+    than 0 joins the export once and hands nothing back; rank 0 answers (issue 12)."""
+    cfg = torch_config.model_copy(update={"train": torch_config.train.model_copy(
+        update={"backend": "megatron", "weight_sync": "disk"})})
+
+    @ray.remote(num_cpus=0)
+    class Rank(TrainActor):
+        def install(self) -> None:
+            self.backend = _ExportingBackend()
+
+        def exports(self) -> int:
+            return int(self.backend.exports)
+
+    ranks = [Rank.remote(cfg, r, 2) for r in range(2)]
+    ray.get([r.install.remote() for r in ranks])
+    group = TrainGroup(ranks, ["r0", "r1"], NAMESPACE, collective_export=True)
+    try:
+        assert set(ray.get(group.weights.remote())) == {"w"}  # rank 0's state
+        assert ray.get([r.exports.remote() for r in ranks]) == [1, 1]
+        assert ray.get(ranks[1].push_weights.remote(["http://unused"])) == []
+        assert ray.get(ranks[1].exports.remote()) == 2  # joined rank 0's export
+        plain = TrainGroup(ranks, ["r0", "r1"], NAMESPACE)
+        ray.get(plain.weights.remote())
+        assert ray.get([r.exports.remote() for r in ranks]) == [2, 2]  # rank 0 only
+    finally:
+        for r in ranks:
+            ray.kill(r)
