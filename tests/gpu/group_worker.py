@@ -1,0 +1,75 @@
+"""One rank of a megatron train group without Ray, launched by `test_megatron_group.py`:
+
+    torchrun --nproc-per-node 2 -m tests.gpu.group_worker RUNS_ROOT MODEL_DIR ENGINE_URL OUT
+
+Each rank is a real `TrainActor` (what a Ray train group holds) with a TP=2 megatron
+backend, and calls what the group calls on every rank: weights, train_step, push_weights.
+Rank 0 writes OUT/result.json and OUT/weights_{0,1}.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def group_config(runs_root: str, model_dir: str, run_name: str, weight_sync: str) -> Any:
+    """A run config for a TP=2 megatron trainer of the tiny Qwen2 model (2 ranks)."""
+    from flows.config_loader import config_from_dict
+
+    return config_from_dict({
+        "data": {"prompt_data": "unused.jsonl"},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 4},
+        "engine": {"backend": "mock"},
+        "train": {"backend": "megatron", "tensor_parallel": 2, "model_path": model_dir,
+                  "lr": 1e-3, "max_tokens_per_micro_batch": 64, "weight_sync": weight_sync,
+                  "weight_sync_backend": "gloo"},
+        "storage": {"uri": runs_root, "run_name": run_name},
+    })
+
+
+def write_step(cfg: Any, rollout_id: int = 0) -> None:
+    from storage.batch_io import write_samples
+    from storage.run_layout import RunLayout, step_dir
+    from tests.gpu._data import grpo_samples
+
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    write_samples(layout.store, grpo_samples(), step_dir(rollout_id), "train.arrow")
+
+
+def main() -> None:
+    from engines.train.train_actor import TrainActor
+
+    runs_root, model_dir, url, out = sys.argv[1:5]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    cfg = group_config(runs_root, model_dir, "tp2-torchrun", "distributed")
+    if rank == 0:
+        write_step(cfg)
+    dist.barrier()
+    actor = TrainActor(cfg, rank, world)
+    actor.join_group("", 0)  # the process group exists: only builds the backend
+    w0 = actor.weights()
+    metrics = actor.train_step(0)
+    w1 = actor.weights()
+    versions = actor.push_weights([url])
+    if rank == 0:
+        actor.close_weight_sender()
+        torch.save(w0, os.path.join(out, "weights_0.pt"))
+        torch.save(w1, os.path.join(out, "weights_1.pt"))
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"loss": metrics["loss"], "versions": versions}, f)
+    else:
+        assert w0 == {} and w1 == {} and versions == [], "rank 1 must hand back nothing"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
