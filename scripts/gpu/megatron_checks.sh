@@ -1,32 +1,52 @@
 #!/usr/bin/env bash
-# The megatron / NCCL GPU checks in one go, on a machine with 2 GPUs (logs to $OUT or ./gpu-logs):
-#   A) GPU 0: tests/gpu/test_megatron_backend.py   |  GPU 1: bench torch, then megatron TP=1
-#   B) both GPUs: TP=2 / PP=2 / DP=2 vs 1 GPU, and NCCL weight sync trainer -> engine
-#   C) both GPUs: bench megatron TP=2
-# Wheels for what the image lacks (megatron-core, pydantic, fastapi, uvicorn) may sit in
-# .gpu_wheels/; they are installed into /tmp/site.
+# The megatron / NCCL GPU checks on a machine with 2 GPUs (logs to $OUT or ./gpu-logs):
+#
+#   bash scripts/gpu/megatron_checks.sh [backend] [parity] [group] [parallel] [nccl] [bench]
+#   (default: backend parity group parallel)
+#   backend   GPU 0: tests/gpu/test_megatron_backend.py (HF logits, losses vs torch, step-0
+#             ppo_kl in bf16, fp32/bf16 checkpoint resume with critic and LR schedule, offload)
+#   parity    GPU 0: tests/gpu/test_megatron_parity.py, the torch-vs-megatron table per algorithm
+#   group     both: TP=2 behind the train group (torchrun, and Ray where it imports)
+#   parallel  both: TP=2 / PP=2 / DP=2 vs one GPU
+#   nccl      both: NCCL weight sync trainer -> engine
+#   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1, megatron TP=2
+#
+# Packages the image lacks: .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh: pydantic,
+# Ray, Prefect, ...) and any .gpu_wheels/*/megatron_core*.whl, installed into /tmp/site;
+# name both in the run's `carry`.
 set -uo pipefail
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-LOG=${OUT:-gpu-logs}; mkdir -p "$LOG"
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PREFECT_SERVER_ANALYTICS_ENABLED=false
+LOG=$(realpath -m "${OUT:-gpu-logs}"); mkdir -p "$LOG"
 PY=${PYTHON:-python3}
-if ls .gpu_wheels/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu_wheels/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+SITE=/tmp/site
+PARTS=${*:-backend parity group parallel}
+if [ -f .gpu_wheels/g/site.tar.xz ] && [ ! -d "$SITE/pydantic" ]; then
+  mkdir -p "$SITE" && tar -C "$SITE" -xJf .gpu_wheels/g/site.tar.xz || exit 1
 fi
+MCORE=$(ls .gpu_wheels/*/megatron_core*.whl 2>/dev/null | head -n 1)
+if [ -n "$MCORE" ] && [ ! -d "$SITE/megatron" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$MCORE" || exit 1
+fi
+[ -d "$SITE" ] && export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH || export PYTHONPATH=$PWD
 nvidia-smi -L
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "mcore", m.__version__)'
+PYTEST="$PY -m pytest -q -p no:cacheprovider -rA -s"
 BENCH="-m bench.megatron_grpo --steps ${BENCH_STEPS:-4}"
 
-(CUDA_VISIBLE_DEVICES=0 timeout ${T_A:-300} $PY -m pytest -q -p no:cacheprovider -rA tests/gpu/test_megatron_backend.py > "$LOG/a_backend.log" 2>&1; echo "A-tests rc=$?" >> "$LOG/a_backend.log") &
-(export CUDA_VISIBLE_DEVICES=1; timeout ${T_A:-300} $PY $BENCH --backend torch > "$LOG/bench.log" 2>&1
- timeout ${T_A:-300} $PY $BENCH --backend megatron >> "$LOG/bench.log" 2>&1) &
-wait
-tail -n 30 "$LOG/a_backend.log"; grep '^{' "$LOG/bench.log"
-
-timeout ${T_B:-420} $PY -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_megatron_parallel.py tests/gpu/test_nccl_weight_sync.py > "$LOG/b_parallel.log" 2>&1
-echo "B rc=$?"; grep -E "nccl weight sync|passed|failed|Error|error" "$LOG/b_parallel.log" | tail -n 40
-
-timeout ${T_C:-150} $PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2 >> "$LOG/bench.log" 2>&1
-echo "C rc=$?"; grep '^{' "$LOG/bench.log"; tail -n 5 "$LOG/bench.log"
+part() {  # name, timeout (s), command...
+  local name=$1 limit=$2 t=$(date +%s); shift 2
+  case " $PARTS " in *" $name "*) ;; *) return ;; esac
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  echo "== $name rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
+  grep -E "passed|failed|error|Error|resume |offload |TP=2 group|^ +case|\| " "$LOG/$name.log" | tail -n 40
+}
+CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-240} $PYTEST tests/gpu/test_megatron_backend.py
+CUDA_VISIBLE_DEVICES=0 part parity ${T_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py
+part group ${T_GROUP:-300} $PYTEST tests/gpu/test_megatron_group.py
+part parallel ${T_PARALLEL:-420} $PYTEST tests/gpu/test_megatron_parallel.py
+part nccl ${T_NCCL:-240} $PYTEST tests/gpu/test_nccl_weight_sync.py
+part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend torch && \
+  CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend megatron && \
+  $PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
