@@ -100,7 +100,7 @@ class JsonlShard:
     """JSON Lines kept as bytes (a memory map for a local file) and parsed per row read."""
 
     def __init__(self, name: str, data: bytes | mmap.mmap) -> None:
-        self.name, self._data = name, data
+        self.name, self.data = name, data
         self._starts, self._lines = _row_offsets(data)
         self.num_rows = len(self._starts)
 
@@ -111,8 +111,8 @@ class JsonlShard:
         return [self._parse(i, self._line_bytes(int(self._starts[i]))) for i in map(int, local)]
 
     def _line_bytes(self, start: int) -> bytes:
-        end = self._data.find(b"\n", start)
-        return self._data[start:end if end >= 0 else len(self._data)]
+        end = self.data.find(b"\n", start)
+        return self.data[start:end if end >= 0 else len(self.data)]
 
     def _parse(self, i: int, raw: bytes) -> dict[str, Any]:
         line = self.line(i)
@@ -205,13 +205,6 @@ class PromptRows:
         end = len(self) if limit is None else min(limit, len(self))
         for start in range(0, end, size):
             yield self.rows(np.arange(start, min(start + size, end)))
-
-    def columns(self, key: str) -> list[tuple[str, Any]] | None:
-        """(file, Arrow column) per shard when every shard is Arrow (None: check row by
-        row); a shard without the column gives None in its place."""
-        if not all(isinstance(s, ArrowShard) for s in self.shards):
-            return None
-        return [(s.name, s.column(key)) for s in self.shards]
 
 
 # -- opening a set -----------------------------------------------------------------------

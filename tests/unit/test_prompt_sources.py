@@ -159,7 +159,7 @@ def test_the_all_row_check_collects_reward_types(tmp_path):
         path = tmp_path / name
         write(path)
         check = check_prompt_dataset(DatasetSpec(str(path)), CharTokenizer())
-        assert check.fields.vectorised == name.endswith(".parquet")
+        assert check.fields.vectorised  # parquet columns; JSON Lines typed by Arrow's reader
         unit = "row" if name.endswith(".parquet") else "line"
         assert check.fields.rm_types == {"math": f"{path}, {unit} 3", "f1": f"{path}, {unit} 5"}
         assert check.fields.without_rm_type == f"{path}, {unit} 1"
@@ -215,3 +215,16 @@ def test_only_the_columns_a_row_is_read_for_are_loaded(tmp_path):
     dataset = open_prompt_dataset(DatasetSpec(str(path)), None)
     assert dataset.rows.shards[0].table.column_names == ["prompt", "label"]
     assert json.dumps(dataset.take([1])[0].metadata) == '{"source_line": 2}'
+
+
+def test_json_that_arrow_cannot_type_is_checked_row_by_row(tmp_path):
+    """A label that is a number in one row and text in another (fine), then a bad row: the
+    column check gives way to the row check, which still names the row."""
+    path = write_jsonl(tmp_path / "d.jsonl", [*rows(0, 3), {"prompt": "a", "label": 5},
+                                              {"prompt": [{"role": "user"}]}])
+    with pytest.raises(DatasetError) as err:
+        check_prompt_dataset(DatasetSpec(path), None)
+    assert (err.value.line, err.value.problem) == (5, "chat messages need 'role' and 'content'")
+    ok = write_jsonl(tmp_path / "ok.jsonl", [*rows(0, 3), {"prompt": "a", "label": 5}])
+    check = check_prompt_dataset(DatasetSpec(ok), None)
+    assert check.rows == 4 and not check.fields.vectorised
