@@ -14,7 +14,10 @@ from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
 
 def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # INFO goes to the Prefect API (the UI's Logs tab: states, retries and why), while the
+    # console handler shows WARNING and up only, so a run prints its progress and result.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     # Prefect's own 20 s (counted in its sleeps) is too short on a busy machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 

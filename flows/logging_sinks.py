@@ -27,8 +27,8 @@ class LoggingConfig(Section):
     plot: bool = Field(True, description="Write reward/loss curve PNGs to the run directory.")
     plot_interval: int | None = Field(
         10, ge=1,
-        description="A rollout step's flow run also shows the curves (image artifact) every N "
-        "steps and at the last step; None: only the train flow, at the end.",
+        description="A rollout step's flow run also shows the curves (markdown artifact, PNG "
+        "inlined) every N steps and at the last step; None: only the train flow, at the end.",
     )
     sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,

@@ -1,14 +1,21 @@
 """What a person looks at in the Prefect UI and the run directory: metrics tables and
-reward/loss curves, for the whole run and for each rollout step's flow run."""
+reward/loss curves, for the whole run and for each rollout step's flow run.
+
+Artifact keys start with the run's name (`arithmetic-grpo-step-metrics`), so trainings that
+share a Prefect server keep their own history. The curves go to the UI as a markdown
+artifact with the PNG inlined as a data URI: an image artifact can only link to a URL, and a
+browser refuses the `file://` one of a local run directory.
+"""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
-from prefect.artifacts import create_image_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from storage.run_layout import RunLayout
-from tasks.artifacts import artifact_key
+from tasks.artifacts import artifact_key, for_people, rounded_rows
 
 CURVES = ("reward/mean", "train/loss", "train/approx_kl", "rollout/response_len_mean")
 
@@ -17,7 +24,14 @@ def collect_metrics(layout: RunLayout) -> list[dict[str, Any]]:
     return [layout.step_metrics(k) for k in layout.committed_steps()]
 
 
-def plot_curves(rows: list[dict[str, Any]], evals: dict[int, dict[str, Any]]) -> bytes:
+def run_name_of(layout: RunLayout) -> str:
+    """The run's name: the last part of its directory (`RunLayout.open` puts it there)."""
+    return layout.uri.rstrip("/").rsplit("/", 1)[-1]
+
+
+def plot_curves(
+    rows: list[dict[str, Any]], evals: dict[int, dict[str, Any]], dpi: int = 90
+) -> bytes:
     import io
 
     import matplotlib
@@ -28,8 +42,13 @@ def plot_curves(rows: list[dict[str, Any]], evals: dict[int, dict[str, Any]]) ->
     keys = [k for k in CURVES if any(k in r for r in rows)]
     eval_keys = sorted({k for e in evals.values() for k in e if k.count("/") == 1})
     panels = keys + eval_keys
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4 * max(len(panels), 1), 3.2))
-    axes = axes if hasattr(axes, "__len__") else [axes]
+    # At most three panels a row: one row of five is too flat to read in the UI's column.
+    cols = min(max(len(panels), 1), 3)
+    rows_n = -(-max(len(panels), 1) // cols)
+    fig, grid = plt.subplots(rows_n, cols, figsize=(4 * cols, 3.2 * rows_n), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     for ax, key in zip(axes, panels, strict=False):
         if key in eval_keys:
             xs = sorted(evals)
@@ -43,7 +62,7 @@ def plot_curves(rows: list[dict[str, Any]], evals: dict[int, dict[str, Any]]) ->
         ax.grid(alpha=0.3)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
 
@@ -52,7 +71,8 @@ TABLE_COLUMNS = ("rollout_id", *CURVES, "time/generate", "time/train")
 
 
 def metrics_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: r.get(k) for k in TABLE_COLUMNS if k in r} for r in rows]
+    """The table's columns, floats to 4 significant digits (metrics.json keeps them all)."""
+    return rounded_rows([{k: r.get(k) for k in TABLE_COLUMNS if k in r} for r in rows])
 
 
 def publish_step_table(rows: list[dict[str, Any]], key: str, description: str = "") -> None:
@@ -60,10 +80,41 @@ def publish_step_table(rows: list[dict[str, Any]], key: str, description: str = 
         create_table_artifact(metrics_table(rows), key=artifact_key(key), description=description)
 
 
+def eval_history(evals: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per evaluated weight version, one column per held-out metric."""
+    return [{"weight_version": v, **{k: for_people(x) for k, x in sorted(evals[v].items())
+                                     if isinstance(x, int | float) and not isinstance(x, bool)}}
+            for v in sorted(evals)]
+
+
+# Inlined in the markdown artifact: smaller than the file's, and with 32 colours (line plots
+# need no more) about 20 KB instead of 60-130 KB per step's flow run.
+UI_PLOT_DPI = 60
+
+
+def small_png(png: bytes, colors: int = 32) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=colors).save(
+        out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+def curves_markdown(png: bytes, where: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return f"![reward and loss curves](data:image/png;base64,{data})\n\nFull size: `{where}`\n"
+
+
 def _publish_curves(layout: RunLayout, rows: list[dict[str, Any]], evals: Any) -> str:
     uri = layout.store.write_bytes(plot_curves(rows, evals), "curves.png")
-    image_url = uri if "://" in uri else f"file://{uri}"
-    create_image_artifact(image_url, key="reward-curves", description="reward and loss")
+    create_markdown_artifact(
+        curves_markdown(small_png(plot_curves(rows, evals, dpi=UI_PLOT_DPI)), uri),
+        key=artifact_key(run_name_of(layout), "reward-curves"),
+        description=f"reward and loss up to step {rows[-1]['rollout_id'] if rows else 0}",
+    )
     return uri
 
 
@@ -71,23 +122,29 @@ def publish_step_report(
     layout: RunLayout, rollout_id: int, metrics: dict[str, Any], make_plot: bool = True
 ) -> None:
     """Artifacts of one rollout step's flow run: every scalar metric of the step (table
-    `step-metrics`) and the curves up to this step (image `reward-curves`)."""
+    `{run}-step-metrics`) and the curves up to this step (markdown `{run}-reward-curves`)."""
     table = [
-        {"metric": k, "value": v}
+        {"metric": k, "value": for_people(v)}
         for k, v in sorted(metrics.items())
         if isinstance(v, int | float) and not isinstance(v, bool)
     ]
-    create_table_artifact(table, key="step-metrics", description=f"step {rollout_id} of {layout.uri}")
+    create_table_artifact(table, key=artifact_key(run_name_of(layout), "step-metrics"),
+                          description=f"step {rollout_id} of {layout.uri}")
     if make_plot:
         _publish_curves(layout, collect_metrics(layout), layout.evals())
 
 
 def publish_run_report(layout: RunLayout, make_plot: bool = True) -> dict[str, Any]:
-    """Write curves.png to the run directory and show the table and plot in Prefect."""
+    """Write curves.png to the run directory and show the tables (per step; held-out
+    metrics per weight version) and the plot in Prefect."""
     rows = collect_metrics(layout)
     evals = layout.evals()
     report: dict[str, Any] = {"steps": len(rows), "evals": evals}
-    publish_step_table(rows, key="run-metrics", description=f"metrics of {layout.uri}")
+    run = run_name_of(layout)
+    publish_step_table(rows, key=f"{run}-run-metrics", description=f"metrics of {layout.uri}")
+    if evals:
+        create_table_artifact(eval_history(evals), key=artifact_key(run, "eval-history"),
+                              description=f"held-out metrics of {run} per weight version")
     if make_plot and rows:
         report["plot"] = _publish_curves(layout, rows, evals)
     return report

@@ -1,6 +1,8 @@
-"""One rollout step = one Prefect flow run named `rollout-{rollout_id}`.
+"""One rollout step = one Prefect flow run named `{run}/rollout-{rollout_id}`.
 
 sample_prompts -> generate -> filter -> reward -> train -> broadcast_weights -> commit
+
+Each task waits for the one before it (`wait_for`), so the Prefect UI draws that chain.
 
 In async mode (`rollout.off_policy_async`) gates between them let the flow runs of two
 consecutive steps overlap; see tasks/step_gates.py for the picture.
@@ -10,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
+from prefect import State, flow
 from prefect.context import SettingsContext, get_settings_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
+from prefect.utilities.annotations import quote
 
-from engines.cluster.actors import get_or_create_actors
+from engines.cluster.actors import attached_actors
 from engines.cluster.head import connect
 from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
@@ -29,7 +32,8 @@ def open_layout(cfg: RollflowConfig) -> RunLayout:
     return RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
 
 
-@flow(name="rollout_step", flow_run_name="rollout-{rollout_id}", persist_result=False)
+@flow(name="rollout_step", flow_run_name="{config.storage.run_name}/rollout-{rollout_id}",
+      persist_result=False)
 def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
     """Run (or finish) step `rollout_id`; a committed step returns its metrics untouched."""
     connect(config.cluster)
@@ -38,7 +42,7 @@ def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
         return layout.step_metrics(rollout_id)
     layout.clear_failure(rollout_id)
     try:
-        metrics = _run_stages(t.StepContext(config, layout, get_or_create_actors(config)), rollout_id)
+        metrics = _run_stages(t.StepContext(config, layout, attached_actors(config)), rollout_id)
     except BaseException as e:
         layout.mark_failed(rollout_id, repr(e))
         raise
@@ -80,19 +84,35 @@ def _without_heartbeats(settings: Settings) -> Settings:
 
 
 def _run_stages(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
+    """The stages in order, each `wait_for` the one before: Prefect draws a task's edges
+    from its inputs, and without them every record would be drawn as feeding `commit`
+    (which gets the records `quote`d, so only broadcast_weights -> commit is drawn)."""
     pipelined = ctx.cfg.rollout.off_policy_async
     sampled = t.sample_prompts(ctx, rollout_id)
+    before: Any = sampled
     if pipelined:
-        gates.wait_for_weights(ctx.layout, ctx.cfg, rollout_id)
-    generated = t.generate(ctx, rollout_id)
-    filtered = t.filter_groups(ctx, rollout_id)
-    rewarded = t.reward(ctx, rollout_id, filtered.kept_groups)
+        before = _gate(gates.wait_for_weights, ctx.layout, ctx.cfg, rollout_id, after=sampled)
+    generated = t.generate(ctx, rollout_id, wait_for=[before])
+    filtered = t.filter_groups(ctx, rollout_id, wait_for=[generated])
+    rewarded = t.reward(ctx, rollout_id, filtered.kept_groups, wait_for=[filtered])
+    before = rewarded
     if pipelined:
-        gates.wait_for_previous_commit(ctx.layout, rollout_id)
-    trained = t.train(ctx, rollout_id)
+        before = _gate(gates.wait_for_previous_commit, ctx.layout, rollout_id, after=rewarded)
+    trained = t.train(ctx, rollout_id, wait_for=[before])
+    before = trained
     if pipelined:
-        gates.wait_for_next_generate(ctx.layout, ctx.cfg, rollout_id)
-    pushed = t.broadcast_weights(ctx, rollout_id)
+        before = _gate(gates.wait_for_next_generate, ctx.layout, ctx.cfg, rollout_id, after=trained)
+    pushed = t.broadcast_weights(ctx, rollout_id, wait_for=[before])
+    before = pushed
     if pipelined and evaluates_after(ctx.cfg, rollout_id):  # see tasks/step_gates.py
-        t.evaluate(ctx, rollout_id + 1)
-    return t.commit(ctx, rollout_id, [sampled, generated, filtered, rewarded, trained, pushed])
+        before = t.evaluate(ctx, rollout_id + 1, wait_for=[pushed])
+    records = [sampled, generated, filtered, rewarded, trained, pushed]
+    return t.commit(ctx, rollout_id, quote(records), wait_for=[before])
+
+
+def _gate(gate: Any, *args: Any, after: Any) -> State[Any]:
+    """Run a gate task after `after`; its State is what the next task waits for (a gate
+    returns seconds waited, and equal floats would be ambiguous upstream links)."""
+    state: State[Any] = gate(*args, wait_for=[after], return_state=True)
+    state.result()  # a gate that failed (upstream step failed, timeout) raises here
+    return state

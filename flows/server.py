@@ -83,7 +83,13 @@ def start_server(
     SQLite database lives there). With `wait_s`, return once `/api/health` answers."""
     cmd = [_prefect_cli(), "server", "start", "--host", host, "--port", str(port)]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen(cmd, env=server_env(home), stdout=out, stderr=subprocess.STDOUT)
+    env = server_env(home)
+    # The UI's pages call the API at PREFECT_UI_API_URL, derived from these two settings
+    # (not from --host/--port): without them a server on another port than 4200 serves a
+    # UI that says "Can't connect to Server API at http://127.0.0.1:4200/api".
+    env.update(PREFECT_SERVER_API_HOST=host, PREFECT_SERVER_API_PORT=str(port))
+    env.setdefault("PREFECT_UI_URL", f"http://{host}:{port}")  # links in notifications
+    process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     server = PrefectServer(process, host, port)
     if wait_s is not None:
         server.wait_ready(wait_s)

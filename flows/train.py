@@ -23,10 +23,12 @@ from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
+from flows.failure_notice import notify_failure
 from flows.logging_sinks import open_sinks
 from flows.preflight import preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
+from flows.run_labels import labelled
 from storage.run_layout import RunLayout
 from storage.secrets import register
 from tasks import step_tasks as t
@@ -100,10 +102,16 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
     return ctx, start, restored
 
 
-@flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False)
+@flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False,
+      on_failure=[notify_failure])
 def train(config: RollflowConfig) -> dict[str, Any]:
     register(config.secret_values())  # deployments pass the config without the CLI
     config = resolve_paths(config)
+    with labelled(config):  # tags run/algo/backends on this run and all it starts
+        return _train(config)
+
+
+def _train(config: RollflowConfig) -> dict[str, Any]:
     checked = preflight_once(config)
     connect(config.cluster)
     layout = open_layout(config)

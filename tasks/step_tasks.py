@@ -41,7 +41,7 @@ from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
 from storage.sample import RewardError
 from tasks import colocate
-from tasks.artifacts import artifact_key
+from tasks.artifacts import artifact_key, publish_eval
 from tasks.records import BroadcastRecord, StepMetrics, TrainRecord
 
 
@@ -98,14 +98,39 @@ DETERMINISTIC: tuple[type[BaseException], ...] = (
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect's retry_condition_fn: retry unless the failure is deterministic (Ray raises a
-    task's exception as a subclass of the original, so isinstance sees through it)."""
+    task's exception as a subclass of the original, so isinstance sees through it). Prefect
+    calls it only while retries are left; the decision is logged to the task run, so the UI
+    says what failed and whether it was retried (not just "Run Count 2")."""
     try:
         state.result()
-    except DETERMINISTIC:
+    except DETERMINISTIC as e:
+        _log_retry(task, task_run, e, retried=False)
         return False
-    except BaseException:
+    except BaseException as e:
+        _log_retry(task, task_run, e, retried=True)
         return True
     return True
+
+
+def failure_line(exc: BaseException) -> str:
+    """`ConnectionError: injected transient fault`: the cause inside Ray's wrapper, first line."""
+    cause = getattr(exc, "cause", None)
+    root = cause if isinstance(cause, BaseException) else exc
+    text = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {text[0]}" if text else type(root).__name__
+
+
+def _log_retry(task: Any, task_run: Any, exc: BaseException, retried: bool) -> None:
+    from prefect.logging.loggers import task_run_logger
+
+    attempt = task_run.run_count
+    logger = task_run_logger(task_run, task=task)
+    if retried:
+        logger.warning("%s attempt %d failed with %s; retrying (attempt %d of %d)",
+                       task.name, attempt, failure_line(exc), attempt + 1, task.retries + 1)
+    else:
+        logger.error("%s attempt %d failed with %s; not retried: the same input fails the "
+                     "same way (fix it and rerun the step)", task.name, attempt, failure_line(exc))
 
 
 # Transient faults (an engine or actor briefly unreachable) are retried; the record check
@@ -140,15 +165,15 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> Genera
     return result
 
 
-@task(name="sample_prompts", **TASK_OPTIONS)
+@task(name="sample_prompts", task_run_name="sample_prompts", **TASK_OPTIONS)
 def sample_prompts(ctx: StepContext, rollout_id: int) -> SamplePromptsRecord:
     return run_once(
         ctx.layout, rollout_id, SamplePromptsRecord,
-        lambda: resolve(ctx.actors.rollout.sample_prompts.remote(rollout_id)),
+        lambda: resolve(ctx.reattach().rollout.sample_prompts.remote(rollout_id)),
     )
 
 
-@task(name="generate", **TASK_OPTIONS)
+@task(name="generate", task_run_name="generate", **TASK_OPTIONS)
 def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
     def work() -> GenerateRecord:
         actors = ctx.reattach()
@@ -165,23 +190,23 @@ def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
     return run_once(ctx.layout, rollout_id, GenerateRecord, work)
 
 
-@task(name="filter", **TASK_OPTIONS)
+@task(name="filter", task_run_name="filter", **TASK_OPTIONS)
 def filter_groups(ctx: StepContext, rollout_id: int) -> FilterRecord:
     return run_once(
         ctx.layout, rollout_id, FilterRecord,
-        lambda: resolve(ctx.actors.rollout.filter.remote(rollout_id)),
+        lambda: resolve(ctx.reattach().rollout.filter.remote(rollout_id)),
     )
 
 
-@task(name="reward", **TASK_OPTIONS)
+@task(name="reward", task_run_name="reward", **TASK_OPTIONS)
 def reward(ctx: StepContext, rollout_id: int, kept_groups: Sequence[int]) -> RewardRecord:
     return run_once(
         ctx.layout, rollout_id, RewardRecord,
-        lambda: resolve(ctx.actors.rollout.reward.remote(rollout_id, kept_groups)),
+        lambda: resolve(ctx.reattach().rollout.reward.remote(rollout_id, kept_groups)),
     )
 
 
-@task(name="train", **TASK_OPTIONS)
+@task(name="train", task_run_name="train", **TASK_OPTIONS)
 def train(ctx: StepContext, rollout_id: int) -> TrainRecord:
     """Always asks the trainer (its weight version, not the record, is the truth): a trainer
     that lost its state re-trains this step from train.arrow after replaying earlier ones."""
@@ -223,7 +248,7 @@ def sync_engine_weights(
     return BroadcastRecord(weight_version=version, engines_updated=len(stale))
 
 
-@task(name="broadcast_weights", **TASK_OPTIONS)
+@task(name="broadcast_weights", task_run_name="broadcast_weights", **TASK_OPTIONS)
 def broadcast_weights(ctx: StepContext, rollout_id: int) -> BroadcastRecord:
     # Not recorded: it is cheap and must always leave the engines at the trainer's version.
     start = time.perf_counter()
@@ -242,7 +267,7 @@ def should_checkpoint(cfg: RollflowConfig, rollout_id: int) -> bool:
     return last or (interval is not None and (rollout_id + 1) % interval == 0)
 
 
-@task(name="commit", **TASK_OPTIONS)
+@task(name="commit", task_run_name="commit", **TASK_OPTIONS)
 def commit(
     ctx: StepContext, rollout_id: int, records: Sequence[StageRecord]
 ) -> dict[str, Any]:
@@ -261,9 +286,12 @@ def commit(
     return metrics
 
 
-@task(name="evaluate", **TASK_OPTIONS)
+@task(name="evaluate", task_run_name="evaluate", **TASK_OPTIONS)
 def evaluate(ctx: StepContext, weight_version: int) -> dict[str, float]:
-    existing = ctx.layout.evals().get(weight_version)
-    if existing is not None:
-        return existing
-    return dict(resolve(ctx.actors.rollout.evaluate.remote(weight_version)))
+    """Held-out metrics of `weight_version` (stored ones if it was evaluated before), also
+    shown in the UI as a table (artifact `{run}-eval`)."""
+    metrics = ctx.layout.evals().get(weight_version)
+    if metrics is None:
+        metrics = dict(resolve(ctx.reattach().rollout.evaluate.remote(weight_version)))
+    publish_eval(ctx.cfg.storage.run_name, weight_version, metrics)
+    return metrics

@@ -69,7 +69,8 @@ def main() -> None:
                         help="override for the GRPO phase, e.g. rollout.num_rollout=10")
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # to the Prefect API (UI logs)
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # console
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     t0 = time.perf_counter()

@@ -59,42 +59,43 @@ def test_two_steps_show_up_in_the_prefect_server(
     )
     assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-4000:]
 
+    steps = (f"{run}/rollout-0", f"{run}/rollout-1")
     flow_runs = api(prefect_server, "/flow_runs/filter", {
-        "flow_runs": {"name": {"any_": [f"train-{run}", "rollout-0", "rollout-1"]}}})
+        "flow_runs": {"name": {"any_": [f"train-{run}", *steps]}}})
     by_name = {r["name"]: r for r in flow_runs}
-    assert sorted(by_name) == sorted([f"train-{run}", "rollout-0", "rollout-1"])
+    assert sorted(by_name) == sorted([f"train-{run}", *steps])
     assert {r["state_type"] for r in flow_runs} == {"COMPLETED"}
     train_run = by_name[f"train-{run}"]
     assert train_run["parameters"]["config"]["storage"]["run_name"] == run  # config shown
-    assert by_name["rollout-1"]["parameters"]["rollout_id"] == 1
+    assert by_name[steps[1]]["parameters"]["rollout_id"] == 1
 
-    for step in ("rollout-0", "rollout-1"):
+    for step in steps:
         task_runs = api(prefect_server, "/task_runs/filter", {
             "flow_runs": {"id": {"any_": [by_name[step]["id"]]}}})
-        names = {t["name"].rsplit("-", 1)[0] for t in task_runs}
+        names = {t["name"] for t in task_runs}
         assert names == TASKS, names
         assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
 
     artifacts = api(prefect_server, "/artifacts/filter", {
         "artifacts": {"flow_run_id": {"any_": [train_run["id"]]}}})
     kinds = {a["key"]: a for a in artifacts if a["key"]}
-    assert kinds["run-metrics"]["type"] == "table"
-    table = kinds["run-metrics"]["data"]
+    assert kinds[f"{run}-run-metrics"]["type"] == "table"
+    table = kinds[f"{run}-run-metrics"]["data"]
     table = table if isinstance(table, list) else __import__("json").loads(table)
     assert [row["rollout_id"] for row in table] == [0, 1]
-    assert kinds["reward-curves"]["type"] == "image"
-    assert kinds["reward-curves"]["data"].endswith(f"{run}/curves.png")
+    assert kinds[f"{run}-reward-curves"]["type"] == "markdown"  # the PNG inlined
+    assert "data:image/png;base64," in kinds[f"{run}-reward-curves"]["data"]
     progress = kinds[f"{run}-steps"]
     assert progress["type"] == "progress" and float(progress["data"]) == 100.0
 
     # Each step's flow run: its metrics table and generation progress; the last one, curves.
-    for step in ("rollout-0", "rollout-1"):
+    for step in steps:
         step_artifacts = api(prefect_server, "/artifacts/filter", {
             "artifacts": {"flow_run_id": {"any_": [by_name[step]["id"]]}}})
         step_kinds = {a["key"]: a["type"] for a in step_artifacts if a["key"]}
-        assert step_kinds["step-metrics"] == "table"
+        assert step_kinds[f"{run}-step-metrics"] == "table"
         assert step_kinds[f"{run}-generation"] == "progress"
-        assert ("reward-curves" in step_kinds) == (step == "rollout-1"), step_kinds
+        assert (f"{run}-reward-curves" in step_kinds) == (step == steps[1]), step_kinds
 
 
 def test_prefect_yaml_deploys_to_the_server(prefect_server):

@@ -47,7 +47,7 @@ def read_flow_runs(names):
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
-        tasks = {r.id: sorted({t.name.rsplit("-", 1)[0] for t in client.read_task_runs(
+        tasks = {r.id: sorted({t.name for t in client.read_task_runs(
             flow_run_filter=FlowRunFilter(id={"any_": [r.id]}))}) for r in runs}
     return runs, tasks
 
@@ -79,12 +79,13 @@ def test_two_rollout_steps_with_mock_engines(mock_config):
     assert ray.get(actor(cfg, "engine-0").weight_version.remote()) == 2
     assert ray.get(actor(cfg, "trainer").trained_indices.remote()) == list(range(2 * per_step))
 
-    runs, tasks = read_flow_runs(["rollout-0", "rollout-1"])
-    mine = [r for r in runs if r.parameters["config"]["storage"]["run_name"] == cfg.storage.run_name]
-    assert sorted(r.name for r in mine) == ["rollout-0", "rollout-1"]
+    run = cfg.storage.run_name
+    mine, tasks = read_flow_runs([f"{run}/rollout-0", f"{run}/rollout-1"])
+    assert sorted(r.name for r in mine) == [f"{run}/rollout-0", f"{run}/rollout-1"]
     assert all(r.state.is_completed() for r in mine)
+    assert all({f"run:{run}", "algo:grpo", "engine:mock", "train:mock"} <= set(r.tags) for r in mine)
     for r in mine:
-        assert tasks[r.id] == sorted(TASKS)
+        assert tasks[r.id] == sorted(TASKS)  # named as the stages, no random suffix
     assert layout.store.read_json("steps/000001", "generate.progress.json") == {
         "kept": cfg.rollout.rollout_batch_size, "target": cfg.rollout.rollout_batch_size}
     progress = read_artifacts(artifact_key(cfg.storage.run_name, "generation"))

@@ -1,0 +1,55 @@
+"""Reading back what the Prefect UI shows, through the server's REST API (the same endpoints
+the UI's pages call): flow runs by name, the task graph of a flow run, logs, artifacts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+# The step's tasks in the order the UI must draw them (sync mode).
+CHAIN = ("sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit")
+
+
+def chain_edges(chain: tuple[str, ...] = CHAIN) -> set[tuple[str, str]]:
+    return set(zip(chain, chain[1:], strict=False))
+
+
+def post(api_url: str, path: str, body: dict[str, Any]) -> Any:
+    response = httpx.post(f"{api_url}{path}", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def flow_runs(api_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    runs = post(api_url, "/flow_runs/filter", {"flow_runs": {"name": {"any_": names}}})
+    return {r["name"]: r for r in runs}
+
+
+def graph_edges(api_url: str, flow_run_id: str) -> set[tuple[str, str]]:
+    """(upstream label, downstream label) of the flow run's graph (`/graph-v2`, what the
+    UI's canvas draws; its nodes are not DOM elements)."""
+    response = httpx.get(f"{api_url}/flow_runs/{flow_run_id}/graph-v2", timeout=30)
+    response.raise_for_status()
+    nodes = dict((node_id, node) for node_id, node in response.json()["nodes"])
+    return {(nodes[p["id"]]["label"], node["label"])
+            for node in nodes.values() for p in node["parents"]}
+
+
+def logs(api_url: str, flow_run_id: str) -> list[dict[str, Any]]:
+    return post(api_url, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                          "limit": 200})
+
+
+def artifacts(api_url: str, flow_run_id: str) -> dict[str, dict[str, Any]]:
+    """The flow run's keyed artifacts by key, the newest version of each; table data decoded."""
+    found = post(api_url, "/artifacts/filter",
+                 {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_DESC"})
+    out: dict[str, dict[str, Any]] = {}
+    for a in reversed(found):
+        if a["key"]:
+            if a["type"] == "table" and isinstance(a["data"], str):
+                a["data"] = json.loads(a["data"])
+            out[a["key"]] = a
+    return out
