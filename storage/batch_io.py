@@ -8,7 +8,9 @@ sha256 differs from those its step's COMMITTED marker recorded (`integrity.py`).
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
@@ -71,4 +73,49 @@ def read_samples(store: ObjectStore, *parts: str) -> list[Sample]:
     try:
         return table_to_samples(table)
     except (ValueError, KeyError, TypeError) as exc:  # json, missing columns, bad status
+        raise CorruptFileError(store.uri(*parts), f"not a sample batch ({exc})") from exc
+
+
+def _flat(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (values, row offsets): numpy views of the table's buffers."""
+    column = table.column(name)
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    offsets = array.offsets.to_numpy()
+    if offsets[0]:  # a sliced array: its values start at its first offset
+        offsets = offsets - offsets[0]
+    return array.flatten().to_numpy(zero_copy_only=True), offsets
+
+
+@dataclass(frozen=True, slots=True)
+class TokenArrays:
+    """A sample batch's per-token columns as flat arrays plus row offsets (row i's tokens are
+    `tokens[token_offsets[i]:token_offsets[i + 1]]`, its loss mask and log-probs likewise
+    with their own offsets). They are views of the file's buffers: no Python object per row
+    or token, and for an uncompressed local file (memory-mapped) no copy at all."""
+
+    tokens: np.ndarray  # int32
+    token_offsets: np.ndarray
+    response_lengths: np.ndarray  # int32, one per row
+    loss_mask: np.ndarray  # int32
+    loss_mask_offsets: np.ndarray
+    rollout_log_probs: np.ndarray  # float32
+    log_prob_offsets: np.ndarray
+
+
+def token_arrays(table: pa.Table) -> TokenArrays:
+    tokens, token_offsets = _flat(table, "tokens")
+    loss_mask, mask_offsets = _flat(table, "loss_mask")
+    log_probs, log_prob_offsets = _flat(table, "rollout_log_probs")
+    lengths = table.column("response_length").to_numpy()
+    return TokenArrays(
+        tokens, token_offsets, lengths, loss_mask, mask_offsets, log_probs, log_prob_offsets
+    )
+
+
+def read_token_arrays(store: ObjectStore, *parts: str) -> TokenArrays:
+    """The per-token columns of a sample file without building samples (`TokenArrays`)."""
+    table = read_table(store, *parts)
+    try:
+        return token_arrays(table)
+    except (KeyError, pa.ArrowException) as exc:
         raise CorruptFileError(store.uri(*parts), f"not a sample batch ({exc})") from exc

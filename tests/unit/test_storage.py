@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 from storage.arrow_schema import samples_to_table, table_to_samples
-from storage.batch_io import read_samples, read_table, write_samples
+from storage.batch_io import (
+    read_samples,
+    read_table,
+    read_token_arrays,
+    write_samples,
+    write_table,
+)
+from storage.integrity import CorruptFileError
 from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
@@ -75,6 +83,40 @@ def test_uncompressed_batch_reads_zero_copy(tmp_path):
     tokens = table.column("tokens").chunk(0).values
     # Memory-mapped buffers are not owned by the Python heap.
     assert not tokens.buffers()[1].is_mutable
+
+
+def test_a_sliced_or_multi_chunk_table_reads_back_its_own_rows():
+    samples = make_samples()
+    table = samples_to_table(samples)
+    assert table_to_samples(table.slice(1, 2)) == samples[1:]
+    assert table_to_samples(pa.concat_tables([table.slice(0, 1), table.slice(2)])) == [
+        samples[0], samples[2]]
+    assert table_to_samples(table.slice(0, 0)) == []
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_token_arrays_match_the_samples(tmp_path, compression):
+    store = ObjectStore(str(tmp_path))
+    samples = make_samples()
+    write_samples(store, samples, "b.arrow", compression=compression)
+    arrays = read_token_arrays(store, "b.arrow")
+    for name, offsets, flat in (("tokens", arrays.token_offsets, arrays.tokens),
+                                ("loss_mask", arrays.loss_mask_offsets, arrays.loss_mask),
+                                ("rollout_log_probs", arrays.log_prob_offsets,
+                                 arrays.rollout_log_probs)):
+        rows = [flat[a:b].tolist() for a, b in zip(offsets, offsets[1:], strict=False)]
+        assert rows == [getattr(s, name) for s in samples], name
+    assert arrays.response_lengths.tolist() == [s.response_length for s in samples]
+    assert arrays.tokens.dtype == np.int32 and arrays.rollout_log_probs.dtype == np.float32
+    if compression is None:  # views of the memory-mapped file, not copies
+        assert not arrays.tokens.flags.owndata and not arrays.tokens.flags.writeable
+
+
+def test_token_arrays_of_a_file_that_is_not_a_sample_batch(tmp_path):
+    store = ObjectStore(str(tmp_path))
+    write_table(store, pa.table({"x": [1, 2]}), "other.arrow")
+    with pytest.raises(CorruptFileError, match="not a sample batch"):
+        read_token_arrays(store, "other.arrow")
 
 
 def test_atomic_write_leaves_no_temporary_files(tmp_path):
