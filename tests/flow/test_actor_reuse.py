@@ -1,0 +1,45 @@
+"""A driver looks its run's actors up once; each step's flow run reuses the handles, and an
+actor that died between steps is replaced by the retry of the first task that finds it dead."""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+
+from engines.cluster.actors import attached_actors, get_or_create_actors, kill_run_actors
+from engines.cluster.head import connect
+from storage.run_layout import RunLayout
+from tests.flow.configs import arithmetic_config
+
+
+def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    from flows.rollout_step import run_rollout_step
+
+    cfg = arithmetic_config(
+        run_name=f"reuse-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
+        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
+        overrides=["rollout.num_rollout=2"],
+    )
+    connect(cfg.cluster)
+    try:
+        actors = get_or_create_actors(cfg)
+        assert attached_actors(cfg) is actors
+        run_rollout_step(cfg, 0)
+        assert attached_actors(cfg) is actors  # the step looked nothing up
+
+        ray.kill(actors.rollout)  # dies between steps: step 1's first task finds it dead
+        run_rollout_step(cfg, 1)
+        layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+        assert layout.committed_steps() == [0, 1]
+        replaced = attached_actors(cfg)
+        assert replaced is not actors and replaced.rollout != actors.rollout
+    finally:
+        kill_run_actors(cfg)
+    fresh = attached_actors(cfg)  # killing the run forgets its handles
+    try:
+        assert fresh.rollout != replaced.rollout
+    finally:
+        kill_run_actors(cfg)
