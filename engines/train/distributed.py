@@ -44,10 +44,6 @@ class DataParallel:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def shard(self, indices: list[int]) -> list[int]:
-        """This rank's share of one optimizer step (strided, so sizes differ by at most 1)."""
-        return indices[self.rank :: self.world_size]
-
     def wrap(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         if not self.enabled:
             return module
