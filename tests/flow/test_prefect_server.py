@@ -115,3 +115,9 @@ def test_prefect_yaml_deploys_to_the_server(prefect_server):
     train = deployments["arithmetic-grpo"]
     assert train["parameters"]["config"]["rollout"]["num_rollout"] == 20
     assert "config" in train["parameter_openapi_schema"]["properties"]  # the UI's run form
+    # Flow runs start in this repo (recorded at deploy time, not the worker's directory),
+    # then make the example's data and model there if missing: "Quick run" works as shipped.
+    assert train["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO_ROOT)}},
+        {"examples.arithmetic.deployment.prepare_example":
+         {"directory": "examples/arithmetic/artifacts"}}]
