@@ -110,7 +110,8 @@ def format_status(status: dict[str, Any]) -> str:
 def _dashboard_line(url: str | None, auth: str | None) -> str:
     """The dashboard's URL and how to reach Ray's state API (`ray list actors`) through it."""
     if not url:
-        return "dashboard: none (Ray's state API needs it: install ray[default], restart the head)"
+        return ("dashboard: not running (Ray's state API needs it: a head started where "
+                "ray[default] is installed runs one)")
     from engines.ray_auth import TOKEN_FILE
 
     path = os.environ.get("RAY_AUTH_TOKEN_PATH", str(TOKEN_FILE))

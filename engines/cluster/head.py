@@ -121,9 +121,11 @@ def start_local_head(num_cpus: int | None = None, num_gpus: int | None = None) -
     dashboard = None
     if dashboard_available():
         dash_port = free_port()
-        # the agent's fixed default port (52365) would clash with a second head here
-        cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={dash_port}", f"--dashboard-agent-listen-port={free_port()}"]
+        # --include-dashboard left unset: a dashboard slow to start on a loaded machine is
+        # then logged, not fatal to the head (`true` makes `ray start` fail after 60 s). The
+        # agent's fixed default port (52365) would clash with a second head here.
+        cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+                f"--dashboard-agent-listen-port={free_port()}"]
         dashboard = f"http://127.0.0.1:{dash_port}"
     else:
         cmd.append("--include-dashboard=false")
@@ -259,6 +261,8 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
     auth = process_auth_mode()
     if state and state.get("address") == address:
         dashboard, auth = state.get("dashboard"), state.get("auth", "disabled")
+    if dashboard and not _alive(dashboard.split("://", 1)[-1]):
+        dashboard = None  # it failed to start (see the head's session logs)
     rows = []
     now_ms = time.time() * 1000
     for name in sorted(ray.util.list_named_actors()):

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -44,7 +45,13 @@ def test_local_head_has_the_machines_gpus_and_a_dashboard_with_the_state_api():
         first = python(DRIVER, env)
         out, err = first.communicate(timeout=180)
         assert first.returncode == 0, err
-        status = json.loads(cli(env, "cluster", "status", "--namespace", "rf-head-test", "--json"))
+        deadline = time.monotonic() + 180  # a loaded machine can start the dashboard late
+        while True:
+            status = json.loads(cli(env, "cluster", "status", "--namespace", "rf-head-test",
+                                    "--json"))
+            if status["dashboard"] or time.monotonic() > deadline:
+                break
+            time.sleep(5)
         assert status["alive"] and status["resources"]["GPU"] == torch.cuda.device_count()
         url = status["dashboard"]
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url

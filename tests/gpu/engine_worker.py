@@ -3,8 +3,8 @@
     CUDA_VISIBLE_DEVICES=1 python -m tests.gpu.engine_worker MODEL_DIR [DTYPE]
 
 Prints `URL <url>` once its SGLang-compatible server is healthy, then serves until stdin
-closes. The engine's model stays on the CPU; weights sent over NCCL arrive on this
-process's GPU and are copied in, as on a disaggregated rollout node.
+closes. The engine's model sits on this process's GPU (engine.device auto); weights sent
+over NCCL arrive there and are copied in, as on a disaggregated rollout node.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def gen(model_dir: str) -> Iterator[EmbeddedGenerator]:
     """One torch thread: tiny batches on a shared 2-core box run faster without OpenMP."""
     threads = torch.get_num_threads()
-    yield EmbeddedGenerator(model_dir, num_threads=1)
+    yield EmbeddedGenerator(model_dir, num_threads=1, device="cpu")  # CPU-exact references
     torch.set_num_threads(threads)
 
 
@@ -255,7 +255,7 @@ def test_update_weights_changes_outputs_and_version(gen: EmbeddedGenerator) -> N
 
 
 def test_batch_larger_than_max_batch_size(model_dir: str, gen: EmbeddedGenerator) -> None:
-    small = EmbeddedGenerator(model_dir, max_batch_size=3)
+    small = EmbeddedGenerator(model_dir, max_batch_size=3, device="cpu")
     reqs = requests(small, PROMPTS * 2, temperature=0.0, max_new_tokens=4, ignore_eos=True)
     res = small.generate(reqs)
     assert [r.rid for r in res] == [r.rid for r in reqs]
