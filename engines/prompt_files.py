@@ -93,8 +93,6 @@ class Shard(Protocol):
 
     def rows(self, local: np.ndarray) -> list[dict[str, Any]]: ...
 
-    def column(self, key: str) -> Any: ...
-
 
 class JsonlShard:
     """JSON Lines kept as bytes (a memory map for a local file) and parsed per row read."""
@@ -131,9 +129,6 @@ class JsonlShard:
             raise DatasetError(self.name, line, "(row)", f"a row must be a JSON object{hint}")
         return row
 
-    def column(self, key: str) -> Any:
-        return None  # untyped: rows are checked one by one
-
 
 def _row_offsets(data: bytes | mmap.mmap, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
     """(start byte, 1-based line number) of every non-blank line, scanned in chunks so the
@@ -169,9 +164,6 @@ class ArrowShard:
         rows: list[dict[str, Any]] = self.table.take(local).to_pylist()
         return rows
 
-    def column(self, key: str) -> Any:
-        return self.table.column(key) if key in self.table.column_names else None
-
 
 class PromptRows:
     """Every row of a prompt set, in order, across its shards; dicts only for rows read."""
@@ -182,11 +174,6 @@ class PromptRows:
 
     def __len__(self) -> int:
         return int(self._starts[-1])
-
-    def where(self, i: int) -> tuple[str, int]:
-        """(file, 1-based line or row) of global row `i`."""
-        k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self.shards[k].name, self.shards[k].line(i - int(self._starts[k]))
 
     def rows(self, indices: Sequence[int] | np.ndarray) -> list[Row]:
         """Rows `indices` (global, any order) as (file, line, dict), in the order asked."""
@@ -351,6 +338,5 @@ def _hub_dataset(spec: DatasetSpec) -> Shard:
     import datasets
 
     by_split = datasets.load_dataset(local, config)  # Arrow, memory-mapped from HF's cache
-    dataset = by_split[_pick_split(list(by_split), spec)]
-    table = dataset.flatten_indices().data.table if dataset._indices is not None else dataset.data.table
+    table = by_split[_pick_split(list(by_split), spec)].data.table  # (no indices mapping)
     return ArrowShard(spec.path, _project(spec.path, table, spec))

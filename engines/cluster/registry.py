@@ -33,6 +33,7 @@ DRIVER_ONLY: dict[str, set[str] | None] = {
     "rollout": {"num_rollout"},
     "cluster": {"keep_actors", "address"},
     "eval": {"eval_interval", "before_train"},
+    "data": {"preflight_token_rows"},
     "logging": None,
 }
 

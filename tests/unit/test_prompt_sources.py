@@ -228,3 +228,30 @@ def test_json_that_arrow_cannot_type_is_checked_row_by_row(tmp_path):
     ok = write_jsonl(tmp_path / "ok.jsonl", [*rows(0, 3), {"prompt": "a", "label": 5}])
     check = check_prompt_dataset(DatasetSpec(ok), None)
     assert check.rows == 4 and not check.fields.vectorised
+
+
+def test_a_dataset_in_the_local_hub_cache(tmp_path, monkeypatch):
+    """`hf://datasets/org/name` resolves in the hub cache without the network (here a cache
+    laid out as `hf download` leaves it), picking the split by name."""
+    pytest.importorskip("datasets")
+    import datasets.config
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "datasets--org--toy"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit / "data"
+    snapshot.mkdir(parents=True)
+    write_jsonl(snapshot / "train.jsonl", rows(0, 4))
+    write_jsonl(snapshot / "test.jsonl", rows(50, 2))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+
+    source = RolloutDataSourceWithBuffer(
+        open_prompt_dataset(DatasetSpec("hf://datasets/org/toy"), None), 1, shuffle=False)
+    assert epoch(source, 4) == [f"{i}+1=" for i in range(4)]
+    held = DatasetSpec("hf://datasets/org/toy", config_key="eval.datasets[0]")
+    assert [s.label for s in load_prompt_samples(held, None).samples] == ["51", "52"]
+    with pytest.raises(DatasetError, match=r"not in the local hub cache \(download it first"):
+        open_prompt_dataset(DatasetSpec("hf://datasets/org/absent"), None)
