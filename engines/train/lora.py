@@ -78,18 +78,26 @@ def load_policy(cfg: TrainConfig, base_path: str, source: str, device: torch.dev
     """The trainable policy. Without LoRA: the HF model at `source`. With LoRA: the base at
     `base_path` with fresh adapters, or with those saved in `source/adapter` when `source`
     is a checkpoint of the run (resume, `train.load`)."""
+    same = os.path.abspath(source) == os.path.abspath(base_path)
+    resuming = not same or (cfg.load is not None and source == cfg.load)
     if not cfg.lora.enabled:
+        if resuming and os.path.isdir(os.path.join(source, ADAPTER_DIR)):
+            raise ValueError(
+                f"checkpoint {source} was trained with LoRA (it holds {ADAPTER_DIR}/): resume it "
+                "with the train.lora settings it was saved with, or make it train.model_path to "
+                "fully fine-tune its merged weights"
+            )
         return load_causal_lm(source, device)
     import peft
 
     base = load_causal_lm(base_path, device)
     with _quiet_peft():
-        if os.path.abspath(source) == os.path.abspath(base_path):
-            model = peft.get_peft_model(base, peft_config(cfg.lora))
-        else:
+        if resuming:
             adapter = os.path.join(source, ADAPTER_DIR)
             _check_saved_adapter(adapter, cfg.lora)
             model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
+        else:
+            model = peft.get_peft_model(base, peft_config(cfg.lora))
     torch.nn.Module.to(model, device)
     return model
 

@@ -195,6 +195,10 @@ def test_resume_refuses_other_adapter_settings_or_a_full_checkpoint(
     full.save_checkpoint(str(tmp_path / "full"))
     with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
         lora_backend(tiny_model_dir).load_checkpoint(str(tmp_path / "full"))
+    with pytest.raises(ValueError, match="was trained with LoRA"):
+        full.load_checkpoint(trained["ckpt"])
+    # ... but a LoRA checkpoint is a plain model to start a new run from
+    assert make_backend(trained["ckpt"]).version == 0
 
 
 # -- weight sync ------------------------------------------------------------------------------
@@ -231,3 +235,18 @@ def test_engines_receive_merged_weights_under_base_names(
 
     engine.update_weights_from_tensor(backend.state_dict_for_engine(), 4)  # the Ray path
     assert engine.weights_checksum() == expected
+
+
+def test_example_lora_config_is_grpo_yaml_with_adapters(tiny_model_dir: str) -> None:
+    from flows.config_loader import load_config
+    from tests.conftest import REPO_ROOT
+
+    model = [f"train.model_path={tiny_model_dir}"]
+    full = load_config(REPO_ROOT / "examples/arithmetic/grpo.yaml", model).model_dump()
+    with_lora = load_config(REPO_ROOT / "examples/arithmetic/grpo_lora.yaml", model)
+    assert with_lora.train.lora.enabled and with_lora.train.lr > full["train"]["lr"]
+    other = with_lora.model_dump()
+    for dumped in (full, other):  # everything else is the full fine-tuning example's
+        for section, key in (("train", "lora"), ("train", "lr"), ("storage", "run_name")):
+            dumped[section].pop(key)
+    assert other == full
