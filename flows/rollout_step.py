@@ -22,6 +22,7 @@ from engines.cluster.head import connect
 from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.reporting import publish_step_report
+from flows.run_labels import untagged_tasks
 from storage.run_layout import RunLayout
 from tasks import step_gates as gates
 from tasks import step_tasks as t
@@ -42,7 +43,8 @@ def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
         return layout.step_metrics(rollout_id)
     layout.clear_failure(rollout_id)
     try:
-        metrics = _run_stages(t.StepContext(config, layout, attached_actors(config)), rollout_id)
+        with untagged_tasks():  # the flow run keeps its tags; see flows/run_labels.py
+            metrics = _run_stages(t.StepContext(config, layout, attached_actors(config)), rollout_id)
     except BaseException as e:
         layout.mark_failed(rollout_id, repr(e))
         raise

@@ -1,16 +1,36 @@
 """A driver looks its run's actors up once; each step's flow run reuses the handles, and an
-actor that died between steps is replaced by the retry of the first task that finds it dead."""
+actor that died between steps is replaced by the retry of the first task that finds it dead.
+A step's flow run carries the run's tags, its task runs none (a tagged task run costs two
+API calls for tag concurrency limits)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import ray
 
 from engines.cluster.actors import attached_actors, get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
+from flows.run_labels import labelled
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
+
+
+def step_run_tags(name: str) -> tuple[list[str], list[list[str]]]:
+    """The tags of flow run `name` and of each of its task runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+        deadline = time.monotonic() + 60  # the server records task runs from events, later
+        while True:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+            if len(tasks) >= 7 or time.monotonic() > deadline:
+                return run.tags, [t.tags for t in tasks]
+            time.sleep(0.5)
 
 
 def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
@@ -27,8 +47,11 @@ def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
     try:
         actors = get_or_create_actors(cfg)
         assert attached_actors(cfg) is actors
-        run_rollout_step(cfg, 0)
+        with labelled(cfg) as labels:
+            run_rollout_step(cfg, 0)
         assert attached_actors(cfg) is actors  # the step looked nothing up
+        flow_tags, task_tags = step_run_tags(f"{cfg.storage.run_name}/rollout-0")
+        assert set(labels) <= set(flow_tags) and len(task_tags) == 7 and not any(task_tags)
 
         ray.kill(actors.rollout)  # dies between steps: step 1's first task finds it dead
         run_rollout_step(cfg, 1)
