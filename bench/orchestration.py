@@ -3,17 +3,20 @@
 The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) runs three ways:
   plain   - the stage objects in this process, called in a loop (no Prefect, no Ray)
   ray     - the same calls on the run's detached Ray actors (no Prefect)
-  prefect - the real `train` flow: one `rollout_step` flow run per step, tasks calling actors
+  prefect - the real `train` flow: one `rollout_step` flow run per step, tasks calling actors,
+            timed between consecutive COMMITTED markers (what the flow does between steps
+            included)
 The differences are what Ray and Prefect cost per step; the table has the median and the
-90th percentile (a flat tail matters as much as the median). The prefect mode looks the
-run's actors up once, as the train flow does, and its steps reuse the handles. Usage:
+90th percentile (a flat tail matters as much as the median). Usage:
   python -m bench.orchestration --steps 10
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -24,6 +27,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")  # busy machines
+if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
+    # A fresh database for the ephemeral server: figures that do not depend on history.
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="bench-prefect-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], True)
 
 
 def make_config(root: str, run_name: str, steps: int, address: str | None) -> Any:
@@ -101,19 +108,17 @@ def bench_ray(cfg: Any) -> list[float]:
 
 
 def bench_prefect(cfg: Any) -> list[float]:
-    from engines.cluster.actors import get_or_create_actors, kill_run_actors
-    from engines.cluster.head import connect
-    from flows.rollout_step import run_rollout_step
+    """The real `train` flow over steps + 1 steps; a step's time is the gap between two
+    consecutive COMMITTED markers, so it includes what the flow does between steps."""
+    from flows.train import train
+    from storage.run_layout import RunLayout, step_dir
 
-    connect(cfg.cluster)
-    get_or_create_actors(cfg)
-    run_rollout_step(cfg, 0)  # warm-up: the Prefect server's first flow run pays for start-up
-    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"run_name": cfg.storage.run_name + "-2"})})
-    get_or_create_actors(cfg)
-    try:
-        return time_steps(lambda k: run_rollout_step(cfg, k), cfg.rollout.num_rollout)
-    finally:
-        kill_run_actors(cfg)
+    steps = cfg.rollout.num_rollout
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_rollout": steps + 1})})
+    train(cfg)
+    store = RunLayout.open(cfg.storage.uri, cfg.storage.run_name).store
+    stamps = [os.stat(store.path(step_dir(k), "COMMITTED")).st_mtime for k in range(steps + 1)]
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def p90(times: list[float]) -> float:

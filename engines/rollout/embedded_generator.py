@@ -49,6 +49,7 @@ def engine_device(choice: str) -> torch.device:
         raise ValueError("engine.device is 'cuda' but this engine's process sees no GPU")
     return torch.device("cuda", torch.cuda.current_device())
 _ABORT = {"type": "abort", "message": "Abort before decoding finished."}
+_PARALLEL_TOKENS = 32  # tokens in one forward below which it runs on one intra-op thread
 
 
 class EmbeddedGenerator(GeneratorIdentity):
@@ -65,6 +66,7 @@ class EmbeddedGenerator(GeneratorIdentity):
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
+        self._threads = torch.get_num_threads()
         self.model_path = self.tokenizer_path = model_path
         self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -224,6 +226,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         width = ids.shape[1]
         attn = (torch.arange(width, device=self.device)[None, :] >= width - lens[:, None]).long()
         positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+        self._use_threads(ids.numel())
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
             logits_to_keep=1,
@@ -235,9 +238,20 @@ class EmbeddedGenerator(GeneratorIdentity):
 
     def _decode(self, b: DecodeBatch) -> list[ReqState]:
         assert b.cache is not None
+        self._use_threads(len(b.rows))
         logits = self._decoder(b.t["last_tok"], b.t["next_pos"], b.cache)
         b.t["next_pos"].add_(1)
         return self._sample(b, logits)
+
+    def _use_threads(self, tokens: int) -> None:
+        """One intra-op thread for a forward of fewer than `_PARALLEL_TOKENS` tokens, the
+        configured count otherwise. A small step's ops are too short to split: each op's
+        fork/join (a wake-up of sleeping OpenMP workers) costs more than it saves (batches
+        of 4-16 on the example model: ~25% less time per token on one thread than on two).
+        It applies to the calling thread only: the scheduler thread that steps the batch."""
+        want = self._threads if tokens >= _PARALLEL_TOKENS or self.device.type != "cpu" else 1
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> list[ReqState]:
         assert b.sampling is not None

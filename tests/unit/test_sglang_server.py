@@ -17,7 +17,7 @@ from engines.rollout.engine_actor import EngineActor, build_generator
 from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
 from engines.rollout.mock_generator import MockGenerator
 from engines.rollout.scheduler import ContinuousScheduler
-from engines.rollout.sglang_client import SGLangClient, SGLangError
+from engines.rollout.sglang_client import SGLangClient, SGLangError, tls_verify
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig
 
@@ -346,3 +346,11 @@ def test_release_resume_over_http_keeps_outputs(engine: EngineActor) -> None:
     after = asyncio.run(generate())
     assert after.output_ids == before.output_ids and after.log_probs == before.log_probs
     assert httpx.get(f"{engine.url()}/get_weight_version").json() == {"weight_version": "0"}
+
+
+def test_clients_build_no_certificate_context_for_plain_http():
+    """httpx parses the CA bundle for every client by default (~27 ms of CPU); the generation
+    loop opens clients every step and the remote reward model one per sample."""
+    assert tls_verify("http://127.0.0.1:30000") is False
+    context = tls_verify("https://rm.example.com/score")
+    assert context is tls_verify("https://other.example.com") and context.verify_mode.name == "CERT_REQUIRED"

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from engines.rollout.sglang_client import tls_verify
 from storage.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class RemoteRewardModel:
         A client per call: an httpx client is bound to the event loop it was made on, and the
         rollout manager runs a fresh loop every step."""
         last_error: Exception | None = None
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=tls_verify(self.url)) as client:
             for attempt in range(self.max_retries + 1):
                 if attempt:
                     await asyncio.sleep(backoff_delay(attempt - 1, self.backoff_s, self.max_backoff_s))
