@@ -110,10 +110,11 @@ def _snapshot_callback(every_steps: int, samples_per_step: int) -> Any:
 def run_trl(
     sft_ckpt: str, train_rows: list[dict[str, Any]], *, lr: float, steps: int,
     snapshot_every: int, samples_per_step: int = 64, num_generations: int = 8,
-    max_completion_length: int = 4, seed: int = 42,
+    max_completion_length: int = 4, seed: int = 42, num_iterations: int = 1,
 ) -> TrlRun:
     """GRPOTrainer from `sft_ckpt` for `steps` optimizer steps of `samples_per_step`
-    completions (`samples_per_step / num_generations` prompts each)."""
+    completions (`samples_per_step / num_generations` prompts each); `num_iterations` > 1
+    reuses each generation batch that many times (TRL's PPO epochs)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -128,13 +129,16 @@ def run_trl(
     model = AutoModelForCausalLM.from_pretrained(sft_ckpt, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(sft_ckpt)
     data = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in train_rows])
-    callback = _snapshot_callback(snapshot_every // samples_per_step, samples_per_step)
+    # with num_iterations = k, k optimizer steps see the same generated samples
+    callback = _snapshot_callback(snapshot_every * num_iterations // samples_per_step,
+                                  samples_per_step // num_iterations)
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as out:
         config = GRPOConfig(
             output_dir=out, learning_rate=lr, max_steps=steps,
             per_device_train_batch_size=samples_per_step, num_generations=num_generations,
             max_completion_length=max_completion_length, temperature=1.0,
             bf16=False, gradient_checkpointing=False, use_cpu=True, seed=seed,
+            num_iterations=num_iterations,
             report_to=[], save_strategy="no", logging_steps=max(steps // 10, 1),
             disable_tqdm=True, dataloader_num_workers=0,
         )

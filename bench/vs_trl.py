@@ -15,6 +15,9 @@ one evaluator (`trl_baseline.greedy_accuracy`), on the same machine, back to bac
   override), a fresh run of the `train` flow with a checkpoint every `--snapshot-every`
   samples instead of in-flow evaluation; each step's end is its `COMMITTED` marker.
 
+Threads: every torch process of either side gets `--threads` (TRL's trainer; rollflow's
+engine and trainer actors through `cluster.actor_num_threads`), by default torch's default.
+
 Clocks: seconds of training, from the first step (rollflow: the first step's start less the
 typical gap between steps, i.e. its flow-run start-up; TRL: `on_train_begin`); start-up
 (actors, model loading / trainer construction) is reported apart. CPU: seconds of every
@@ -30,6 +33,7 @@ writes `curves.png` and `results.json` under `{runs}/vs_trl/`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,6 +64,7 @@ class Curve:
     startup: float
     seconds: float
     cpu: float
+    cpu_by_process: dict[str, float] | None = None
 
 
 class CpuMeter:
@@ -76,6 +81,8 @@ class CpuMeter:
         self.seen: dict[int, float] = {}
         self.own = 0.0
         self.followed: dict[int, Any] = {}
+        self.roles: dict[int, str] = {}
+        self.per_pid: dict[int, list[tuple[float, float]]] = {}
         self.series: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -87,18 +94,28 @@ class CpuMeter:
                 title = " ".join(p.info["cmdline"] or [])
                 if p.pid not in self.followed and title.startswith(self.prefix):
                     self.followed[p.pid] = p
-        return [me, *me.children(recursive=True), *self.followed.values()]
+                    self.roles[p.pid] = title[len(self.prefix):].split("@")[0]
+        children = me.children(recursive=True)
+        self.roles.setdefault(me.pid, "driver")
+        for c in children:
+            if c.pid not in self.roles:
+                with contextlib.suppress(self._psutil.Error):
+                    cmd = " ".join(c.cmdline())
+                    self.roles[c.pid] = "prefect server" if "prefect" in cmd else c.name()
+        return [me, *children, *self.followed.values()]
 
     def sample(self) -> None:
         start = time.thread_time()
+        now = time.time()
         for p in self._procs():
             try:
                 t = p.cpu_times()
                 self.seen[p.pid] = t.user + t.system
+                self.per_pid.setdefault(p.pid, []).append((now, self.seen[p.pid]))
             except self._psutil.Error:
                 pass
         self.own += time.thread_time() - start  # the meter's own polling is not the run's
-        self.series.append((time.time(), sum(self.seen.values()) - self.own))
+        self.series.append((now, sum(self.seen.values()) - self.own))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -113,6 +130,19 @@ class CpuMeter:
         self._stop.set()
         self._thread.join()
         self.sample()
+
+    def by_role(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds of each process (by role) between wall times `start` and `end`."""
+        out: dict[str, float] = {}
+        for pid, series in self.per_pid.items():
+            def at(when: float, series: list[tuple[float, float]] = series) -> float:
+                before = [c for t, c in series if t <= when]
+                return before[-1] if before else 0.0
+            role = self.roles.get(pid, str(pid))
+            out[role] = out.get(role, 0.0) + at(end) - at(start)
+        if "driver" in out:
+            out["driver"] -= self.own  # most of the meter's polling ran in this process
+        return out
 
     def at(self, when: float) -> float:
         """CPU seconds at wall time `when` (the latest reading before it)."""
@@ -130,9 +160,11 @@ def trl_curve(run: TrlRun, accuracies: list[float], startup: float) -> Curve:
 
 def rollflow_run(
     runs: str, data: dict[str, str], sft_ckpt: str, snapshot_every: int,
-    threads: int | None, extra: list[str],
+    threads: int, extra: list[str],
 ) -> tuple[Curve, list[str]]:
     """A fresh GRPO run of the main job's config; (curve without accuracies, checkpoints)."""
+    from engines.cluster.actors import kill_run_actors
+    from engines.cluster.head import connect
     from flows.train import train
 
     base = grpo_config(runs, data, sft_ckpt, extra)
@@ -142,11 +174,12 @@ def rollflow_run(
                          f"{per_step} samples per rollout step")
     sets = [f"storage.run_name={RUN_NAME}", "eval.datasets=[]",
             f"train.save_interval={snapshot_every // per_step}", *extra]
-    if threads:
-        sets.append(f"cluster.actor_num_threads={threads}")
+    sets.append(f"cluster.actor_num_threads={threads}")
     cfg = grpo_config(runs, data, sft_ckpt, sets)
     run_dir = Path(runs) / RUN_NAME
     shutil.rmtree(run_dir, ignore_errors=True)
+    connect(cfg.cluster)
+    kill_run_actors(cfg)  # left by an interrupted earlier bench: start as fresh as TRL does
     called = time.time()
     with CpuMeter(prefix=f"ray::{RUN_NAME}:") as meter:
         train(cfg)
@@ -165,14 +198,15 @@ def rollflow_run(
             points.append(Point(samples, done - t0, meter.at(done) - meter.at(t0)))
             ckpts.append(str(ckpt))
     end = committed[-1]
-    return Curve("rollflow", points, t0 - called, end - t0,
-                 meter.at(end) - meter.at(t0)), ckpts
+    return Curve("rollflow", points, t0 - called, end - t0, meter.at(end) - meter.at(t0),
+                 meter.by_role(t0, end)), ckpts
 
 
 def with_accuracy(curve: Curve, accuracies: list[float]) -> Curve:
     points = [Point(p.samples, p.seconds, p.cpu, a)
               for p, a in zip(curve.points, accuracies, strict=True)]
-    return Curve(curve.name, points, curve.startup, curve.seconds, curve.cpu)
+    return Curve(curve.name, points, curve.startup, curve.seconds, curve.cpu,
+                 curve.cpu_by_process)
 
 
 def time_to(curve: Curve, accuracy: float) -> Point | None:
@@ -189,6 +223,9 @@ def report_curves(curves: list[Curve]) -> dict[str, Any]:
                   f"{100 * p.accuracy:>6.1f}")
         print(f"{c.name:<16} start-up {c.startup:.1f} s; training {c.seconds:.1f} s wall, "
               f"{c.cpu:.1f} s CPU")
+        if c.cpu_by_process:
+            parts = sorted(c.cpu_by_process.items(), key=lambda kv: -kv[1])
+            print(f"{'':<16} CPU by process: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts))
     return {}
 
 
@@ -244,11 +281,15 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=600, help="TRL optimizer steps")
     parser.add_argument("--trl-lr", default="1e-4", help="TRL learning rate(s), comma-separated"
                         "; the first is the one the ratio is against; '' runs rollflow alone")
+    parser.add_argument("--trl-iterations", type=int, default=1,
+                        help="TRL num_iterations (its PPO epochs per generation batch)")
     parser.add_argument("--snapshot-every", type=int, default=2048,
                         help="samples between evaluated snapshots (both sides)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of TRL and of each rollflow actor (default: torch's "
-                        "default for TRL, rollflow's own for rollflow: all cores)")
+                        help="torch threads of TRL and of each rollflow actor (cluster."
+                        "actor_num_threads), the same on both sides; default: torch's default "
+                        "here (all cores). On a loaded machine use 1: torch's OpenMP threads "
+                        "spin, and 2 threads on 2 busy cores ran ~15x slower than 1")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for rollflow's GRPO phase, e.g. train.lr=2e-4")
     args = parser.parse_args()
@@ -259,9 +300,10 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     out = Path(args.runs) / "vs_trl"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"load average before: {os.getloadavg()}; torch threads here: {torch.get_num_threads()}")
+    print(f"load average before: {os.getloadavg()}; torch threads, both sides: {threads}")
 
     from examples.arithmetic.run import HERE
 
@@ -275,9 +317,10 @@ def main() -> None:
         t = time.perf_counter()
         trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr, steps=args.trl_steps,
                                 snapshot_every=args.snapshot_every,
-                                max_completion_length=max_new))
+                                max_completion_length=max_new,
+                                num_iterations=args.trl_iterations))
         trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
-    ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, args.threads,
+    ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, threads,
                                args.set)
     print(f"load average after: {os.getloadavg()}; evaluating the snapshots ...")
 
@@ -296,10 +339,11 @@ def main() -> None:
     curves.append(ours)
     summary = report(curves, curves[0], ours) if trl_runs else report_curves(curves)
     plot(curves, out / "curves.png")
-    results = {"load_average_end": os.getloadavg(), "threads": args.threads,
+    results = {"load_average_end": os.getloadavg(), "threads": threads,
                "rollflow_overrides": args.set, **summary,
                "curves": [{"name": c.name, "startup": c.startup, "seconds": c.seconds,
-                           "cpu": c.cpu, "points": [vars_of(p) for p in c.points]}
+                           "cpu": c.cpu, "cpu_by_process": c.cpu_by_process,
+                           "points": [vars_of(p) for p in c.points]}
                           for c in curves]}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"curves: {out / 'curves.png'}\nresults: {out / 'results.json'}")

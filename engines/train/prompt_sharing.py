@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engines.train.batching import PaddedBatch
+from engines.train.batching import PaddedBatch, build_padded_batch
 from storage.sample import Sample
 
 _PROMPT, _PAD = -1, -2  # segment ids; response k of a row has segment k >= 0
@@ -41,7 +41,8 @@ def supports_prompt_sharing(model: nn.Module) -> bool:
 
 def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:
     """`samples` as one row per distinct prompt (see the module docstring); response-space
-    tensors are per sample, in `samples` order, exactly as `build_padded_batch` makes them."""
+    tensors are per sample, in `samples` order, exactly as `build_padded_batch` makes them.
+    Without a repeated prompt it is `build_padded_batch` (e.g. SFT batches)."""
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -53,6 +54,8 @@ def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) 
                 f"sample {s.index}: loss_mask has {len(s.loss_mask)} != {s.response_length} entries"
             )
         groups.setdefault(tuple(s.tokens[: s.prompt_length]), []).append(i)
+    if len(groups) == len(samples):  # no prompt repeats: nothing to share
+        return build_padded_batch(samples, pad_token_id)
     width = max(len(p) + sum(samples[i].response_length for i in idx) for p, idx in groups.items())
     resp = max(max(s.response_length for s in samples), 1)
     n = len(samples)

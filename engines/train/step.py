@@ -1,8 +1,8 @@
 """One slime training step, the same for every backend (torch, megatron).
 
     train(samples, rollout_id)        (a no-op if the policy is already past rollout_id)
-      partitions: per epoch a seeded shuffle cut into optimizer steps of global_batch_size
-                  samples (or n / num_steps_per_rollout)
+      partitions: per epoch the groups in a seeded shuffle, cut into optimizer steps of
+                  global_batch_size samples (or n / num_steps_per_rollout)
       prepare (rollout_prep): rewards; old / ref / teacher log-probs and critic values from
                   the pre-update models (backend.score); advantages + returns (registry)
       per epoch, per optimizer step:
@@ -80,9 +80,18 @@ class TrainStep:
             return self._train(samples, rollout_id)
 
     # -- partitioning ---------------------------------------------------------------------
-    def partitions(self, n: int) -> list[list[int]]:
-        """One epoch's optimizer steps: a seeded shuffle cut into global-batch chunks."""
-        order = torch.randperm(n, generator=self.shuffle).tolist()
+    def partitions(self, samples: list[Sample]) -> list[list[int]]:
+        """One epoch's optimizer steps: the groups in a seeded shuffle, cut into global-batch
+        chunks. A group stays whole when the chunk size is a multiple of its size: its
+        advantages are relative to each other, and a shared-prompt batch (the torch
+        backend's) then computes its prompt once for all of its samples."""
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.group_index, []).append(i)
+        members = list(groups.values())
+        order = [i for g in torch.randperm(len(members), generator=self.shuffle).tolist()
+                 for i in members[g]]
+        n = len(samples)
         cfg = self.train_cfg
         if cfg.num_steps_per_rollout is not None:
             size = math.ceil(n / cfg.num_steps_per_rollout)
@@ -122,7 +131,7 @@ class TrainStep:
 
     def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()
-        epochs = [self.partitions(len(samples)) for _ in range(self.train_cfg.num_epochs_per_rollout)]
+        epochs = [self.partitions(samples) for _ in range(self.train_cfg.num_epochs_per_rollout)]
         prep = prepare_batch(
             samples, self.algo_cfg, self._scorers(), self.estimator, epochs[0][0],
             self.reward_key, lazy=self.model.lazy_old_log_probs,

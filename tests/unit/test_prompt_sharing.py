@@ -106,3 +106,24 @@ def test_backend_trains_the_same_with_and_without_sharing(tiny_model_dir: str) -
     # Adam divides by sqrt(v): where a gradient is ~0, rounding moves a weight by up to a
     # fraction of lr (1e-3), so weights agree to 5% of one step, not to float precision
     torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)
+
+
+def test_optimizer_steps_hold_whole_groups(tiny_model_dir: str) -> None:
+    samples = grouped_samples(groups=6, per_group=4)  # interleaved: group k at k, k + 6, ...
+    backend = make_backend(tiny_model_dir, global_batch_size=8)
+    first, second = backend.step.partitions(samples), backend.step.partitions(samples)
+    for parts in (first, second):
+        assert sorted(i for p in parts for i in p) == list(range(len(samples)))
+        assert [len(p) for p in parts] == [8, 8, 8]
+        for p in parts:
+            groups = [samples[i].group_index for i in p]
+            assert all(groups.count(g) == 4 for g in groups)
+    assert first != second  # a fresh shuffle per epoch
+
+
+def test_distinct_prompts_get_the_padded_batch() -> None:
+    a = Sample(index=0, group_index=0, tokens=[5, 6, 7], response_length=1, loss_mask=[1])
+    b = Sample(index=1, group_index=1, tokens=[8, 9, 10], response_length=2, loss_mask=[1, 1])
+    batch = build_shared_prompt_batch([a, b], pad_token_id=0)
+    assert batch.position_ids is None and batch.attention_mask.dim() == 2
+    assert batch.input_ids.tolist() == build_padded_batch([a, b], 0).input_ids.tolist()
