@@ -144,10 +144,10 @@ def verify_bytes(data: bytes | memoryview, expected: FileDigest, uri: str) -> No
 def sealed_digest(store: ObjectStore, *parts: str) -> FileDigest | None:
     """The digest recorded for file `parts` by its directory's seal, if it is sealed."""
     directory, name = parts[:-1], parts[-1]
-    if not store.exists(*directory, SEAL_FILE):
-        return None
-    try:
+    try:  # read, not exists() then read: one request on S3 instead of two to four
         entry = store.read_json(*directory, SEAL_FILE).get("files", {}).get(name)
+    except FileNotFoundError:
+        return None
     except ValueError:
         raise CorruptFileError(store.uri(*directory, SEAL_FILE), "not valid JSON") from None
     return None if entry is None else FileDigest.from_json(entry)

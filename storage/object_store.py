@@ -61,8 +61,9 @@ class ObjectStore:
 
     # -- reads ---------------------------------------------------------------------------
     def read_bytes(self, *parts: str) -> bytes:
-        with self.fs.open(self.path(*parts), "rb") as f:
-            return f.read()
+        """The whole file; FileNotFoundError if it does not exist. One request on S3 (opening
+        a file object first asks for its size: a HEAD before the GET)."""
+        return bytes(self.fs.cat_file(self.path(*parts)))
 
     def read_json(self, *parts: str) -> Any:
         return json.loads(self.read_bytes(*parts))
