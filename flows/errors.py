@@ -114,8 +114,9 @@ def summarize(exc: BaseException, max_len: int = 400) -> str:
 
 
 class HeldBack(logging.Filter):
-    """Keeps Prefect's failed-run records (ERROR and up, with tracebacks) off the console
-    and in memory, for the log file."""
+    """Keeps Prefect's failed-run records (ERROR and up, with tracebacks) and the task
+    retry warnings off the console and in memory, for the log file; the console's first
+    line stays the root cause, and the UI still shows every record."""
 
     LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
@@ -124,7 +125,8 @@ class HeldBack(logging.Filter):
         self.records: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and record.name.startswith(self.LOGGERS):
+        floor = logging.WARNING if record.name.startswith("prefect.task_runs") else logging.ERROR
+        if record.levelno >= floor and record.name.startswith(self.LOGGERS):
             self.records.append(record)
             return False
         return True
