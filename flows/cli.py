@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 import sys
-from contextlib import nullcontext
-from typing import Any
+from contextlib import nullcontext, redirect_stdout
+from typing import Any, TextIO
 
 from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
 
@@ -41,7 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train
 
     result = train(cfg)
-    print(json.dumps({k: v for k, v in result.items() if k != "evals"}, indent=1, default=str))
+    _print_result(result, args.result_out)
     return 0
 
 
@@ -59,8 +59,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     cfg = replay_config(source.read_text("config.yaml"), args.root, args.run, steps, args.set,
                         args.endpoint_url)
     result = replay(cfg, args.run, *steps)
-    print(json.dumps({k: v for k, v in result.items() if k != "evals"}, indent=1, default=str))
+    _print_result(result, args.result_out)
     return 0
+
+
+def _print_result(result: dict[str, Any], out: TextIO) -> None:
+    """The run's result as JSON, the only thing a flow command writes to stdout (scriptable)."""
+    print(json.dumps({k: v for k, v in result.items() if k != "evals"}, indent=1, default=str),
+          file=out)
 
 
 def cmd_server(args: argparse.Namespace) -> int:
@@ -231,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"runs {args.action} needs RUN")
     if args.runs_flows:
         _prefect_env()  # before quiet_prefect_failures makes Prefect set up its logging
+    # A flow command's stdout holds its JSON result only: whatever else prints while it runs
+    # (Ray's raylet warnings, user hooks) goes to stderr.
+    args.result_out = sys.stdout
+    redirect = redirect_stdout(sys.stderr) if args.runs_flows else nullcontext()
     # Failures print their cause in one line first, the traceback goes to a log file.
-    with quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
+    with redirect, quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
         try:
             return int(args.func(args))
         except Exception as e:

@@ -129,6 +129,8 @@ def failure_line(exc: BaseException) -> str:
 def _log_retry(task: Any, task_run: Any, exc: BaseException, retried: bool) -> None:
     from prefect.logging.loggers import task_run_logger
 
+    if task is None or task_run is None:  # asked outside a task run: nothing to log to
+        return
     attempt = task_run.run_count
     logger = task_run_logger(task_run, task=task)
     if retried:
