@@ -7,16 +7,19 @@ step 37. `validate_hooks(cfg)` checks every hook a config names in one go.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from engines.rollout import protocols as p
+from storage.sample import Sample
 
 
 class HookError(ValueError):
-    pass
+    """A hook that cannot be loaded, or user code that raised inside one: either fails the
+    same way on every retry, so the step task reports it at once (`DETERMINISTIC`)."""
 
 
 # Config key -> the protocol its hook must satisfy. Keys whose field a config lacks are skipped.
@@ -133,6 +136,95 @@ def load_hook(
     else:
         check_protocol(fn, spec, config_key)
     return fn
+
+
+# Errors that pass through a guarded hook unwrapped: I/O that may work on a retry (an
+# unreachable service, a timeout) and errors that already say what they are (rollflow's own,
+# e.g. RewardError, raised by a built-in the hook calls; Ray's, an actor that died under it).
+_OWN_PACKAGES = frozenset({"engines", "storage", "ray", "httpx", "httpcore"})
+
+
+def _passes_through(e: Exception) -> bool:
+    return isinstance(e, OSError | HookError) or (
+        type(e).__module__.partition(".")[0] in _OWN_PACKAGES
+    )
+
+
+def _argument(name: str, value: Any) -> str | None:
+    """How an error names one argument of the failed call: samples by index and prompt line."""
+    if isinstance(value, Sample):
+        return value.describe()
+    if isinstance(value, list) and value and isinstance(value[0], Sample):
+        return f"the group of {value[0].describe()}"
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return f"{len(value)} groups"
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        return f"{name}={value!r}"
+    return None
+
+
+def _call_site(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """'sample 3 (prompt line 4 of train.jsonl)' for the arguments after the run config."""
+    try:
+        bound = inspect.signature(fn).bind_partial(*args).arguments
+    except (TypeError, ValueError):
+        bound = {f"arg{i}": a for i, a in enumerate(args)}
+    named = [_argument(k, v) for k, v in list(bound.items())[1:]]
+    return ", ".join(n for n in named if n)
+
+
+def hook_failure(
+    e: Exception, fn: Callable[..., Any], config_key: str, args: tuple[Any, ...]
+) -> Exception:
+    """`e` as the HookError the step reports (or `e` itself if it passes through): the hook
+    as `module:function`, the samples it was called on, and the original error."""
+    if _passes_through(e):
+        return e
+    where = _call_site(fn, args)
+    name = f"{getattr(fn, '__module__', None) or '?'}:{_name(fn)}"
+    return HookError(f"{config_key}: {name} failed" + (f" on {where}" if where else "")
+                     + f": {type(e).__name__}: {e}")
+
+
+def guard(fn: Callable[..., Any], config_key: str) -> Callable[..., Any]:
+    """`fn`, but an exception from the user's code in it comes out as a `HookError` with the
+    original as `__cause__`: a bug in a reward or filter fails the same way on every retry,
+    so the step stops at once, naming the hook and sample, instead of retrying twice.
+    rollflow's own functions named by import string are returned as they are."""
+    if str(getattr(fn, "__module__", "")).partition(".")[0] in _OWN_PACKAGES:
+        return fn
+    if is_async(fn):
+        @functools.wraps(fn)
+        async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except Exception as e:
+                failure = hook_failure(e, fn, config_key, args)
+                if failure is e:
+                    raise
+                raise failure from e
+
+        return guarded_async
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            failure = hook_failure(e, fn, config_key, args)
+            if failure is e:
+                raise
+            raise failure from e
+
+    return guarded
+
+
+def load_user_hook(
+    path: str, config_key: str, spec: type | int, must_be_async: bool = False
+) -> Any:
+    """`load_hook`, guarded: for hooks that compute on samples (rewards, filters, losses,
+    eval), whose exceptions are bugs in them, not an engine that went away."""
+    return guard(load_hook(path, config_key, spec, must_be_async), config_key)
 
 
 def configured_hooks(cfg: Any) -> dict[str, tuple[str, type]]:

@@ -31,7 +31,7 @@ from engines.algorithms.advantages import (
     rloo_advantages_by_group,
 )
 from engines.algorithms.config import AlgorithmConfig
-from engines.hooks import load_hook
+from engines.hooks import load_user_hook
 
 Estimates = tuple[list[Tensor], list[Tensor]]
 
@@ -117,7 +117,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
 def load_estimator(algo: AlgorithmConfig) -> Estimator:
     """The custom hook if configured (checked now, not at the first step), else the built-in."""
     if algo.custom_advantage_function_path:
-        return load_hook(
+        return load_user_hook(
             algo.custom_advantage_function_path, "algorithm.custom_advantage_function_path", 2
         )
     try:

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from engines.hooks import check_protocol, load_hook
+from engines.hooks import check_protocol, load_user_hook
 from engines.rollout.protocols import DynamicFilterFn, OverSamplingFilterFn
 from storage.sample import Group
 
@@ -66,7 +66,7 @@ def _resolve(path: str | None, key: str, registry: dict[str, Any], protocol: typ
     if "." not in path and ":" not in path:
         raise ValueError(f"{key}: {path!r} is neither an import string like 'pkg.mod:fn' nor "
                          f"a built-in (built-ins: {sorted(registry)})")
-    return load_hook(path, key, protocol)
+    return load_user_hook(path, key, protocol)
 
 
 def resolve_dynamic_filter(path: str | None) -> DynamicFilter | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
-from engines.hooks import load_hook
+from engines.hooks import load_hook, load_user_hook
 from engines.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
@@ -127,7 +127,7 @@ class RolloutManager:
             cfg.rollout.max_response_len,
         )
         buffer_filter = (
-            load_hook(cfg.rollout.buffer_filter_path, "rollout.buffer_filter_path", 4)
+            load_user_hook(cfg.rollout.buffer_filter_path, "rollout.buffer_filter_path", 4)
             if cfg.rollout.buffer_filter_path
             else pop_first
         )
@@ -156,7 +156,7 @@ class RolloutManager:
         )
         self.rewards = self.hooks.rewards
         self.eval_fn: EvalFn | None = (
-            load_hook(cfg.eval.eval_function_path, "eval.eval_function_path", EvalFn)
+            load_user_hook(cfg.eval.eval_function_path, "eval.eval_function_path", EvalFn)
             if cfg.eval.eval_function_path else None
         )
         self.over_sampling_filter = resolve_over_sampling_filter(r.over_sampling_filter_path)

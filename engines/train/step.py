@@ -31,7 +31,7 @@ from torch import Tensor
 from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import LossInputs, actor_loss, critic_loss, make_reducer
 from engines.algorithms.registry import load_estimator
-from engines.hooks import load_hook
+from engines.hooks import load_user_hook
 from engines.train.batching import pad_response_values, split_micro_batches
 from engines.train.config import TrainConfig
 from engines.train.finite import stale_on_failure
@@ -65,7 +65,7 @@ class TrainStep:
         self.custom_loss: CustomLoss | None = None
         if algo_cfg.loss_type == "custom_loss":
             assert algo_cfg.custom_loss_function_path is not None
-            self.custom_loss = load_hook(
+            self.custom_loss = load_user_hook(
                 algo_cfg.custom_loss_function_path, "algorithm.custom_loss_function_path", 3
             )
 

@@ -44,11 +44,16 @@ def test_error_in_an_actor_prints_its_cause_first(
 
     # Ray's own "Connecting to existing Ray cluster" lines come before the run starts.
     lines = [ln for ln in done.stderr.splitlines() if "INFO worker.py" not in ln]
-    assert done.returncode == 1, done.stderr
-    assert lines[0].startswith("ValueError: this reward is broken (in RolloutManager."), (
-        done.stderr)
+    # A bug in the user's reward is reported as such (hook, sample, original error) at the
+    # first attempt: it fails the same way every time, so the step is not retried.
+    assert done.returncode == 2, done.stderr
+    assert lines[0].startswith(
+        "HookError: rollout.custom_rm_path: myreward:broken failed on sample "), done.stderr
+    assert lines[0].endswith(
+        ": ValueError: this reward is broken (in RolloutManager.generate)"), done.stderr
     assert len(lines) == 2, done.stderr  # Prefect's tracebacks went to the log only
     log = Path(lines[1].split("full traceback: ")[1].split(" ")[0])
     assert log.parent == Path(cfg.storage.uri) / cfg.storage.run_name / "logs"
     text = log.read_text()
     assert "Traceback" in text and "Prefect's log of the failed runs" in text
+    assert "not retried" in text and "retrying" not in text

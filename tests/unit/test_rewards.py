@@ -146,6 +146,36 @@ async def rank_group_missing(args: Any) -> float:
     return 0.0
 
 
+async def buggy_reward(args: Any, s: Sample) -> float:
+    return float(s.response)  # ValueError on a non-number: a bug in the user's code
+
+
+async def unreachable_reward(args: Any, s: Sample) -> float:
+    raise ConnectionError("reward service briefly unreachable")
+
+
+def test_a_custom_reward_that_raises_is_a_hook_error_that_is_not_retried() -> None:
+    from prefect.states import Failed
+
+    from tasks.step_tasks import retry_transient
+
+    hub = RewardHub.from_config(cfg(custom_rm_path=f"{__name__}.buggy_reward"))
+    bad = sample("seven", None, 4, source_line=5, source_file="train.jsonl")
+    with pytest.raises(HookError) as raised:
+        run(hub.assign(None, [sample("7", None, 3), bad]))
+    assert str(raised.value) == (
+        f"rollout.custom_rm_path: {__name__}:buggy_reward failed on sample 4 (prompt line 5 "
+        "of train.jsonl): ValueError: could not convert string to float: 'seven'")
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert retry_transient(None, None, Failed(data=raised.value)) is False
+
+    # I/O that may work next time is not the hook's bug: it stays itself and is retried.
+    flaky = RewardHub.from_config(cfg(custom_rm_path=f"{__name__}:unreachable_reward"))
+    with pytest.raises(ConnectionError) as transient:
+        run(flaky.assign(None, [sample("7", None, 3)]))
+    assert retry_transient(None, None, Failed(data=transient.value)) is True
+
+
 class _Server:
     """A real HTTP reward model: fails the first `fail_first` requests with `fail_status`,
     sleeps `delay_s` before answering, then scores `len(response)`."""

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engines.hooks import load_hook
+from engines.hooks import load_user_hook
 from engines.rollout.config import RolloutConfig
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
 from engines.rollout.rewards.deadline import (
@@ -148,7 +148,7 @@ class RewardHub:
             )
         if cfg.custom_rm_path:
             protocol = GroupRewardFn if cfg.group_rm else RewardFn
-            fn = load_hook(cfg.custom_rm_path, "rollout.custom_rm_path", protocol)
+            fn = load_user_hook(cfg.custom_rm_path, "rollout.custom_rm_path", protocol)
             return cls(None if cfg.group_rm else fn, fn if cfg.group_rm else None, remote,
                        cfg.rm_rule_timeout_s)
         default = (

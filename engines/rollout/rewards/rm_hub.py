@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.hooks import load_hook
+from engines.hooks import load_user_hook
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
 from engines.rollout.rewards import (
     REWARD_FUNCTIONS,
@@ -52,7 +52,7 @@ def resolve_reward_fn(
     """The run's default per-sample reward function (None when neither key is set);
     `rule_timeout_s` is the grading deadline of rule rewards (`rollout.rm_rule_timeout_s`)."""
     if custom_rm_path:
-        fn: RewardFn = load_hook(custom_rm_path, "rollout.custom_rm_path", RewardFn)
+        fn: RewardFn = load_user_hook(custom_rm_path, "rollout.custom_rm_path", RewardFn)
         return fn
     if rm_type is None:
         return None
