@@ -64,13 +64,35 @@ def make_samples(n_groups: int, group: int, prompt_len: int, resp_len: int) -> l
     return samples
 
 
-def flops_per_token(seq: float) -> float:
+def _dims() -> tuple[int, int, int]:
+    """(hidden, layers, N): N = the non-embedding matmul parameters plus the LM head."""
     c = QWEN2_05B
     h, layers, f, v = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     kv = h * int(c["num_key_value_heads"]) // int(c["num_attention_heads"])
-    n = layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v
-    attn = layers * h * seq  # causal: half of the 2·L·h·s score + value matmuls
-    return (2 * n + 2 * attn) + (6 * n + 6 * attn)
+    return h, layers, layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v
+
+
+def step_flops(samples: list[Sample], shared_prompts: bool, old_forward: bool) -> tuple[float, int]:
+    """(model FLOPs, tokens computed) of one `train()` over `samples`: forward + backward
+    (6N per token, 12·h per attended query/key pair and layer) of the tokens the backend
+    computes (a shared prompt once per group), plus a forward (a third of that) for the old
+    log-probs where the step runs one (`lazy_old_log_probs` is False). Padding is not counted."""
+    h, layers, n = _dims()
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    tokens, pairs = 0, 0.0
+    for members in groups.values():
+        p = members[0].prompt_length
+        share = shared_prompts and len(members) > 1
+        tokens += p if share else 0
+        pairs += p * p / 2 if share else 0.0
+        for s in members:
+            r = s.response_length
+            tokens += r if share else p + r
+            pairs += r * p + r * r / 2 if share else (p + r) ** 2 / 2
+    flops = 6 * n * tokens + 12 * h * layers * pairs
+    return flops * (4 / 3 if old_forward else 1.0), tokens
 
 
 def run_all(argv: list[str]) -> None:
@@ -101,6 +123,8 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=768)
     ap.add_argument("--micro-tokens", type=int, default=16384)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step under torch.profiler: the top CUDA kernels")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "qwen2-05b-random"))
     args = ap.parse_args()
 
@@ -126,20 +150,42 @@ def main() -> None:
         backend = MegatronTrainBackend(train_cfg, algo, tensor_parallel=args.tp)
     samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len)
     tokens = sum(len(s.tokens) for s in samples)
-    mean_seq = tokens / len(samples)
     runs = [backend.train(samples, step) for step in range(args.steps)]
     timed = runs[1:] or runs
     tok_s = sum(r["train_tokens_per_s"] for r in timed) / len(timed)
-    mfu = tok_s * flops_per_token(mean_seq) / (args.peak_tflops * 1e12 * world)
+    shared = args.backend == "torch" and _shares_prompts(backend)
+    flops, computed = step_flops(samples, shared, not backend.lazy_old_log_probs)
+    mfu = flops * tok_s / tokens / (args.peak_tflops * 1e12 * world)
     if rank == 0:
         print(json.dumps({
             "backend": args.backend, "tp": args.tp, "gpus": world, "samples": len(samples),
-            "tokens_per_step": tokens, "tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
+            "seq": args.prompt_len + args.response_len,
+            "tokens_per_step": tokens, "tokens_computed": computed,
+            "tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
+            "step_s": round(tokens / tok_s, 3),
             "step0_ppo_kl": runs[0]["approx_kl"], "step0_clipfrac": runs[0]["clipfrac"],
             "losses": [round(r["loss"], 5) for r in runs],
             "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         }), flush=True)
+    if args.profile:
+        profile_step(backend, samples, args.steps, rank)
 
+
+def _shares_prompts(backend: Any) -> bool:
+    from engines.train.prompt_sharing import supports_prompt_sharing
+
+    return bool(backend.train_cfg.share_prompts and supports_prompt_sharing(backend.model))
+
+
+def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> None:
+    """One more `train()` under torch.profiler; rank 0 prints the top 30 CUDA ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train(samples, step)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -60,6 +60,9 @@ class PaddedBatch:
     # `logit_row[b, t]`, the input row whose logits predict slot t of sample b (else row b).
     position_ids: Tensor | None = None
     logit_row: Tensor | None = None
+    # Varlen-packed batches (`packing.py`) only: int32 `[units + 1]` start offsets of the
+    # causal sequences laid end to end in the one input row.
+    cu_seqlens: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +85,7 @@ class PaddedBatch:
                 "loss_mask",
                 "position_ids",
                 "logit_row",
+                "cu_seqlens",
             )
             if getattr(self, f) is not None
         }
@@ -151,28 +155,37 @@ def unpad_response_values(x: Tensor, response_lengths: Sequence[int]) -> list[li
     return [row[:n] for row, n in zip(rows, response_lengths, strict=True)]
 
 
-def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Pack sample indices into micro-batches whose padded size (count * longest) stays
-    within `max_tokens`; a single sample longer than the budget gets its own micro-batch.
+def split_micro_batches(
+    lengths: Sequence[int], max_tokens: int, packed: bool = False, keep_order: bool = False
+) -> list[list[int]]:
+    """Pack sample indices into micro-batches whose size stays within `max_tokens`: the
+    padded size (count * longest), or with `packed` (sequence packing, `packing.py`) the sum
+    of lengths; a single sample longer than the budget gets its own micro-batch.
 
     Samples are taken longest first, so similar lengths share a batch and padding is small;
-    the returned indices refer to positions in `lengths`. Any packing gives the same
-    gradients (the loss is a sum of micro-batch terms), so only speed depends on this.
+    with `keep_order` (packed shared-prompt rows) in their order instead: a group's samples,
+    adjacent in a step, stay together and share their prompt. The returned indices refer to
+    positions in `lengths`. Any split gives the same gradients (the loss is a sum of
+    micro-batch terms), so only speed depends on this.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = list(range(len(lengths)))
+    if not keep_order:
+        order.sort(key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for i in order:
-        # Descending order: the first sample of a batch is its longest.
-        if current and (len(current) + 1) * longest > max_tokens:
+        # Padded, descending order: the first sample of a batch is its longest.
+        size = total + lengths[i] if packed else (len(current) + 1) * longest
+        if current and size > max_tokens:
             batches.append(current)
             current = []
         if not current:
-            longest = lengths[i]
+            longest, total = lengths[i], 0
         current.append(i)
+        total += lengths[i]
     if current:
         batches.append(current)
     return batches

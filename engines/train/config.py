@@ -98,6 +98,16 @@ class TrainConfig(Section):
         "gradients up to float rounding, ~2x less work for 8 short responses per prompt). "
         "Used when the model's attention is sdpa; false: one padded row per sample.",
     )
+    pack_sequences: bool = Field(
+        False,
+        description="Sequence packing: micro-batches hold samples end to end instead of padded "
+        "to their longest, and max_tokens_per_micro_batch counts real tokens. torch backend "
+        "(actor, ref, teacher; the critic stays padded): samples or shared-prompt rows packed "
+        "into rows under a block-diagonal mask (needs sdpa attention), row width chosen to "
+        "balance tail padding against masked attention; megatron: one row per micro-batch "
+        "through flash varlen attention (bf16; float32 runs SDPA per sequence). Same "
+        "log-probs and gradients as padded batches up to float rounding.",
+    )
     save_interval: int | None = Field(
         None, ge=1, description="Checkpoint every N steps (None: only the last step)."
     )

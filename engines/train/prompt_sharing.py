@@ -21,9 +21,10 @@ padded batch (`batching.build_padded_batch`) is the fallback and gives the same 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from engines.train.batching import PaddedBatch, build_padded_batch
 from storage.sample import Sample
@@ -39,10 +40,21 @@ def supports_prompt_sharing(model: nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) in _ATTENTION
 
 
-def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:
-    """`samples` as one row per distinct prompt (see the module docstring); response-space
-    tensors are per sample, in `samples` order, exactly as `build_padded_batch` makes them.
-    Without a repeated prompt it is `build_padded_batch` (e.g. SFT batches)."""
+@dataclass(slots=True)
+class PromptRow:
+    """One unpadded input row: token ids, positions and segment ids (`_PROMPT` for the
+    shared part, k >= 0 for response k), and for each sample on it (`slots`: sample ->
+    in-row positions whose logits predict its response tokens)."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    seg: list[int] = field(default_factory=list)
+    slots: dict[int, list[int]] = field(default_factory=dict)
+
+
+def prompt_rows(samples: Sequence[Sample], share: bool = True) -> list[PromptRow]:
+    """`samples` (validated) as unpadded rows: one per distinct prompt with its responses
+    after it when `share`, else one per sample (a plain causal row: every token `_PROMPT`)."""
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -53,45 +65,80 @@ def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) 
             raise ValueError(
                 f"sample {s.index}: loss_mask has {len(s.loss_mask)} != {s.response_length} entries"
             )
-        groups.setdefault(tuple(s.tokens[: s.prompt_length]), []).append(i)
-    if len(groups) == len(samples):  # no prompt repeats: nothing to share
-        return build_padded_batch(samples, pad_token_id)
-    width = max(len(p) + sum(samples[i].response_length for i in idx) for p, idx in groups.items())
-    resp = max(max(s.response_length for s in samples), 1)
-    n = len(samples)
-    ids = [[pad_token_id] * width for _ in groups]
-    pos = [[0] * width for _ in groups]
-    seg = [[_PAD] * width for _ in groups]
-    logit_row = [[0] * resp for _ in range(n)]
-    logit_index = [[0] * resp for _ in range(n)]
-    targets = [[0] * resp for _ in range(n)]
-    response_mask = [[0.0] * resp for _ in range(n)]
-    loss_mask = [[0.0] * resp for _ in range(n)]
-    for row, (prompt, idx) in enumerate(groups.items()):
+        key = tuple(s.tokens[: s.prompt_length]) if share else (-1 - i,)
+        groups.setdefault(key, []).append(i)
+    rows = []
+    for idx in groups.values():
+        first = samples[idx[0]]
+        prompt = first.tokens if not share else first.tokens[: first.prompt_length]
         p = at = len(prompt)
-        ids[row][:p], pos[row][:p], seg[row][:p] = prompt, range(p), [_PROMPT] * p
+        row = PromptRow(list(prompt), list(range(p)), [_PROMPT] * p)
+        if not share:  # the whole sample is one causal segment
+            r = first.response_length
+            row.slots[idx[0]] = list(range(first.prompt_length - 1, first.prompt_length - 1 + r))
+            rows.append(row)
+            continue
         for k, i in enumerate(idx):
             s = samples[i]
-            r, tokens = s.response_length, s.response_tokens
-            if r == 0:
-                continue
-            ids[row][at : at + r], pos[row][at : at + r] = tokens, range(p, p + r)
-            seg[row][at : at + r] = [k] * r
+            r = s.response_length
+            row.ids += s.response_tokens
+            row.pos += range(p, p + r)
+            row.seg += [k] * r
             # slot 0 is predicted by the prompt's last token, slot t by response token t - 1
-            logit_row[i][:r], logit_index[i][:r] = [row] * r, [p - 1, *range(at, at + r - 1)]
-            targets[i][:r], response_mask[i][:r] = tokens, [1.0] * r
-            loss_mask[i][:r] = [float(m) for m in s.loss_mask]
+            row.slots[i] = [p - 1, *range(at, at + r - 1)] if r else []
             at += r
+        rows.append(row)
+    return rows
+
+
+def response_targets(samples: Sequence[Sample]) -> tuple[Tensor, Tensor, Tensor]:
+    """`[B, R]` targets, response mask and loss mask, as `build_padded_batch` makes them."""
+    resp = max(max(s.response_length for s in samples), 1)
+    n = len(samples)
+    targets = torch.zeros((n, resp), dtype=torch.long)
+    response_mask = torch.zeros((n, resp), dtype=torch.float32)
+    loss_mask = torch.zeros((n, resp), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        r = s.response_length
+        if r:
+            targets[i, :r] = torch.tensor(s.response_tokens, dtype=torch.long)
+            response_mask[i, :r] = 1.0
+            loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    return targets, response_mask, loss_mask
+
+
+def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:
+    """`samples` as one row per distinct prompt (see the module docstring); response-space
+    tensors are per sample, in `samples` order, exactly as `build_padded_batch` makes them.
+    Without a repeated prompt it is `build_padded_batch` (e.g. SFT batches)."""
+    rows = prompt_rows(samples)
+    if len(rows) == len(samples):  # no prompt repeats: nothing to share
+        return build_padded_batch(samples, pad_token_id)
+    width = max(len(row.ids) for row in rows)
+    resp = max(max(s.response_length for s in samples), 1)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    seg = torch.full((len(rows), width), _PAD, dtype=torch.long)
+    logit_row = torch.zeros((len(samples), resp), dtype=torch.long)
+    logit_index = torch.zeros((len(samples), resp), dtype=torch.long)
+    for r, row in enumerate(rows):
+        n = len(row.ids)
+        ids[r, :n], pos[r, :n] = torch.tensor(row.ids), torch.tensor(row.pos)
+        seg[r, :n] = torch.tensor(row.seg)
+        for i, slots in row.slots.items():
+            logit_row[i, : len(slots)] = r
+            logit_index[i, : len(slots)] = torch.tensor(slots, dtype=torch.long)
+    targets, response_mask, loss_mask = response_targets(samples)
     return PaddedBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        attention_mask=shared_prompt_mask(torch.tensor(seg, dtype=torch.long)),
-        logit_index=torch.tensor(logit_index, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
-        response_mask=torch.tensor(response_mask, dtype=torch.float32),
-        loss_mask=torch.tensor(loss_mask, dtype=torch.float32),
+        input_ids=ids,
+        attention_mask=shared_prompt_mask(seg),
+        logit_index=logit_index,
+        targets=targets,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
         response_lengths=tuple(s.response_length for s in samples),
-        position_ids=torch.tensor(pos, dtype=torch.long),
-        logit_row=torch.tensor(logit_row, dtype=torch.long),
+        position_ids=pos,
+        logit_row=logit_row,
     )
 
 

@@ -8,6 +8,7 @@
       per epoch, per optimizer step:
           denominator = the step's samples (or loss tokens), this DP rank's share cut into
           micro-batches of at most max_tokens_per_micro_batch padded tokens
+          (real tokens with pack_sequences)
           critic (ppo): clipped value loss          -> backend.optimizer_step("critic", ...)
           actor (after num_critic_only_steps): actor_loss or the custom loss, TIS, OPD
                                                     -> backend.optimizer_step("actor", ...)
@@ -112,8 +113,11 @@ class TrainStep:
         if not mine:
             return [MicroBatch(idx[:1], counted=False)]
         lengths = [len(samples[i].tokens) for i in mine]
-        budget = self.train_cfg.max_tokens_per_micro_batch
-        return [MicroBatch([mine[j] for j in mb]) for mb in split_micro_batches(lengths, budget)]
+        cfg = self.train_cfg
+        pack = cfg.pack_sequences
+        split = split_micro_batches(lengths, cfg.max_tokens_per_micro_batch, pack,
+                                    keep_order=pack and cfg.share_prompts)
+        return [MicroBatch([mine[j] for j in mb]) for mb in split]
 
     # -- the step -------------------------------------------------------------------------
     def _scorers(self) -> Scorers:

@@ -13,6 +13,7 @@ exactly 1. Checkpoints: see `checkpoint_io.py`.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite
 from engines.train.lr_schedule import make_scheduler
 from engines.train.optim_step import Optimized, optimizer_step
+from engines.train.packing import build_packed_batch, model_hidden_size
 from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.rollout_prep import Scorers
 from engines.train.step import TrainStep, needs_reference
@@ -81,6 +83,11 @@ class TorchTrainBackend:
         self.ref_model = self._frozen(self._initial) if self._needs_ref() and not lora_on else None
         self.teacher_model = self._frozen(algo_cfg.opd_teacher_path) if algo_cfg.use_opd else None
         self._build_trainables(source)
+        if train_cfg.pack_sequences and not supports_prompt_sharing(self.model):
+            raise ValueError(
+                "train.pack_sequences needs a model on sdpa attention (a custom 4-D mask); "
+                f"{source} uses {self.model.config._attn_implementation!r}"
+            )
         self.pad_token_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.version = 0
         if train_cfg.load and ckpt.has_checkpoint(train_cfg.load):
@@ -130,13 +137,19 @@ class TorchTrainBackend:
 
         cfg = self.train_cfg
         return score_samples(
-            samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device, build
+            samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device, build,
+            packed=cfg.pack_sequences and build is not build_padded_batch,  # critic: padded
         )
 
     def _log_prob_batch(self, model: torch.nn.Module) -> BuildBatch:
-        """How log-prob forwards of `model` see a micro-batch: one row per prompt where the
-        attention allows it (prompt_sharing.py), else one padded row per sample."""
-        share = self.train_cfg.share_prompts and supports_prompt_sharing(model)
+        """How log-prob forwards of `model` see a micro-batch: packed rows (packing.py) with
+        `pack_sequences`, else one row per prompt where the attention allows it
+        (prompt_sharing.py), else one padded row per sample."""
+        cfg = self.train_cfg
+        if cfg.pack_sequences:
+            return functools.partial(build_packed_batch, share_prompts=cfg.share_prompts,
+                                     hidden_size=model_hidden_size(model))
+        share = cfg.share_prompts and supports_prompt_sharing(model)
         return build_shared_prompt_batch if share else build_padded_batch
 
     def _log_prob_scorer(self, model: torch.nn.Module) -> Callable[[list[Sample]], list[Tensor]]:

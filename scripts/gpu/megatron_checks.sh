@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu/megatron_checks.sh [backend] [parity] [group] [parallel] [nccl] [bench]
 #   (default: backend parity group parallel)
-#   backend   GPU 0 (beside parity on GPU 1): tests/gpu/test_megatron_backend.py (HF logits, losses vs torch, step-0
+#   backend   GPU 0 (beside parity on GPU 1): tests/gpu/test_megatron_{backend,packing}.py (HF logits, losses vs torch, step-0
 #             ppo_kl in bf16, fp32/bf16 checkpoint resume with critic and LR schedule, offload)
 #   parity    GPU 1: tests/gpu/test_megatron_parity.py, the torch-vs-megatron table per algorithm
 #   group     both: TP=2 behind the train group (torchrun, and Ray where it imports)
@@ -40,10 +40,10 @@ part() {  # name, timeout (s), command...
   case " $PARTS " in *" $name "*) ;; *) return ;; esac
   timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
   echo "== $name rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
-  grep -E "passed|failed|error|Error|resume |offload |TP=2 group|^ +case|\| " "$LOG/$name.log" | tail -n 40
+  grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| " "$LOG/$name.log" | tail -n 40
 }
 # one GPU each, side by side
-CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-240} $PYTEST tests/gpu/test_megatron_backend.py &
+CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-300} $PYTEST tests/gpu/test_megatron_backend.py tests/gpu/test_megatron_packing.py &
 CUDA_VISIBLE_DEVICES=1 part parity ${T_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py &
 wait
 part group ${T_GROUP:-300} $PYTEST tests/gpu/test_megatron_group.py

@@ -201,8 +201,9 @@ class MegatronTrainBackend:
         model = models[role]
         if model is None:
             raise ValueError(f"this megatron trainer has no {role} model")
-        return schedule.score(model, samples, self.train_cfg.max_tokens_per_micro_batch,
-                              self.pad_token_id, role == "critic", self.temperature)
+        cfg = self.train_cfg
+        return schedule.score(model, samples, cfg.max_tokens_per_micro_batch, self.pad_token_id,
+                              role == "critic", self.temperature, cfg.pack_sequences)
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """Current policy's log-probs of each sample's response tokens (rollout temperature)."""
@@ -233,7 +234,7 @@ class MegatronTrainBackend:
         t.optimizer.zero_grad()
         totals: dict[str, float] = defaultdict(float)
         for out in schedule.run(t.model, samples, micro_batches, self.pad_token_id, on_output,
-                                forward_only=False):
+                                False, self.train_cfg.pack_sequences):
             for k, v in out.items():
                 totals[k] += v
         ranks = parallel.all_gather_dp(dict(totals))

@@ -7,11 +7,15 @@ torch RMSNorm) with its core attention swapped for `SDPACoreAttention`: the loca
 
 Sequences are right-padded and attention is causal, so pad tokens at the end never reach a
 real token and no padding mask is needed (same argument as `engines/train/batching.py`).
+Packed micro-batches (`train.pack_sequences`) come as megatron's `thd` format: one row of
+sequences end to end with `cu_seqlens` in `PackedSeqParams`; megatron applies RoPE per
+sequence, and the core attention runs flash varlen attention (`varlen_causal_attention`).
 Megatron is imported inside the functions: this module is safe to import without it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -41,8 +45,14 @@ def _sdpa_attention_class() -> type:
             attn_mask_type: Any = None, attention_bias: Tensor | None = None,
             packed_seq_params: Any = None, **_: Any,
         ) -> Tensor:
-            if packed_seq_params is not None or attention_bias is not None:
-                raise NotImplementedError("SDPACoreAttention: no packed sequences / attn bias")
+            if attention_bias is not None:
+                raise NotImplementedError("SDPACoreAttention: no attention bias")
+            if packed_seq_params is not None:  # thd: [t, heads, d] -> [t, h*d]
+                out = varlen_causal_attention(
+                    query, key, value, packed_seq_params.cu_seqlens_q,
+                    int(packed_seq_params.max_seqlen_q), self.softmax_scale,
+                )
+                return out.reshape(out.shape[0], -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale,
@@ -53,6 +63,49 @@ def _sdpa_attention_class() -> type:
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     return SDPACoreAttention
+
+
+def varlen_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+    scale: float | None = None,
+) -> Tensor:
+    """Causal attention within each of the sequences laid end to end in `[t, heads, d]`
+    q/k/v (`cu_seqlens`: int32 start offsets); k/v may have fewer heads (GQA).
+
+    torch's flash varlen kernel (`torch.nn.attention.varlen`, torch >= 2.9) where it
+    exists (bf16/fp16 on CUDA); else SDPA per sequence (the same result, a launch per
+    sequence: float32 and CPU, which flash does not take)."""
+    rep = q.shape[1] // k.shape[1]
+    varlen_attn: Any = None
+    try:
+        from torch.nn.attention import varlen
+
+        varlen_attn = varlen.varlen_attn
+    except (ImportError, AttributeError):
+        pass
+    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        params = inspect.signature(varlen_attn).parameters
+        kw: dict[str, Any] = {"scale": scale} if "scale" in params else {}
+        if "is_causal" in params:  # torch 2.9-2.10
+            kw["is_causal"] = True
+        else:  # later: a (left, right) window, (-1, 0) is causal
+            kw["window_size"] = (-1, 0)
+        if rep > 1 and "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        elif rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu,
+                          max_seqlen, max_seqlen, **kw)
+        return out[0] if isinstance(out, tuple) else out
+    bounds = cu_seqlens.tolist()
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, s, d]
+        parts.append(F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=rep > 1
+        ).transpose(0, 1))
+    return torch.cat(parts, dim=0)
 
 
 def layer_spec(sdpa: bool = True) -> Any:

@@ -1,7 +1,8 @@
 """Megatron's forward(-backward) schedule over rollout samples, and its outputs turned into
 the shared step's response-space `Forward` (log-probs / entropy, or critic values).
 
-`run` feeds token-budgeted micro-batches through `get_forward_backward_func()` (PP-aware);
+`run` feeds token-budgeted micro-batches through `get_forward_backward_func()` (PP-aware),
+padded or (`packed`, train.pack_sequences) as one varlen row each (megatron's `thd`);
 `on_output(mb, batch, output)` runs on the last pipeline stage with the model's raw output
 (`[B, L, V/tp]` logits, or `[B, L, 1]` values for the critic) and returns `(loss, result)`;
 the results come back in micro-batch order (empty on other stages). `score` splits the
@@ -19,28 +20,52 @@ from torch import Tensor
 
 from engines.train.batching import PaddedBatch, build_padded_batch, gather_response_logits
 from engines.train.megatron import parallel
+from engines.train.packing import build_packed_batch
 from engines.train.step_model import Forward, MicroBatch
 from storage.sample import Sample
 
 OnOutput = Callable[[MicroBatch, PaddedBatch, Tensor], tuple[Tensor, Any]]
 
 
+def build_batch(samples: list[Sample], pad_token_id: int, packed: bool) -> PaddedBatch:
+    """A micro-batch as the model takes it: right-padded rows, or (`packed`) one row of the
+    samples end to end for varlen attention (`packing.py`)."""
+    if packed:
+        return build_packed_batch(samples, pad_token_id, varlen=True)
+    return build_padded_batch(samples, pad_token_id)
+
+
+def packed_seq_params(batch: PaddedBatch) -> Any:
+    """megatron's `thd` description of a varlen-packed batch (None for a padded one)."""
+    if batch.cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch.cu_seqlens
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def run(
     model: Any, samples: list[Sample], micro_batches: list[MicroBatch], pad_token_id: int,
-    on_output: OnOutput, forward_only: bool,
+    on_output: OnOutput, forward_only: bool, packed: bool = False,
 ) -> list[Any]:
     """Megatron's schedule over `micro_batches` (rows of `samples`); see the module doc."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = parallel.current_device()
-    batches = [(mb, build_padded_batch([samples[i] for i in mb.rows], pad_token_id).to(device))
+    batches = [(mb, build_batch([samples[i] for i in mb.rows], pad_token_id, packed).to(device))
                for mb in micro_batches]
 
     def forward_step(data_iterator: Any, m: Any) -> tuple[Tensor, Any]:
         mb, batch = next(data_iterator)
         ids = batch.input_ids
-        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        out = m(input_ids=ids, position_ids=pos, attention_mask=None)
+        pos = batch.position_ids
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        out = m(input_ids=ids, position_ids=pos, attention_mask=None,
+                packed_seq_params=packed_seq_params(batch))
 
         def loss_func(output: Tensor) -> tuple[Tensor, Tensor, Any]:
             loss, result = on_output(mb, batch, output)
@@ -51,7 +76,7 @@ def run(
     return list(get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=max(b.input_ids.shape[1] for _, b in batches),
-        micro_batch_size=max(len(mb.rows) for mb in micro_batches), forward_only=forward_only,
+        micro_batch_size=max(b.input_ids.shape[0] for _, b in batches), forward_only=forward_only,
     ))
 
 
@@ -62,9 +87,11 @@ def to_forward(
     """Raw model output -> response-space `Forward` (TP-aware: logits are vocab-sharded)."""
     if values:
         v = output.squeeze(-1).float()
-        rows = torch.arange(v.shape[0], device=v.device).unsqueeze(-1)
+        rows = batch.logit_row
+        if rows is None:
+            rows = torch.arange(v.shape[0], device=v.device).unsqueeze(-1)
         return Forward(batch, values=v[rows, batch.logit_index])
-    resp = gather_response_logits(output, batch.logit_index).float()
+    resp = gather_response_logits(output, batch.logit_index, batch.logit_row).float()
     if temperature != 1.0:
         resp = resp / temperature
     log_probs = parallel.vocab_parallel_log_probs(resp, batch.targets)
@@ -77,7 +104,7 @@ def to_forward(
 @torch.no_grad()
 def score(
     model: Any, samples: list[Sample], max_tokens: int, pad_token_id: int, values: bool,
-    temperature: float,
+    temperature: float, packed: bool = False,
 ) -> list[Tensor]:
     """Per-sample response log-probs (or values) as CPU float32, on every rank. DP ranks
     split the samples (strided, as a training step does, so a step scored alone runs in the
@@ -91,7 +118,8 @@ def score(
     local: dict[int, Tensor] = {}
     if mine:
         lengths = [len(samples[i].tokens) for i in mine]
-        mbs = [MicroBatch([mine[j] for j in mb]) for mb in split_micro_batches(lengths, max_tokens)]
+        split = split_micro_batches(lengths, max_tokens, packed)
+        mbs = [MicroBatch([mine[j] for j in mb]) for mb in split]
 
         def on_output(mb: MicroBatch, batch: PaddedBatch, output: Tensor) -> tuple[Tensor, Any]:
             fwd = to_forward(batch, output, values, temperature, entropy=False)
@@ -101,7 +129,7 @@ def score(
                    for r, i in enumerate(mb.rows)]
             return t.sum() * 0.0, per
 
-        for out in run(model, samples, mbs, pad_token_id, on_output, forward_only=True):
+        for out in run(model, samples, mbs, pad_token_id, on_output, True, packed):
             local.update(out)
     local = parallel.broadcast_from_last_stage(local)
     merged: dict[int, Tensor] = {}
