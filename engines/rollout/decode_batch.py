@@ -87,12 +87,21 @@ class DecodeBatch:
 
     @classmethod
     def prefilled(
-        cls, states: list[ReqState], attn: torch.Tensor, cache: DynamicCache, vocab: int
+        cls,
+        states: list[ReqState],
+        attn: torch.Tensor,
+        cache: DynamicCache,
+        vocab: int,
+        rows: torch.Tensor | None = None,
     ) -> DecodeBatch:
-        """Rows for requests just prefilled together (`attn` is their left-padded mask);
+        """Rows for requests just prefilled together (`attn` is the prefill's left-padded
+        mask; `rows` maps each state to its prefill row when prompts were deduplicated);
         every row tensor lives on the model's device, beside the logits it is used with."""
         params = [s.request.params for s in states]
         dev = attn.device
+        cache_attn = attn
+        if rows is not None:
+            attn = attn[rows]
         b = cls(vocab)
         b.rows = list(states)
         b.alive = [True] * len(states)
@@ -106,7 +115,7 @@ class DecodeBatch:
             "last_tok": torch.zeros(len(states), dtype=torch.long, device=dev),
         }
         b._rows_changed()
-        b.cache = KVCache.from_prefill(cache, attn, b.room())
+        b.cache = KVCache.from_prefill(cache, cache_attn, b.room(), rows)
         return b
 
     def _rows_changed(self) -> None:

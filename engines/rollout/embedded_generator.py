@@ -218,7 +218,13 @@ class EmbeddedGenerator(GeneratorIdentity):
         )
 
     def _prefill(self, batch: DecodeBatch, states: list[ReqState]) -> list[ReqState]:
-        prompts = [torch.tensor(s.prefix) for s in states]
+        """One forward over the distinct prefixes (a GRPO group's samples share their
+        prompt: the bench's batch of 64 holds 8 prompts), its logits and KV cache then
+        repeated per request; a row's numbers do not depend on the other rows."""
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(s.prefix), len(first)) for s in states]
+        rows = None if len(first) == len(states) else torch.tensor(index, device=self.device)
+        prompts = [torch.tensor(p) for p in first]
         ids = torch.nn.utils.rnn.pad_sequence(
             prompts, batch_first=True, padding_value=self._pad_id, padding_side="left"
         ).to(self.device)
@@ -231,8 +237,9 @@ class EmbeddedGenerator(GeneratorIdentity):
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
             logits_to_keep=1,
         )  # fmt: skip
-        fresh = DecodeBatch.prefilled(states, attn, out.past_key_values, self.vocab_size)
-        ended = self._sample(fresh, out.logits[:, -1, :])
+        fresh = DecodeBatch.prefilled(states, attn, out.past_key_values, self.vocab_size, rows)
+        logits = out.logits[:, -1, :]
+        ended = self._sample(fresh, logits if rows is None else logits[rows])
         batch.merge(fresh)
         return ended
 

@@ -60,15 +60,24 @@ class KVCache:
         return [x[:, 1] for x in self.layers]
 
     @classmethod
-    def from_prefill(cls, cache: DynamicCache, attn: torch.Tensor, room: int) -> KVCache:
-        """Copy a prefill's `DynamicCache` (mask `attn`) into buffers with `room` free columns."""
-        rows, width = attn.shape
-        kv = cls([], attn.new_zeros(rows, width + room, dtype=torch.bool), width)
+    def from_prefill(
+        cls, cache: DynamicCache, attn: torch.Tensor, room: int, rows: torch.Tensor | None = None
+    ) -> KVCache:
+        """Copy a prefill's `DynamicCache` (mask `attn`) into buffers with `room` free columns;
+        `rows` picks (and repeats) the prefill's rows, so a prompt shared by several requests
+        is prefilled once."""
+        if rows is not None:
+            attn = attn[rows]
+        count, width = attn.shape
+        kv = cls([], attn.new_zeros(count, width + room, dtype=torch.bool), width)
         kv.mask[:, :width] = attn.bool()
         for layer in list[Any](cache.layers):
-            buf = _buffer(layer.keys, rows, width + room)
-            buf[:, 0, :, :width] = layer.keys
-            buf[:, 1, :, :width] = layer.values
+            keys, values = layer.keys, layer.values
+            if rows is not None:
+                keys, values = keys[rows], values[rows]
+            buf = _buffer(keys, count, width + room)
+            buf[:, 0, :, :width] = keys
+            buf[:, 1, :, :width] = values
             kv.layers.append(buf)
         kv._check_padding()
         return kv

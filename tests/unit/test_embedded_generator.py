@@ -137,6 +137,28 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(gen: EmbeddedGene
     assert run(PROMPTS[::-1], seed=11) == first[::-1]
 
 
+def test_shared_prompts_sample_like_their_solo_runs(gen: EmbeddedGenerator) -> None:
+    """A GRPO group: repeated prompts are prefilled once and each request still samples
+    and reports log-probs as if alone (its own seed, the full forward's numbers)."""
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[1], PROMPTS[1], PROMPTS[3]]
+    reqs = [
+        GenRequest(
+            f"g{i}",
+            gen.tokenize(p),
+            SamplingParams(max_new_tokens=12, ignore_eos=True, sampling_seed=i),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    group = gen.generate(reqs)
+    assert len({tuple(r.output_ids) for r in group}) > 2  # seeds differ, so do samples
+    for req, res in zip(reqs, group, strict=True):
+        alone = gen.generate([req])[0]
+        assert alone.output_ids == res.output_ids
+        assert alone.output_logprobs == pytest.approx(res.output_logprobs, abs=1e-5)
+        ref = full_forward_logprobs(gen, req, res, 1.0)
+        assert torch.tensor(res.output_logprobs) == pytest.approx(ref, abs=1e-5)
+
+
 def test_unseeded_sampling_varies(gen: EmbeddedGenerator) -> None:
     reqs = requests(gen, ["1+1="] * 8, max_new_tokens=8, ignore_eos=True)
     outs = {tuple(r.output_ids) for r in gen.generate(reqs)}
