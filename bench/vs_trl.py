@@ -25,6 +25,7 @@ process doing the work (TRL: this process; rollflow: this process and its childr
 the Prefect server, plus the run's Ray actors, not Ray's own daemons). Evaluation happens
 after both runs, on the snapshots, so it costs neither side time.
 
+Both train on `--samples` generated samples (default 38,400: TRL's 600 steps of 64).
 Prints the curves (accuracy at each sample count, with seconds and CPU seconds), a
 time-to-accuracy table and the ratio rollflow time / TRL time to reach TRL's final accuracy;
 writes `curves.png` and `results.json` under `{runs}/vs_trl/`.
@@ -160,9 +161,10 @@ def trl_curve(run: TrlRun, accuracies: list[float], startup: float) -> Curve:
 
 def rollflow_run(
     runs: str, data: dict[str, str], sft_ckpt: str, snapshot_every: int,
-    threads: int, extra: list[str],
+    threads: int, extra: list[str], samples: int | None = None,
 ) -> tuple[Curve, list[str]]:
-    """A fresh GRPO run of the main job's config; (curve without accuracies, checkpoints)."""
+    """A fresh GRPO run of the main job's config, for at least `samples` samples unless
+    `extra` sets rollout.num_rollout; (curve without accuracies, checkpoints)."""
     from engines.cluster.actors import kill_run_actors
     from engines.cluster.head import connect
     from flows.train import train
@@ -173,7 +175,10 @@ def rollflow_run(
         raise SystemExit(f"--snapshot-every {snapshot_every}: not a multiple of rollflow's "
                          f"{per_step} samples per rollout step")
     sets = [f"storage.run_name={RUN_NAME}", "eval.datasets=[]",
-            f"train.save_interval={snapshot_every // per_step}", *extra]
+            f"train.save_interval={snapshot_every // per_step}"]
+    if samples is not None:
+        sets.append(f"rollout.num_rollout={-(-samples // per_step)}")
+    sets += extra
     sets.append(f"cluster.actor_num_threads={threads}")
     cfg = grpo_config(runs, data, sft_ckpt, sets)
     run_dir = Path(runs) / RUN_NAME
@@ -247,10 +252,13 @@ def report(curves: list[Curve], trl: Curve, rollflow: Curve) -> dict[str, Any]:
     ours, theirs = time_to(rollflow, final), time_to(trl, final)
     ratio = ours.seconds / theirs.seconds if ours and theirs and theirs.seconds else None
     cpu_ratio = ours.cpu / theirs.cpu if ours and theirs and theirs.cpu else None
-    shown = f"{ratio:.2f}x wall, {cpu_ratio:.2f}x CPU" if ratio and cpu_ratio else "not reached"
+    with_startup = ((ours.seconds + rollflow.startup) / (theirs.seconds + trl.startup)
+                    if ours and theirs else None)
+    shown = (f"{ratio:.2f}x wall, {cpu_ratio:.2f}x CPU ({with_startup:.2f}x wall counting "
+             f"start-up)" if ratio and cpu_ratio and with_startup else "not reached")
     print(f"\nrollflow time / {trl.name} time to {trl.name}'s final {100 * final:.1f}%: {shown}")
     return {"time_to_accuracy": table, "final_trl_accuracy": final, "ratio": ratio,
-            "cpu_ratio": cpu_ratio}
+            "cpu_ratio": cpu_ratio, "ratio_with_startup": with_startup}
 
 
 def plot(curves: list[Curve], path: Path) -> None:
@@ -278,7 +286,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default="./runs", help="storage root (SFT run reused here)")
     parser.add_argument("--artifacts", default=None, help="data + model dir (the example's)")
-    parser.add_argument("--trl-steps", type=int, default=600, help="TRL optimizer steps")
+    parser.add_argument("--samples", type=int, default=38400,
+                        help="generated samples each side trains on (TRL: samples / 64 steps; "
+                        "rollflow: rollout steps rounded up, unless --set rollout.num_rollout)")
     parser.add_argument("--trl-lr", default="1e-4", help="TRL learning rate(s), comma-separated"
                         "; the first is the one the ratio is against; '' runs rollflow alone")
     parser.add_argument("--trl-iterations", type=int, default=1,
@@ -315,13 +325,14 @@ def main() -> None:
     trl_runs, trl_startup = [], []
     for lr in (float(x) for x in args.trl_lr.split(",") if x):
         t = time.perf_counter()
-        trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr, steps=args.trl_steps,
+        trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr,
+                                steps=args.samples * args.trl_iterations // 64,
                                 snapshot_every=args.snapshot_every,
                                 max_completion_length=max_new,
                                 num_iterations=args.trl_iterations))
         trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
     ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, threads,
-                               args.set)
+                               args.set, args.samples)
     print(f"load average after: {os.getloadavg()}; evaluating the snapshots ...")
 
     from transformers import AutoModelForCausalLM
