@@ -142,7 +142,10 @@ class WeightUpdateGroup:
         self.broadcast(tensors)
         return list(zip(names, tensors, strict=True))
 
-    def destroy(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+    def destroy(self, abort: bool = False) -> None:
+        """Leave the group: `shutdown` when every rank leaves together (a sender's close),
+        `abort` for a leftover whose other ranks are gone (a restarted trainer's old group),
+        which waits for no peer."""
+        leave = getattr(self.group, "abort" if abort else "shutdown", None)
+        if callable(leave):
+            leave()

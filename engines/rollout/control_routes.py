@@ -94,8 +94,9 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
 
     async def init_group(body: dict[str, Any]) -> str:
         name = str(body.get("group_name") or "weight_update_group")
-        if name in groups:
-            raise ValueError(f"group {name!r} already exists")
+        leftover = groups.pop(name, None)
+        if leftover is not None:  # a restarted trainer joins again; its old group is dead
+            await asyncio.to_thread(leftover.destroy, True)
         groups[name] = await asyncio.to_thread(
             WeightUpdateGroup,
             str(body["master_address"]),
@@ -123,7 +124,7 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
         group = groups.pop(name, None)
         if group is None:
             raise ValueError(f"no weights update group {name!r}")
-        group.destroy()
+        await asyncio.to_thread(group.destroy, bool(body.get("abort")))
         return f"Destroyed {name}."
 
     async def set_version(body: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -177,7 +178,16 @@ class DistributedWeightSender(_HTTPSender):
         self.group: WeightUpdateGroup | None = None
 
     def connect(self) -> None:
-        """Engines join while rank 0 creates the store: both sides block until all are in."""
+        """Engines join while rank 0 creates the store: both sides block until all are in.
+
+        A restarted trainer finds the engines still in its predecessor's group of the same
+        name (SGLang refuses a second one: "already registered"), so each engine is first
+        asked to drop it; without one that is a 400, ignored."""
+        for leftover in self.post_async(
+            "/destroy_weights_update_group", {"group_name": self.group_name, "abort": True}
+        ):
+            with suppress(WeightSyncError):  # no such group: a first connect
+                leftover.result()
         world = len(self.urls) + 1
         joins = [
             self._pool.submit(

@@ -62,11 +62,11 @@ def test_lora_run_syncs_merged_weights_and_resumes_exactly(
     adapter = load_file(os.path.join(last, "adapter", "adapter_model.safetensors"))
     assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
 
-    # The same run with the trainer killed mid step 1 (after checkpoint 0), pushing weights
-    # through disk (merged save_pretrained + /update_weights_from_disk) instead of the Ray
-    # object store.
+    # The same run with the trainer killed mid step 1 (after checkpoint 0), pushing merged
+    # weights through a gloo process group instead of the Ray object store: the rebuilt
+    # trainer joins the engine again under the group name its predecessor left behind.
     cfg = make_config(env, "lora-kill", backend="embedded",
-                      overrides=[*LORA, "train.weight_sync=disk"])
+                      overrides=[*LORA, "train.weight_sync=distributed"])
     run_with_fault(cfg, lambda lay: lay.task_record(1, "reward") is not None,
                    lambda: kill(cfg, "trainer"))
     assert RunLayout.open(cfg.storage.uri, cfg.storage.run_name).committed_steps() == [0, 1, 2]

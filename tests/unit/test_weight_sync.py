@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,49 @@ def test_distributed_gloo_update_reaches_an_engine_in_another_process(model_dir:
         if proc.stdin:
             proc.stdin.close()
         proc.wait(timeout=30)
+
+
+TRAINER_SCRIPT = """
+import sys
+from transformers import AutoModelForCausalLM
+from engines.train.weight_sender import DistributedWeightSender
+sender = DistributedWeightSender([sys.argv[1]], bucket_bytes=64 * 1024, backend="gloo")
+sender.connect()
+print(sender.update(AutoModelForCausalLM.from_pretrained(sys.argv[2]), version=1), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_distributed_sync_works_again_after_the_trainer_is_killed(
+    engine: EngineActor, model_dir: str
+) -> None:
+    """A trainer killed after joining leaves the engine in its group; the restarted trainer
+    joins under the same name (was: refused, "group already exists", and rank 0 waited for
+    the engine until the 300 s store timeout)."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_SCRIPT, engine.url(), model_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "[1]"  # joined and pushed version 1
+    finally:
+        trainer.kill()  # no close(): the engine keeps the dead trainer's group
+        trainer.wait(timeout=30)
+
+    model = perturbed(model_dir, seed=3)
+    restarted = DistributedWeightSender([engine.url()], bucket_bytes=64 * 1024, backend="gloo")
+    pool = ThreadPoolExecutor(1)  # a refused join blocks rank 0: fail, do not hang
+    try:
+        pool.submit(restarted.connect).result(timeout=120)
+    finally:
+        pool.shutdown(wait=False)
+    try:
+        assert restarted.update(model, version=2) == [2]
+        check_weight_update_equal(model, [engine.url()])
+    finally:
+        restarted.close()
 
 
 def test_tensor_sender_over_http_changes_outputs_and_version(
