@@ -10,16 +10,7 @@ from contextlib import nullcontext, redirect_stdout
 from typing import Any, TextIO
 
 from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
-
-
-def _prefect_env() -> None:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # INFO goes to the Prefect API (the UI's Logs tab: states, retries and why), while the
-    # console handler shows WARNING and up only, so a run prints its progress and result.
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    # Prefect's own 20 s (counted in its sleeps) is too short on a busy machine
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+from flows.prefect_env import prefect_env_defaults
 
 
 def _user_code_importable() -> None:
@@ -32,7 +23,7 @@ def _user_code_importable() -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.config_loader import load_config
 
-    _prefect_env()
+    prefect_env_defaults()
     _user_code_importable()
     cfg = load_config(args.config, args.set)
     from flows.preflight import preflight_once
@@ -49,7 +40,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from flows.replay import parse_steps, replay, replay_config
     from storage.object_store import open_store
 
-    _prefect_env()
+    prefect_env_defaults()
     _user_code_importable()
     steps = parse_steps(args.steps)
     source = open_store(args.root, args.endpoint_url).child(args.run)
@@ -236,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "runs" and args.action in ("show", "stop") and not args.run:
         build_parser().error(f"runs {args.action} needs RUN")
     if args.runs_flows:
-        _prefect_env()  # before quiet_prefect_failures makes Prefect set up its logging
+        prefect_env_defaults()  # before quiet_prefect_failures makes Prefect set up its logging
     # A flow command's stdout holds its JSON result only: whatever else prints while it runs
     # (Ray's raylet warnings, user hooks) goes to stderr.
     args.result_out = sys.stdout

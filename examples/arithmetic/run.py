@@ -16,6 +16,7 @@ from examples.arithmetic.build_model import save_tiny_model
 from examples.arithmetic.make_data import write_datasets
 from flows.config import RollflowConfig
 from flows.config_loader import load_config
+from flows.prefect_env import prefect_env_defaults
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,9 +69,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for the GRPO phase, e.g. rollout.num_rollout=10")
     args = parser.parse_args()
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")  # to the Prefect API (UI logs)
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # console
+    prefect_env_defaults()  # the CLI's: UI logs, a quiet console, 90 s for Prefect to start
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     t0 = time.perf_counter()
