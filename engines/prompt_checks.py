@@ -33,7 +33,14 @@ class FieldReport:
     """Each `metadata.rm_type` value -> where it first appears (to name a bad one)."""
     without_rm_type: str | None = None
     """Where the first row without a `metadata.rm_type` is (None: every row has one)."""
+    labelled: int = 0
+    """Rows with a label (`label_key` present and not null): rule rewards score the rest 0."""
+    fields: list[str] = field(default_factory=list)
+    """The rows' field names, to suggest the right key when one is missing."""
     vectorised: bool = False
+
+    def saw_fields(self, names: Any) -> None:
+        self.fields.extend(n for n in names if n not in self.fields)
 
     def note(self, where: str, rm_type: Any) -> None:
         if rm_type:
@@ -49,9 +56,12 @@ def check_fields(rows: PromptRows, spec: DatasetSpec, check_row: RowCheck) -> Fi
         return report
     report = FieldReport(rows=len(rows))
     for batch in rows.batches():
+        if batch:
+            report.saw_fields(batch[0][2])
         for file, line, row in batch:
             metadata = check_row(spec, file, line, row)
             report.note(location(file, line), metadata.get("rm_type"))
+            report.labelled += spec.label_key is not None and row.get(spec.label_key) is not None
     return report
 
 
@@ -72,6 +82,9 @@ def _check_columns(rows: PromptRows, spec: DatasetSpec, check_row: RowCheck) -> 
                 for i in _suspects(prompt):
                     # a null or blank-looking prompt: the row check names the exact problem
                     check_row(spec, *rows.rows([offset + seen + int(i)])[0])
+                report.saw_fields(batch.schema.names)
+                label = _column(batch, spec.label_key)
+                report.labelled += 0 if label is None else batch.num_rows - label.null_count
                 meta = _column(batch, spec.metadata_key)
                 _note_rm_types(report, shard.name, meta, batch.num_rows,
                                lambda i, base=seen, s=shard: s.line(base + i))

@@ -23,6 +23,7 @@ from engines.hooks import load_hook, validate_hooks
 from engines.prompt_checks import FieldReport
 from engines.prompt_dataset import (
     DatasetCheck,
+    DatasetError,
     DatasetSpec,
     check_prompt_dataset,
     data_spec,
@@ -31,7 +32,7 @@ from engines.prompt_dataset import (
 )
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.protocols import RewardFn
-from engines.rollout.rewards.hub import RewardHub, builtin_reward
+from engines.rollout.rewards.hub import RewardHub, builtin_reward, compares_with_label
 from flows.config import ConfigError, EvalDataset, RollflowConfig
 from flows.config_paths import MODEL_FIELDS, is_uri
 from storage.run_layout import RunLayout
@@ -159,6 +160,36 @@ def check_rewards(cfg: RollflowConfig, hub: RewardHub, fields: FieldReport) -> N
         builtin_reward(rm_type, f"{where}, metadata.rm_type", hub.remote)
 
 
+def label_readers(rm_type: str | None, custom: bool, fields: FieldReport) -> list[str]:
+    """The rewards of a prompt set that compare responses with its label: the set's default
+    rule (unless every row names its own) and the rules rows name in metadata.rm_type."""
+    readers = []
+    if rm_type and not custom and fields.without_rm_type is not None and compares_with_label(
+            rm_type):
+        readers.append(f"rm_type {rm_type!r}")
+    readers += [f"metadata.rm_type {name!r} ({where})"
+                for name, where in fields.rm_types.items() if compares_with_label(name)]
+    return readers
+
+
+def check_labels(spec: DatasetSpec, readers: list[str], fields: FieldReport) -> None:
+    """A reward that compares with the label, on a set with no label, scores every response
+    0: the run would train on nothing, silently. Fail naming the file and the key."""
+    if not readers or not fields.rows or fields.labelled == fields.rows:
+        return
+    key, uses = f"{spec.config_key}.label_key", " and ".join(readers)
+    have = f"its rows have: {', '.join(fields.fields)}" if fields.fields else "no fields"
+    if fields.labelled == 0:
+        problem = (f"{key} is unset" if spec.label_key is None else
+                   f"no row has the label field {spec.label_key!r} ({key})")
+        raise DatasetError(spec.path, 0, "(file)",
+                           f"{problem}, but the reward ({uses}) compares each response with "
+                           f"the label, so every reward would be 0; set {key} to the field "
+                           f"that holds the answers ({have})")
+    log.warning("%s: %d of %d rows have no label %r; the reward (%s) scores them 0",
+                spec.path, fields.rows - fields.labelled, fields.rows, spec.label_key, uses)
+
+
 def check_eval_reward(ds: EvalDataset, index: int, hub: RewardHub) -> None:
     key = f"eval.datasets[{index}]"
     if ds.custom_rm_path:
@@ -184,21 +215,32 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
     hub = RewardHub.from_config(cfg.rollout)
     tokenizer, context = load_tokenizer_and_context(cfg)
     limit = checked_prompt_limit(cfg, context)
-    checked = _check(cfg, data_spec(cfg.data, cfg.storage, limit), tokenizer)  # logs drops
+    train_set = data_spec(cfg.data, cfg.storage, limit)
+    checked = _check(cfg, train_set, tokenizer)  # logs drops
     check_rewards(cfg, hub, checked.fields)
+    if not (cfg.rollout.function_path or cfg.rollout.debug_train_only):
+        r = cfg.rollout
+        check_labels(train_set, label_readers(r.rm_type, bool(r.custom_rm_path), checked.fields),
+                     checked.fields)
     groups_needed = cfg.rollout.submit_batch_size
     generation_loop = not (cfg.rollout.debug_train_only or cfg.rollout.function_path)
     if generation_loop and checked.usable < groups_needed:
         log.warning("%s: %d usable prompts, fewer than the %d groups a step draws; prompts "
                     "repeat within a step", cfg.data.prompt_data, checked.usable, groups_needed)
-    eval_prompts = {}
+    eval_prompts, labels = {}, []
     for i, ds in enumerate(cfg.eval.datasets):
         check_eval_reward(ds, i, hub)
-        evals = _check(cfg, eval_spec(ds, i, limit, cfg.storage), tokenizer)
+        spec = eval_spec(ds, i, limit, cfg.storage)
+        evals = _check(cfg, spec, tokenizer)
         if evals.dropped_too_long:
             log.warning("eval.datasets[%d] (%s): %d prompts longer than %d tokens will get no "
                         "room to answer", i, ds.path, evals.dropped_too_long, limit)
         eval_prompts[ds.name] = evals.rows
+        rm_type, custom = ((ds.rm_type, bool(ds.custom_rm_path)) if ds.custom_rm_path or ds.rm_type
+                           else (cfg.rollout.rm_type, bool(cfg.rollout.custom_rm_path)))
+        labels.append((spec, label_readers(rm_type, custom, evals.fields), evals.fields))
+    for spec, readers, fields in labels:  # after every set's own checks
+        check_labels(spec, readers, fields)
     return PreflightReport(checked.usable, checked.dropped_too_long, limit, eval_prompts,
                            time.perf_counter() - start)
 

@@ -136,3 +136,46 @@ def test_a_model_typo_names_the_key_the_user_set_once(make, tmp_path):
     with pytest.raises(ConfigError) as err:
         preflight(build(train={"model_path": str(tmp_path / "modle")}))
     assert str(err.value) == f"train.model_path: no such file or directory: {tmp_path / 'modle'}"
+
+
+def test_a_rule_reward_on_prompts_without_the_label_field_fails_naming_file_and_key(
+        make, tmp_path):
+    """exact_match compares responses with the label: a set whose answers sit under another
+    field would score every response 0 and train on nothing, without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    build, data = make
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError) as raised:
+        preflight(build())
+    assert str(raised.value) == (
+        f"{data}: no row has the label field 'label' (data.label_key), but the reward (rm_type "
+        "'exact_match') compares each response with the label, so every reward would be 0; set "
+        "data.label_key to the field that holds the answers (its rows have: prompt, answer)")
+    assert preflight(build(data={"label_key": "answer"})).prompts == 8
+    with pytest.raises(DatasetError, match=r"data.label_key is unset, but the reward"):
+        preflight(build(data={"label_key": None, "prompt_data": str(data)}))
+    # A reward of the user's own may not need a label: not refused.
+    assert preflight(build(rollout={"custom_rm_path": "tests.flow.faults:reward_exact"})).prompts
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), shards / "part-0.parquet")
+    with pytest.raises(DatasetError, match=r"part-0.parquet|shards.*label field 'label'"):
+        preflight(build(data={"prompt_data": str(shards)}))
+    # ... and so does each row's own metadata.rm_type rule
+    tagged = tmp_path / "tagged.jsonl"
+    tagged.write_text("".join(json.dumps({**r, "metadata": {"rm_type": "math"}}) + "\n"
+                              for r in rows))
+    with pytest.raises(DatasetError, match=r"reward \(metadata.rm_type 'math' \(.*line 1\)\)"):
+        preflight(build(data={"prompt_data": str(tagged)}, rollout={"rm_type": None}))
+
+
+def test_an_eval_set_without_labels_names_its_own_key(make, tmp_path):
+    build, _ = make
+    bare = tmp_path / "test.jsonl"
+    bare.write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    with pytest.raises(DatasetError, match=r"eval.datasets\[0\].label_key\), but the reward"):
+        preflight(build(eval={"datasets": [{"name": "t", "path": str(bare)}]}))

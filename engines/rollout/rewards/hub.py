@@ -59,6 +59,12 @@ class RewardConfigError(ValueError):
     pass
 
 
+def compares_with_label(name: str) -> bool:
+    """Whether the built-in `name` scores a response against the sample's label (the rules:
+    without a label every response gets the rule's failure value, and nothing is learnt)."""
+    return name.removeprefix(BOXED_PREFIX) in RULES
+
+
 def rule_reward(
     rule: RuleFn,
     boxed: bool = False,
