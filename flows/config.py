@@ -72,6 +72,14 @@ class RollflowConfig(Section):
                 "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
             )
+        if self.algorithm.needs_groups and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"rollout.n_samples_per_prompt: 1 sample per prompt gives every advantage 0 "
+                f"with algorithm.advantage_estimator={self.algorithm.advantage_estimator!r}, "
+                "which compares the samples of one prompt with each other, so nothing is "
+                "learnt; set rollout.n_samples_per_prompt to 2 or more (e.g. 8), or use an "
+                "estimator without groups (reinforce_plus_plus, ppo)"
+            )
         if self.cluster.colocate and self.train.update_weights_interval > 1:
             raise ValueError(
                 "train.update_weights_interval > 1 needs cluster.colocate=false: colocated "

@@ -411,7 +411,7 @@ bad_hook("reward_nan", "reward hook returns NaN for 1 sample in 5 (embedded+torc
          "sample.label)\n", "{mod}:score", "nan", expect="loud", backend="torch")
 
 @case("grpo_one_sample_per_prompt", "grpo with n_samples_per_prompt: 1 (every advantage 0)",
-      "report")
+      "early", "rollout.n_samples_per_prompt")
 def _grpo_one(ws: Workspace, run: str) -> list[str]:
     return config_args(ws, run, setting(base_config(run), "rollout.n_samples_per_prompt", 1))
 

@@ -167,7 +167,7 @@ def fake_actors(engine_versions: tuple[int, ...] = (0,), trainer_version: int = 
 def step_context(root: Path, *overrides: str, actors: RunActors | None = None) -> StepContext:
     raw = {
         "data": {"prompt_data": "x.jsonl"},
-        "rollout": {"num_rollout": 3, "rollout_batch_size": 2},
+        "rollout": {"num_rollout": 3, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
         "train": {"backend": "mock"},
         "engine": {"backend": "mock"},
         "storage": {"uri": str(root), "run_name": "fake-run"},

@@ -8,6 +8,11 @@ from pydantic import Field, model_validator
 
 from storage.config import Section
 
+# Estimators whose advantage compares a sample with the other samples of its prompt (grpo and
+# gspo normalise within the group, rloo leaves one out, the baseline subtracts the group
+# mean): a group of one gets 0, so rollout.n_samples_per_prompt must be at least 2.
+GROUP_ESTIMATORS = frozenset({"grpo", "gspo", "rloo", "reinforce_plus_plus_baseline"})
+
 
 class AlgorithmConfig(Section):
     loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = Field(
@@ -77,3 +82,11 @@ class AlgorithmConfig(Section):
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "ppo"
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the policy learns only from differences within a prompt's group: a
+        group-relative estimator, not replaced by a custom one, with no distillation signal
+        (on-policy distillation's per-token term needs no group)."""
+        return (self.loss_type == "policy_loss" and self.advantage_estimator in GROUP_ESTIMATORS
+                and not self.custom_advantage_function_path and not self.use_opd)

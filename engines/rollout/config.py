@@ -51,7 +51,10 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     num_rollout: int = Field(..., ge=1, description="Rollout steps in the run.")
     rollout_batch_size: int = Field(..., ge=1, description="Groups (prompts) trained per step.")
-    n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (group size).")
+    n_samples_per_prompt: int = Field(
+        1, ge=1, description="Samples per prompt (group size); 2 or more for the estimators "
+        "that compare a prompt's samples (grpo, gspo, rloo, reinforce_plus_plus_baseline)."
+    )
     over_sampling_batch_size: int | None = Field(
         None, ge=1, description="Groups submitted at a time (default: rollout_batch_size)."
     )

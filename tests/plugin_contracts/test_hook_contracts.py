@@ -120,7 +120,8 @@ def config(**rollout: Any) -> RollflowConfig:
     return RollflowConfig.model_validate(
         {
             "data": {"prompt_data": "x.jsonl"},
-            "rollout": {"num_rollout": 1, "rollout_batch_size": 1, **rollout},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2,
+                        **rollout},
             "engine": {"backend": "mock"},
             "train": {"backend": "mock"},
         }

@@ -40,7 +40,7 @@ def test_runs_show_unknown_run(tmp_path, capsys):
 
 def test_train_with_bad_override_names_the_key(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("data: {prompt_data: x.jsonl}\nrollout: {num_rollout: 1, rollout_batch_size: 1}\n"
+    cfg.write_text("data: {prompt_data: x.jsonl}\nrollout: {num_rollout: 1, rollout_batch_size: 1, n_samples_per_prompt: 2}\n"
                    "engine: {backend: mock}\ntrain: {backend: mock}\n")
     assert main(["train", "--config", str(cfg), "--set", "rollout.temprature=0.5"]) == 2
     assert "rollout.temprature" in capsys.readouterr().err

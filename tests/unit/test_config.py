@@ -9,7 +9,7 @@ from flows.config_loader import config_from_dict, load_config
 
 BASE = """
 data: {prompt_data: p.jsonl}
-rollout: {num_rollout: 2, rollout_batch_size: 4}
+rollout: {num_rollout: 2, rollout_batch_size: 4, n_samples_per_prompt: 2}
 engine: {backend: mock}
 train: {backend: mock}
 """
@@ -69,7 +69,7 @@ def test_storage_secrets_never_reach_config_yaml_but_survive_pickling():
     # Read back (replay), the placeholders are dropped so env credentials apply.
     assert drop_redacted(dumped) == {"anon": False, "client_kwargs": {"region_name": "us-east-1"}}
     cfg = config_from_dict({"data": {"prompt_data": "x.jsonl"},
-                            "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+                            "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
                             "train": {"backend": "mock"}, "engine": {"backend": "mock"},
                             "storage": {"storage_options": options}})
     assert "s3cr3t" not in dump_config(cfg) and "AKIA123" not in dump_config(cfg)
@@ -78,7 +78,7 @@ def test_storage_secrets_never_reach_config_yaml_but_survive_pickling():
 
 def test_megatron_takes_every_algorithm():
     """The train step is shared (engines/train/step.py): nothing is refused for megatron."""
-    base = {"data": {"prompt_data": "x.jsonl"}, "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+    base = {"data": {"prompt_data": "x.jsonl"}, "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
             "engine": {"backend": "mock"}, "cluster": {"colocate": True},
             "train": {"backend": "megatron", "model_path": "m", "lr_warmup_steps": 10,
                       "lr_decay_style": "cosine", "lr_decay_steps": 20}}
@@ -86,3 +86,25 @@ def test_megatron_takes_every_algorithm():
         "advantage_estimator": "ppo", "use_tis": True, "kl_coef": 0.1, "use_opd": True,
         "opd_teacher_path": "t", "normalize_advantages": True}})
     assert cfg.train.backend == "megatron" and cfg.algorithm.use_opd
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "rloo", "reinforce_plus_plus_baseline"])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused(tmp_path, estimator):
+    """Each advantage compares a sample with the others of its prompt: alone, it is 0 and
+    nothing is learnt, so the config says what to set instead of training on nothing."""
+    with pytest.raises(ConfigError, match=(
+            rf"rollout.n_samples_per_prompt: 1 sample per prompt gives every advantage 0 with "
+            rf"algorithm.advantage_estimator='{estimator}'.*set rollout.n_samples_per_prompt "
+            r"to 2 or more")):
+        load_config(write(tmp_path), ["rollout.n_samples_per_prompt=1",
+                                      f"algorithm.advantage_estimator={estimator}"])
+
+
+def test_one_sample_per_prompt_is_fine_where_no_group_is_compared(tmp_path):
+    for overrides in (["algorithm.advantage_estimator=reinforce_plus_plus"],
+                      ["algorithm.advantage_estimator=ppo"],
+                      ["algorithm.loss_type=sft_loss"],  # SFT: no advantages
+                      ["algorithm.use_opd=true", "algorithm.opd_teacher_path=teacher"],
+                      ["algorithm.custom_advantage_function_path=mine:advantages"]):
+        cfg = load_config(write(tmp_path), ["rollout.n_samples_per_prompt=1", *overrides])
+        assert cfg.rollout.n_samples_per_prompt == 1

@@ -14,7 +14,7 @@ from flows.config_paths import resolve_paths
 def _raw(**sections):
     raw = {
         "data": {"prompt_data": "data/train.jsonl"},
-        "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
         "train": {"model_path": "Qwen/Qwen2-0.5B"},
     }
     for name, values in sections.items():
@@ -58,7 +58,7 @@ def test_a_config_file_resolves_against_the_shell_not_the_file(tmp_path, monkeyp
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "run.yaml").write_text(
         "data: {prompt_data: data/train.jsonl}\n"
-        "rollout: {num_rollout: 1, rollout_batch_size: 1}\n"
+        "rollout: {num_rollout: 1, rollout_batch_size: 1, n_samples_per_prompt: 2}\n"
         "train: {model_path: m}\n"
     )
     monkeypatch.chdir(tmp_path)

@@ -170,7 +170,7 @@ def test_report_falls_back_to_rollflow_home(tmp_path, monkeypatch, capsys):
 def test_cli_failure_output_and_verbose(tmp_path, monkeypatch, capsys, before):
     monkeypatch.setenv("ROLLFLOW_HOME", str(tmp_path))
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("data: {prompt_data: x.jsonl}\nrollout: {num_rollout: 1, rollout_batch_size: 1}\n"
+    cfg.write_text("data: {prompt_data: x.jsonl}\nrollout: {num_rollout: 1, rollout_batch_size: 1, n_samples_per_prompt: 2}\n"
                    "engine: {backend: mock}\ntrain: {backend: mock}\n")
     args = ["train", "--config", str(cfg), "--set", "rollout.temprature=0.5"]
     assert main(args) == 2

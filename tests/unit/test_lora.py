@@ -56,7 +56,8 @@ def trained(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> di
 
 # -- config -----------------------------------------------------------------------------------
 def config(tiny_model_dir: str, overrides: list[str]) -> Any:
-    raw = {"data": {"prompt_data": "p.jsonl"}, "rollout": {"num_rollout": 2, "rollout_batch_size": 4},
+    raw = {"data": {"prompt_data": "p.jsonl"}, "rollout": {"num_rollout": 2, "rollout_batch_size": 4,
+                                                       "n_samples_per_prompt": 2},
            "engine": {"backend": "mock"}, "train": {"model_path": tiny_model_dir}}
     return config_from_dict(apply_overrides(raw, overrides))
 

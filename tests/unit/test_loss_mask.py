@@ -89,6 +89,7 @@ def test_sft_rollout_handles_conversations_and_prompt_label_rows(
         {
             "data": {"prompt_data": str(path), "input_key": "messages", "apply_chat_template": True},
             "rollout": {"num_rollout": 1, "rollout_batch_size": 2},
+            "algorithm": {"loss_type": "sft_loss"},
             "engine": {"backend": "mock"},
             "train": {"backend": "torch", "model_path": tiny_model_dir},
         }

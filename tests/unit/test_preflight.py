@@ -24,6 +24,7 @@ def make(tmp_path, tiny_model_dir):
         raw = {
             "data": {"prompt_data": str(data)},
             "rollout": {"num_rollout": 1, "rollout_batch_size": 2, "rm_type": "exact_match",
+                        "n_samples_per_prompt": 2,
                         "max_response_len": 8},
             "train": {"model_path": tiny_model_dir},
             "storage": {"uri": str(tmp_path / "runs"), "run_name": "pf"},

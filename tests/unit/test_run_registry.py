@@ -20,7 +20,7 @@ from flows.config_loader import config_from_dict
 def _cfg(*overrides: tuple[str, str, object]):
     raw = {
         "data": {"prompt_data": "/d/train.jsonl"},
-        "rollout": {"num_rollout": 3, "rollout_batch_size": 2},
+        "rollout": {"num_rollout": 3, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
         "train": {"model_path": "/m"},
         "storage": {"uri": "/runs", "run_name": "exp-1"},
     }

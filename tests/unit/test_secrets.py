@@ -14,7 +14,7 @@ from storage.secrets import REDACTED, redact_options, redact_url, scrub
 def _cfg(**sections):
     raw = {
         "data": {"prompt_data": "/d/train.jsonl"},
-        "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
         "train": {"model_path": "/m"},
     }
     for name, values in sections.items():

@@ -10,7 +10,8 @@ from flows.config_loader import config_from_dict
 
 def cfg(**logging):
     return config_from_dict({
-        "data": {"prompt_data": "x.jsonl"}, "rollout": {"num_rollout": 25, "rollout_batch_size": 1},
+        "data": {"prompt_data": "x.jsonl"}, "rollout": {"num_rollout": 25, "rollout_batch_size": 1,
+                                                     "n_samples_per_prompt": 2},
         "train": {"backend": "mock"}, "engine": {"backend": "mock"}, "logging": logging,
     })
 

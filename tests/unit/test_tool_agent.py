@@ -36,7 +36,7 @@ def test_engine_url_comes_from_the_loops_hook_args() -> None:
     """The generation loop hands hooks a `HookArgs`: its `engine_url` is where they send."""
     cfg = RollflowConfig.model_validate({
         "data": {"prompt_data": "unused.jsonl"},
-        "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
         "engine": {"backend": "sglang", "urls": ["http://external:1"]},
         "train": {"backend": "mock", "weight_sync": "distributed"},
     })
@@ -123,7 +123,7 @@ def test_agent_against_real_engine_keeps_log_probs_aligned(
     args = RollflowConfig.model_validate(
         {
             "data": {"prompt_data": "unused.jsonl"},
-            "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
             "engine": {"backend": "sglang", "urls": [engine_url], "model_path": tiny_model_dir},
             "train": {"backend": "mock", "weight_sync": "distributed"},
         }

@@ -45,7 +45,7 @@ def test_artifact_keys_are_slugs_of_the_run_name():
 
 def test_run_tags_name_run_algorithm_and_backends():
     raw = {"data": {"prompt_data": "x.jsonl"},
-           "rollout": {"num_rollout": 1, "rollout_batch_size": 1},
+           "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
            "engine": {"backend": "mock"}, "train": {"backend": "mock"},
            "storage": {"run_name": "r1"}}
     cfg = config_from_dict(apply_overrides(raw, ["algorithm.advantage_estimator=rloo"]))

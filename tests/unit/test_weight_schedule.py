@@ -14,7 +14,7 @@ from flows.config_loader import apply_overrides, config_from_dict
 
 BASE = {
     "data": {"prompt_data": "x.jsonl"},
-    "rollout": {"num_rollout": 6, "rollout_batch_size": 1},
+    "rollout": {"num_rollout": 6, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
     "train": {"backend": "mock"},
     "engine": {"backend": "mock"},
 }
