@@ -1,19 +1,34 @@
 """GRPO steps on a randomly initialised Qwen2-shaped ~0.5B model, torch vs megatron backend.
 
     python -m bench.megatron_grpo --backend torch
-    python -m bench.megatron_grpo --backend megatron
+    python -m bench.megatron_grpo --backend megatron [--pack]        # --pack: pack_sequences
     torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --tp 2
     python -m bench.megatron_grpo --backend all     # each of the above (TP=2 if 2 GPUs)
+    python -m bench.megatron_grpo --backend megatron --prompt-len 1024 --response-len 3072 --profile
 
 Prints one JSON line per run: training tokens/s (prompt + response tokens of the batch per
-`train()` second, steps after the first), MFU and step-0 `ppo_kl` (reported as `approx_kl`;
-on-policy it must be ~0). MFU counts the model FLOPs of the train() call, i.e. the old
-log-prob forward (2N + 4·L·h·s per token) plus forward+backward (6N + 12·L·h·s), with N the
-non-embedding matmul parameters plus the LM head, against `--peak-tflops` per GPU.
+`train()` second, steps after the first), MFU, the input token slots the step's
+micro-batches ran (padding included; `bench.packing` layouts) and step-0 `ppo_kl`
+(reported as `approx_kl`; on-policy it must be ~0). `--profile` adds the top CUDA ops of one
+more step.
+
+MFU counts the model FLOPs of the tokens the backend needs to compute (`step_flops`): 6N per
+token plus 12·h per attended query/key pair and layer (forward + backward), N the
+non-embedding matmul parameters plus the LM head; a prompt shared by its group's responses
+(the torch backend's `share_prompts`) once; padding never; and the no-grad old-log-prob
+forward only where the step runs it. Until this revision the formula also counted that
+forward (2N per token) although the step takes the old log-probs from the first training
+forward on one DP rank and one stage, and counted every shared prompt once per response:
+the figures below are restated under the new accounting (same tokens/s).
 
 Measured on H200 (nvidia-h200-x2, megatron-core 0.19.2 without apex/TE, torch 2.11, defaults,
-4 steps): torch 57.7k tok/s (MFU 0.239), megatron TP=1 39.3k (0.163), megatron TP=2 on 2 GPUs
-45.6k (0.095 per GPU); step-0 ppo_kl exactly 0.0 in all three.
+4 steps, before sequence packing and before micro-batches kept GRPO groups together):
+torch 57.7k tok/s (MFU 0.132; it was printed as 0.239), megatron TP=1 39.3k (0.122; was
+0.163), megatron TP=2 on 2 GPUs 45.6k (0.071 per GPU; was 0.095); step-0 ppo_kl exactly 0.0
+in all three. Token slots of one step of the default batch (52,789 real tokens;
+`python -m bench.packing --layout-only --groups 8 --hidden 896 --prompt-len 256
+--response-len 768 --micro-tokens 16384`): torch shared prompts 83,893 with groups split by
+length, 44,843 with groups kept together (now); megatron padded 55,468, packed 52,789.
 """
 
 from __future__ import annotations
@@ -123,6 +138,8 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=768)
     ap.add_argument("--micro-tokens", type=int, default=16384)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU")
+    ap.add_argument("--pack", action="store_true", help="train.pack_sequences")
+    ap.add_argument("--no-share", action="store_true", help="train.share_prompts=false (torch)")
     ap.add_argument("--profile", action="store_true",
                     help="one more step under torch.profiler: the top CUDA kernels")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "qwen2-05b-random"))
@@ -137,7 +154,8 @@ def main() -> None:
         torch.distributed.init_process_group("nccl")
         torch.distributed.barrier()
     train_cfg = TrainConfig(model_path=args.model_dir, lr=1e-6, dtype="bfloat16",
-                            max_tokens_per_micro_batch=args.micro_tokens, seed=1)
+                            max_tokens_per_micro_batch=args.micro_tokens, seed=1,
+                            pack_sequences=args.pack, share_prompts=not args.no_share)
     algo = AlgorithmConfig()
     backend: Any
     if args.backend == "torch":
@@ -153,39 +171,53 @@ def main() -> None:
     runs = [backend.train(samples, step) for step in range(args.steps)]
     timed = runs[1:] or runs
     tok_s = sum(r["train_tokens_per_s"] for r in timed) / len(timed)
-    shared = args.backend == "torch" and _shares_prompts(backend)
+    shared = backend.shares_prompts
     flops, computed = step_flops(samples, shared, not backend.lazy_old_log_probs)
+    layout = {(False, False): "padded", (True, False): "shared", (False, True): "packed",
+              (True, True): "packed+shared"}[(shared, args.pack)]
+    if args.backend == "megatron" and args.pack:
+        layout = "varlen"
     mfu = flops * tok_s / tokens / (args.peak_tflops * 1e12 * world)
     if rank == 0:
         print(json.dumps({
             "backend": args.backend, "tp": args.tp, "gpus": world, "samples": len(samples),
             "seq": args.prompt_len + args.response_len,
-            "tokens_per_step": tokens, "tokens_computed": computed,
+            "pack": args.pack, "layout": layout, "tokens_per_step": tokens,
+            "tokens_computed": computed,
+            "input_slots": layout_slots(samples, args.micro_tokens, layout, _dims()[0])[0],
             "tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
             "step_s": round(tokens / tok_s, 3),
             "step0_ppo_kl": runs[0]["approx_kl"], "step0_clipfrac": runs[0]["clipfrac"],
             "losses": [round(r["loss"], 5) for r in runs],
-            "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            if torch.cuda.is_available() else None,
         }), flush=True)
     if args.profile:
         profile_step(backend, samples, args.steps, rank)
 
 
-def _shares_prompts(backend: Any) -> bool:
-    from engines.train.prompt_sharing import supports_prompt_sharing
+def layout_slots(samples: list[Sample], budget: int, layout: str, hidden: int) -> tuple[int, int]:
+    """`bench.packing.layout_slots` (imported late: that module imports this one)."""
+    from bench.packing import layout_slots as slots
 
-    return bool(backend.train_cfg.share_prompts and supports_prompt_sharing(backend.model))
+    return slots(samples, budget, layout, hidden)
 
 
 def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> None:
-    """One more `train()` under torch.profiler; rank 0 prints the top 30 CUDA ops."""
+    """One more `train()` under torch.profiler; rank 0 prints the top 30 ops by self time
+    on the GPU (on the CPU where there is none)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         backend.train(samples, step)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     if rank == 0:
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60),
+              flush=True)
 
 if __name__ == "__main__":
     main()

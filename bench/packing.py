@@ -57,8 +57,9 @@ def layout_slots(
 ) -> tuple[int, int]:
     """(input token slots, micro-batches) of one step over `samples` in `layout`."""
     build, packed = layouts(hidden)[layout]
-    keep = layout == "packed+shared"  # as the train step splits (step.micro_batches)
-    split = split_micro_batches([len(s.tokens) for s in samples], budget, packed, keep)
+    share = layout in ("shared", "packed+shared")  # groups together, as step.micro_batches
+    groups = [s.group_index for s in samples] if share else None
+    split = split_micro_batches([len(s.tokens) for s in samples], budget, packed, groups)
     return sum(build([samples[i] for i in mb], 0).input_ids.numel() for mb in split), len(split)
 
 

@@ -156,36 +156,48 @@ def unpad_response_values(x: Tensor, response_lengths: Sequence[int]) -> list[li
 
 
 def split_micro_batches(
-    lengths: Sequence[int], max_tokens: int, packed: bool = False, keep_order: bool = False
+    lengths: Sequence[int], max_tokens: int, packed: bool = False,
+    groups: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Pack sample indices into micro-batches whose size stays within `max_tokens`: the
     padded size (count * longest), or with `packed` (sequence packing, `packing.py`) the sum
     of lengths; a single sample longer than the budget gets its own micro-batch.
 
-    Samples are taken longest first, so similar lengths share a batch and padding is small;
-    with `keep_order` (packed shared-prompt rows) in their order instead: a group's samples,
-    adjacent in a step, stay together and share their prompt. The returned indices refer to
-    positions in `lengths`. Any split gives the same gradients (the loss is a sum of
-    micro-batch terms), so only speed depends on this.
+    Samples are taken longest first, so similar lengths share a batch and padding is small.
+    With `groups` (each sample's group, for batches that compute a prompt once for its
+    group: `prompt_sharing.py`) a group's samples stay adjacent, groups taken by their
+    longest sample: split by length alone, a GRPO group lands in several micro-batches and
+    its prompt is computed in each. The returned indices refer to positions in `lengths`.
+    Any split gives the same gradients (the loss is a sum of micro-batch terms), so only
+    speed depends on this.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    order = list(range(len(lengths)))
-    if not keep_order:
-        order.sort(key=lambda i: (-lengths[i], i))
+    longest: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for i, g in enumerate(groups or ()):
+        longest[g] = max(longest.get(g, 0), lengths[i])
+        first.setdefault(g, i)
+
+    def key(i: int) -> tuple[int, ...]:
+        if groups is None:
+            return (-lengths[i], i)
+        g = groups[i]
+        return (-longest[g], first[g], -lengths[i], i)
+
+    order = sorted(range(len(lengths)), key=key)
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = total = 0
+    widest = total = 0
     for i in order:
-        # Padded, descending order: the first sample of a batch is its longest.
-        size = total + lengths[i] if packed else (len(current) + 1) * longest
+        size = total + lengths[i] if packed else (len(current) + 1) * max(widest, lengths[i])
         if current and size > max_tokens:
             batches.append(current)
             current = []
         if not current:
-            longest, total = lengths[i], 0
+            widest = total = 0
         current.append(i)
-        total += lengths[i]
+        widest, total = max(widest, lengths[i]), total + lengths[i]
     if current:
         batches.append(current)
     return batches

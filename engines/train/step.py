@@ -106,17 +106,18 @@ class TrainStep:
         return float(len(idx))
 
     def micro_batches(self, samples: list[Sample], idx: list[int]) -> list[MicroBatch]:
-        """This DP rank's share of step `idx` (strided), packed by padded tokens; a rank
-        with no share gets one uncounted stand-in (see `MicroBatch`)."""
+        """This DP rank's share of step `idx` (strided), cut by padded (or, packing, real)
+        tokens, groups kept together where the backend shares prompts; a rank with no
+        share gets one uncounted stand-in (see `MicroBatch`)."""
         m = self.model
         mine = idx[m.dp_rank :: m.dp_size]
         if not mine:
             return [MicroBatch(idx[:1], counted=False)]
         lengths = [len(samples[i].tokens) for i in mine]
         cfg = self.train_cfg
-        pack = cfg.pack_sequences
-        split = split_micro_batches(lengths, cfg.max_tokens_per_micro_batch, pack,
-                                    keep_order=pack and cfg.share_prompts)
+        groups = [samples[i].group_index for i in mine] if m.shares_prompts else None
+        split = split_micro_batches(lengths, cfg.max_tokens_per_micro_batch,
+                                    cfg.pack_sequences, groups)
         return [MicroBatch([mine[j] for j in mb]) for mb in split]
 
     # -- the step -------------------------------------------------------------------------

@@ -83,6 +83,12 @@ class StepModel(Protocol):
         pipeline stage)."""
         ...
 
+    @property
+    def shares_prompts(self) -> bool:
+        """True when the actor's batches compute a prompt once for all of its responses in
+        a micro-batch (`prompt_sharing.py`): micro-batches then keep groups together."""
+        ...
+
     def score(self, role: Role, samples: list[Sample]) -> list[Tensor]:
         """Per-sample 1-D float32 CPU tensors (response tokens), the same on every rank."""
         ...

@@ -139,6 +139,7 @@ class TorchTrainBackend:
         return score_samples(
             samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device, build,
             packed=cfg.pack_sequences and build is not build_padded_batch,  # critic: padded
+            by_group=cfg.share_prompts and build is not build_padded_batch,
         )
 
     def _log_prob_batch(self, model: torch.nn.Module) -> BuildBatch:
@@ -207,6 +208,10 @@ class TorchTrainBackend:
     @property
     def lazy_old_log_probs(self) -> bool:
         return not self.dp.enabled
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.train_cfg.share_prompts and supports_prompt_sharing(self.model)
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned."""

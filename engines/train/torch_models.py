@@ -84,14 +84,16 @@ def score_samples(
     device: torch.device,
     build: BuildBatch = build_padded_batch,
     packed: bool = False,
+    by_group: bool = False,
 ) -> list[Tensor]:
     """Apply `fn` (a `[B, R]` response-space function) to micro-batches of `samples`
-    (made by `build`; `packed`: the budget counts real tokens, samples keep their order so
-    that groups stay together); one 1-D float32 CPU tensor per sample, trimmed to its
-    response length."""
+    (made by `build`; `packed`: the budget counts real tokens; `by_group`: a group's
+    samples share micro-batches, for shared prompts); one 1-D float32 CPU tensor per
+    sample, trimmed to its response length."""
     result: list[Tensor] = [torch.empty(0)] * len(samples)
     lengths = [len(s.tokens) for s in samples]
-    for mb in split_micro_batches(lengths, max_tokens, packed, keep_order=packed):
+    groups = [s.group_index for s in samples] if by_group else None
+    for mb in split_micro_batches(lengths, max_tokens, packed, groups):
         batch = build([samples[i] for i in mb], pad_token_id).to(device)
         values = fn(batch).float().cpu()
         for row, i in enumerate(mb):

@@ -59,10 +59,10 @@ def test_first_fit_and_the_packed_budget() -> None:
     assert split_micro_batches([9, 8, 3, 4], 20) == [[0, 1], [3, 2]]
     assert split_micro_batches([9, 3, 8], 20, packed=True) == [[0, 2, 1]]
     assert split_micro_batches([9, 8, 4], 20, packed=True) == [[0, 1], [2]]
-    # keep_order: a step's groups stay together (shared prompts), no longest-first sort
-    assert split_micro_batches([3, 9, 8], 20, packed=True, keep_order=True) == [[0, 1, 2]]
-    assert split_micro_batches([3, 9, 8, 4], 20, packed=True, keep_order=True) == [
-        [0, 1, 2], [3]]
+    # groups (shared prompts): a group's samples stay adjacent, groups by their longest
+    groups = [0, 1, 0, 1, 2]
+    assert split_micro_batches([3, 9, 8, 4, 5], 20, groups=groups) == [[1, 3], [2, 0], [4]]
+    assert split_micro_batches([3, 9, 8, 4, 5], 12, True, groups) == [[1], [3, 2], [0, 4]]
 
 
 def test_row_width_weighs_padding_against_attention() -> None:

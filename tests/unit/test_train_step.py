@@ -42,6 +42,10 @@ class FakeModel:
     def lazy_old_log_probs(self) -> bool:
         return self._size == 1
 
+    @property
+    def shares_prompts(self) -> bool:
+        return False
+
     def score(self, role: Role, samples: list[Sample]) -> list[Tensor]:
         self.scored.append((role, len(samples)))
         return [torch.full((s.response_length,), -1.0) for s in samples]

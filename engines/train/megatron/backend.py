@@ -195,6 +195,10 @@ class MegatronTrainBackend:
     def lazy_old_log_probs(self) -> bool:
         return self.dp_size == 1 and self.pp == 1
 
+    @property
+    def shares_prompts(self) -> bool:
+        return False  # one (padded or varlen-packed) sequence per sample
+
     def score(self, role: Role, samples: list[Sample]) -> list[Tensor]:
         models = {"policy": self.actor.model, "ref": self.ref_model,
                   "teacher": self.teacher_model, "critic": self.critic and self.critic.model}
