@@ -9,7 +9,8 @@
 #   group     both: TP=2 behind the train group (torchrun, and Ray where it imports)
 #   parallel  both: TP=2 / PP=2 / DP=2 vs one GPU
 #   nccl      both: NCCL weight sync trainer -> engine
-#   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1, megatron TP=2
+#   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
+#             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072")
 #
 # Packages the image lacks: .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh: pydantic,
 # Ray, Prefect, ...) and any .gpu_wheels/*/megatron_core*.whl, installed into /tmp/site;
@@ -33,7 +34,7 @@ fi
 nvidia-smi -L
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "mcore", m.__version__)'
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rA -s"
-BENCH="-m bench.megatron_grpo --steps ${BENCH_STEPS:-4}"
+BENCH="-m bench.megatron_grpo --steps ${BENCH_STEPS:-4} ${BENCH_ARGS:-}"
 
 part() {  # name, timeout (s), command...
   local name=$1 limit=$2 t=$(date +%s); shift 2
@@ -51,4 +52,5 @@ part parallel ${T_PARALLEL:-420} $PYTEST tests/gpu/test_megatron_parallel.py
 part nccl ${T_NCCL:-240} $PYTEST tests/gpu/test_nccl_weight_sync.py
 part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend torch && \
   CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend megatron && \
+  CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend megatron --pack && \
   $PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
