@@ -65,6 +65,7 @@ def test_mock_replay_reproduces_losses_and_starts_from_checkpoints(run_source, c
         get_run_actor(cfg.cluster.namespace, full.storage.run_name, "trainer")
 
     # Steps 1..2 without a checkpoint before step 1: step 0 is trained first, unreported.
+    capsys.readouterr()  # what the in-process replay above printed (Ray's raylet warnings)
     assert main(["replay", cfg.storage.run_name, "--steps", "1:3", "--root", cfg.storage.uri,
                  "--set", "cluster.keep_actors=true"]) == 0
     printed = json.loads(capsys.readouterr().out)
