@@ -66,22 +66,22 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     warn_if_public("rollflow server --host", args.host)
 
-    return serve_forever(args.host, args.port, args.home)
+    return serve_forever(args.host, args.port, args.home, args.result_out)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     from engines.cluster import head as cluster
     from flows.config import ClusterConfig
 
-    cfg = ClusterConfig(address=args.address, namespace=args.namespace)
+    cfg, out = ClusterConfig(address=args.address, namespace=args.namespace), args.result_out
     if args.action == "up":
-        print(cluster.cluster_address(cfg, start=True))
+        print(cluster.cluster_address(cfg, start=True), file=out)
     elif args.action == "down":
-        print("stopped" if cluster.stop_local_head() else "no local cluster recorded")
+        print("stopped" if cluster.stop_local_head() else "no local cluster recorded", file=out)
     elif args.json:
-        print(json.dumps(cluster.status(cfg), indent=1))
+        print(json.dumps(cluster.status(cfg), indent=1), file=out)
     else:
-        print(format_status(cluster.status(cfg)))
+        print(format_status(cluster.status(cfg)), file=out)
     return 0
 
 
@@ -125,10 +125,11 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
     address = cluster.cluster_address(cfg, start=False)
     if address is None:
-        print("no cluster running: nothing to stop")
+        print("no cluster running: nothing to stop", file=args.result_out)
         return 0
     cluster.connect(cfg)
-    print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)")
+    print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)",
+          file=args.result_out)
     return 0
 
 
@@ -145,7 +146,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     if args.action == "stop":
         return cmd_stop_run(args)
-    root = open_store(args.root, args.endpoint_url)
+    root, out = open_store(args.root, args.endpoint_url), args.result_out
     if args.action == "list":
         for name in root.list():
             layout = RunLayout(root.child(name))
@@ -156,18 +157,19 @@ def cmd_runs(args: argparse.Namespace) -> int:
             last_eval = evals[max(evals)] if evals else {}
             print(f"{name}\tsteps={len(steps)}\t" + " ".join(
                 f"{k}={_fmt(v)}" for k, v in last_eval.items() if k.count("/") == 1
-            ))
+            ), file=out)
         return 0
     layout = RunLayout(root.child(args.run))
     if not layout.store.exists("config.yaml"):
         print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
         return 1
-    print("\t".join(RUN_COLUMNS))
+    print("\t".join(RUN_COLUMNS), file=out)
     for k in layout.committed_steps():
         m = layout.step_metrics(k)
-        print("\t".join(_fmt(m.get(c, "")) for c in RUN_COLUMNS))
+        print("\t".join(_fmt(m.get(c, "")) for c in RUN_COLUMNS), file=out)
     for version, ev in sorted(layout.evals().items()):
-        print(f"eval@v{version}\t" + " ".join(f"{k}={_fmt(v)}" for k, v in ev.items()))
+        print(f"eval@v{version}\t" + " ".join(f"{k}={_fmt(v)}" for k, v in ev.items()),
+              file=out)
     return 0
 
 
@@ -228,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"runs {args.action} needs RUN")
     if args.runs_flows:
         prefect_env_defaults()  # before quiet_prefect_failures makes Prefect set up its logging
-    # A flow command's stdout holds its JSON result only: whatever else prints while it runs
-    # (Ray's raylet warnings, user hooks) goes to stderr.
+    # A command's stdout holds its own output only (a flow command's: its JSON result), written
+    # to args.result_out; whatever else prints while it runs (Ray's "(raylet)" warnings from
+    # its log thread, user hooks) goes to stderr.
     args.result_out = sys.stdout
-    redirect = redirect_stdout(sys.stderr) if args.runs_flows else nullcontext()
     # Failures print their cause in one line first, the traceback goes to a log file.
-    with redirect, quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
+    with redirect_stdout(sys.stderr), \
+            quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
         try:
             return int(args.func(args))
         except Exception as e:

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 
@@ -96,13 +97,14 @@ def start_server(
     return server
 
 
-def serve_forever(host: str, port: int, home: str | None) -> int:
-    """The CLI entry: start, print where it is, stay in the foreground until Ctrl-C."""
+def serve_forever(host: str, port: int, home: str | None, out: TextIO | None = None) -> int:
+    """The CLI entry: start, print where it is (to `out`, default stdout; flushed, since the
+    command runs on), stay in the foreground until Ctrl-C."""
     server = start_server(host, port, home, wait_s=None)
     try:
         server.wait_ready(180.0)
-        print(f"Prefect UI:  {server.url}")
-        print(f"export PREFECT_API_URL={server.api_url}")
+        print(f"Prefect UI:  {server.url}", file=out or sys.stdout)
+        print(f"export PREFECT_API_URL={server.api_url}", file=out or sys.stdout, flush=True)
         return server.process.wait()
     except KeyboardInterrupt:
         return 0

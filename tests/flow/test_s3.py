@@ -87,14 +87,15 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
     assert layout.store.exists("curves.png") and layout.store.exists("config.yaml")
     step0 = layout.store.fs.info(layout.store.path("steps/000000/rollout.arrow"))
 
+    capsys.readouterr()  # what train() printed
     assert main(["runs", "list", "--root", cfg.storage.uri,
                  "--endpoint-url", s3_server.endpoint_url]) == 0
-    # Ray's own warnings may share stdout: look at the CLI's lines only.
-    listed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(run)]
+    # stdout holds the CLI's lines only (Ray's "(raylet)" warnings go to stderr).
+    listed = capsys.readouterr().out.splitlines()
     assert [ln.split("\t")[:2] for ln in listed] == [[run, "steps=2"]]
     assert main(["runs", "show", run, "--root", cfg.storage.uri,
                  "--endpoint-url", s3_server.endpoint_url]) == 0
-    rows = [r for r in capsys.readouterr().out.strip().splitlines() if "(raylet)" not in r]
+    rows = capsys.readouterr().out.strip().splitlines()
     assert [r.split("\t")[0] for r in rows] == ["rollout_id", "0", "1"]
 
     # Resume from S3 alone: every actor is gone, so the data source state and the trainer's

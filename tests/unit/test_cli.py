@@ -33,6 +33,25 @@ def test_runs_list_and_show(tmp_path, capsys):
     assert out[4].startswith("eval@v3") and "eval/test=0.75" in out[4]
 
 
+def test_every_commands_stdout_holds_only_its_own_output(tmp_path, capsys, monkeypatch):
+    """Ray's log thread prints its "(raylet)" warnings to whatever sys.stdout is at the time,
+    here while the command reads the run: they go to stderr, so a script can parse stdout."""
+    make_run(tmp_path, "alpha", 2)
+    committed = RunLayout.committed_steps
+
+    def noisy(self):
+        print("(raylet) [2026-11-22 17:00:00] WARNING: a message from Ray's log monitor")
+        return committed(self)
+
+    monkeypatch.setattr(RunLayout, "committed_steps", noisy)
+    assert main(["runs", "list", "--root", str(tmp_path)]) == 0
+    assert main(["runs", "show", "alpha", "--root", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert [ln.split("\t")[0] for ln in lines] == ["alpha", "rollout_id", "0", "1", "eval@v2"]
+    assert captured.err.count("(raylet)") == 2
+
+
 def test_runs_show_unknown_run(tmp_path, capsys):
     assert main(["runs", "show", "nope", "--root", str(tmp_path)]) == 1
     assert "no run 'nope'" in capsys.readouterr().err
