@@ -141,6 +141,31 @@ def gather_response_logits(
     return logits[logit_row, logit_index]
 
 
+def logit_positions(batch: PaddedBatch) -> tuple[Tensor, Tensor]:
+    """The input positions whose logits the response slots need, per input row, and where
+    each slot's logits sit among them: `(keep [rows, K], index [B, R])`, so that
+    `logits[rows, keep]` (an LM head run on `keep` only) gathered at `[logit_row, index]`
+    equals the full logits gathered at `[logit_row, logit_index]`. Prompt and padding
+    positions are dropped: the vocab projection (and its `[rows, L, V]` output) is the
+    largest single cost of a small model with a large vocabulary. Rows needing fewer than K
+    positions repeat other positions (computed, never read)."""
+    rows, width = batch.input_ids.shape
+    device = batch.logit_index.device
+    row = batch.logit_row
+    if row is None:
+        row = torch.arange(batch.logit_index.shape[0], device=device).unsqueeze(-1)
+    row = row.expand_as(batch.logit_index)
+    valid = batch.response_mask.bool()
+    needed = torch.zeros((rows, width), dtype=torch.bool, device=device)
+    needed[row[valid], batch.logit_index[valid]] = True
+    k = max(int(needed.sum(dim=1).max()), 1)
+    # needed positions first, in order (a stable sort of the "not needed" flags)
+    keep = torch.sort((~needed).to(torch.uint8), dim=1, stable=True).indices[:, :k]
+    where = torch.zeros((rows, width), dtype=torch.long, device=device)
+    where.scatter_(1, keep, torch.arange(k, device=device).expand(rows, k))
+    return keep, where[row, batch.logit_index]
+
+
 def pad_response_values(values: Sequence[Tensor], width: int, fill: float = 0.0) -> Tensor:
     """Stack per-sample 1-D response tensors (ragged) into `[B, width]` float32."""
     out = torch.full((len(values), width), fill, dtype=torch.float32)

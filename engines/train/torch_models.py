@@ -9,6 +9,8 @@ weights), so a long run does not lose small updates to bf16 rounding.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,6 +24,7 @@ from engines.train.batching import (
     build_padded_batch,
     gather_response_logits,
     log_probs_from_logits,
+    logit_positions,
     split_micro_batches,
 )
 from storage.sample import Sample
@@ -59,14 +62,43 @@ def response_log_probs(
     Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
     and is computed off the graph.
     """
+    kw = {}
+    index = batch.logit_index
+    if trims_logits(model):
+        kw["logits_to_keep"], index = logit_positions(batch)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, use_cache=False)
-    logits = gather_response_logits(out.logits, batch.logit_index, batch.logit_row).float()
+                position_ids=batch.position_ids, use_cache=False, **kw)
+    logits = gather_response_logits(out.logits, index, batch.logit_row).float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, batch.targets)
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return log_probs, entropy
+
+
+@functools.cache
+def _slices_per_row() -> bool:
+    """Whether transformers' `logits_to_keep` takes per-row positions (`[rows, K]`)."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:
+        return False
+    hidden = torch.arange(6.0).reshape(2, 3, 1)
+    try:
+        kept = slice_logits_to_keep(hidden, torch.tensor([[0], [2]]))
+    except (IndexError, RuntimeError):
+        return False
+    return kept.flatten().tolist() == [0.0, 5.0]
+
+
+def trims_logits(model: torch.nn.Module) -> bool:
+    """True when `model` (a transformers causal LM, maybe in DDP / peft) can run its LM head
+    on chosen positions per row (`batching.logit_positions`)."""
+    inner: torch.nn.Module = getattr(model, "module", model)  # DDP
+    get_base = getattr(inner, "get_base_model", None)  # peft
+    base = get_base() if callable(get_base) else inner
+    params = inspect.signature(type(base).forward).parameters
+    return "logits_to_keep" in params and _slices_per_row()
 
 
 BatchFn = Callable[[PaddedBatch], Tensor]
