@@ -97,14 +97,15 @@ def test_log_probs_entropy_and_gradients_match_the_padded_batch(
     torch.testing.assert_close(g1, g0, atol=TOL, rtol=1e-4)
 
 
-def test_backend_trains_the_same_packed_and_padded(tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("share", [False, True])
+def test_backend_trains_the_same_packed_and_padded(tiny_model_dir: str, share: bool) -> None:
     """Two optimizer steps from one start: the same metrics and weights packed or padded."""
     samples = grouped_samples(groups=4, per_group=4, seed=1)
     for s in samples:
         s.status = "completed"
     runs = []
     for pack in (False, True):
-        backend = make_backend(tiny_model_dir, share_prompts=False, pack_sequences=pack,
+        backend = make_backend(tiny_model_dir, share_prompts=share and pack, pack_sequences=pack,
                                global_batch_size=8, max_tokens_per_micro_batch=40)
         metrics = backend.train(samples, rollout_id=0)
         runs.append((metrics, torch.cat([p.detach().flatten() for p in backend.model.parameters()])))
