@@ -23,10 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")  # busy machines
+from flows.prefect_env import prefect_env_defaults
+
+prefect_env_defaults()  # the CLI's Prefect settings (logs to the API, the server's batching)
 if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
     # A fresh database for the ephemeral server: figures that do not depend on history.
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="bench-prefect-")

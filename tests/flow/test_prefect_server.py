@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,19 @@ def api(server: PrefectServer, path: str, body: dict[str, Any]) -> Any:
     return response.json()
 
 
+def completed_task_runs(server: PrefectServer, flow_run_id: str) -> Any:
+    """The flow run's task runs once all are COMPLETED: the server records task states from
+    events in batches (flows.prefect_env.SERVER_SETTINGS), up to a flush interval late."""
+    deadline = time.monotonic() + 30
+    while True:
+        task_runs = api(server, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+        done = len(task_runs) == len(TASKS) and all(
+            t["state_type"] == "COMPLETED" for t in task_runs)
+        if done or time.monotonic() > deadline:
+            return task_runs
+        time.sleep(0.5)
+
+
 def test_two_steps_show_up_in_the_prefect_server(
     prefect_server, ray_address, arithmetic_data, tiny_model_dir, tmp_path
 ):
@@ -70,8 +84,7 @@ def test_two_steps_show_up_in_the_prefect_server(
     assert by_name[steps[1]]["parameters"]["rollout_id"] == 1
 
     for step in steps:
-        task_runs = api(prefect_server, "/task_runs/filter", {
-            "flow_runs": {"id": {"any_": [by_name[step]["id"]]}}})
+        task_runs = completed_task_runs(prefect_server, by_name[step]["id"])
         names = {t["name"] for t in task_runs}
         assert names == TASKS, names
         assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
