@@ -248,6 +248,7 @@ def test_example_lora_config_is_grpo_yaml_with_adapters(tiny_model_dir: str) -> 
     assert with_lora.train.lora.enabled and with_lora.train.lr > full["train"]["lr"]
     other = with_lora.model_dump()
     for dumped in (full, other):  # everything else is the full fine-tuning example's
-        for section, key in (("train", "lora"), ("train", "lr"), ("storage", "run_name")):
+        for section, key in (("train", "lora"), ("train", "lr"), ("train", "num_epochs_per_rollout"),
+                             ("storage", "run_name")):
             dumped[section].pop(key)
     assert other == full
