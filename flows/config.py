@@ -80,6 +80,11 @@ class RollflowConfig(Section):
                 "learnt; set rollout.n_samples_per_prompt to 2 or more (e.g. 8), or use an "
                 "estimator without groups (reinforce_plus_plus, ppo)"
             )
+        if self.train.lr_decay_style != "constant" and self.train.lr_decay_steps is None:
+            # decay over the whole run, as TRL's and HF's schedules do by default
+            samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+            self.train.lr_decay_steps = (
+                self.rollout.num_rollout * self.train.optimizer_steps_per_rollout(samples))
         if self.cluster.colocate and self.train.update_weights_interval > 1:
             raise ValueError(
                 "train.update_weights_interval > 1 needs cluster.colocate=false: colocated "

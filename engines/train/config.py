@@ -69,7 +69,8 @@ class TrainConfig(Section):
     lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
     lr_decay_steps: int | None = Field(
-        None, ge=1, description="Optimizer steps (warmup included) until min_lr (cosine/linear)."
+        None, ge=1, description="Optimizer steps (warmup included) until min_lr (cosine/linear); "
+        "default: the whole run (rollouts x passes x optimizer steps per rollout batch).",
     )
     min_lr: float = Field(0.0, ge=0.0, description="Floor of the decayed learning rate.")
     weight_decay: float = 0.0
@@ -143,12 +144,20 @@ class TrainConfig(Section):
         description="LoRA adapters instead of full fine-tuning (torch backend; off by default).",
     )
 
+    def optimizer_steps_per_rollout(self, rollout_samples: int) -> int:
+        """Optimizer steps one rollout batch of `rollout_samples` makes, all passes counted."""
+        if self.num_steps_per_rollout is not None:
+            per_pass = self.num_steps_per_rollout
+        elif self.global_batch_size is not None:
+            per_pass = max(1, -(-rollout_samples // self.global_batch_size))
+        else:
+            per_pass = 1
+        return per_pass * self.num_epochs_per_rollout
+
     @model_validator(mode="after")
     def _check_train(self) -> TrainConfig:
         if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
             raise ValueError("set train.global_batch_size or train.num_steps_per_rollout, not both")
-        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
-            raise ValueError(f"train.lr_decay_steps is required by lr_decay_style={self.lr_decay_style!r}")
         if self.lora.enabled and self.backend == "megatron":
             raise ValueError(
                 "train.lora: LoRA is implemented by train.backend=torch only; set "

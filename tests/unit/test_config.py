@@ -108,3 +108,20 @@ def test_one_sample_per_prompt_is_fine_where_no_group_is_compared(tmp_path):
                       ["algorithm.custom_advantage_function_path=mine:advantages"]):
         cfg = load_config(write(tmp_path), ["rollout.n_samples_per_prompt=1", *overrides])
         assert cfg.rollout.n_samples_per_prompt == 1
+
+
+def test_lr_decay_spans_the_whole_run_unless_given():
+    """A decaying LR reaches min_lr at the run's last optimizer step by default (TRL's and
+    HF's schedules do): rollouts x passes x ceil(rollout samples / global batch)."""
+    base = {"data": {"prompt_data": "x.jsonl"},
+            "rollout": {"num_rollout": 20, "rollout_batch_size": 128, "n_samples_per_prompt": 8},
+            "engine": {"backend": "mock"}, "cluster": {"colocate": True}}
+    train = {"backend": "mock", "global_batch_size": 300, "num_epochs_per_rollout": 2,
+             "lr_decay_style": "linear"}
+    assert config_from_dict({**base, "train": train}).train.lr_decay_steps == 20 * 2 * 4
+    by_steps = {**train, "global_batch_size": None, "num_steps_per_rollout": 3}
+    assert config_from_dict({**base, "train": by_steps}).train.lr_decay_steps == 20 * 2 * 3
+    given = {**train, "lr_decay_steps": 7}
+    assert config_from_dict({**base, "train": given}).train.lr_decay_steps == 7
+    assert config_from_dict({**base, "train": {**train, "lr_decay_style": "constant"}}
+                            ).train.lr_decay_steps is None
