@@ -11,7 +11,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from engines.rollout import protocols as p
 from storage.sample import Sample
@@ -186,6 +186,16 @@ def hook_failure(
                      + f": {type(e).__name__}: {e}")
 
 
+def _raise_as_hook_failure(
+    e: Exception, fn: Callable[..., Any], config_key: str, args: tuple[Any, ...]
+) -> NoReturn:
+    """Raise `hook_failure(e, ...)` from `e`, or `e` itself where it passes through."""
+    failure = hook_failure(e, fn, config_key, args)
+    if failure is e:
+        raise e
+    raise failure from e
+
+
 def guard(fn: Callable[..., Any], config_key: str) -> Callable[..., Any]:
     """`fn`, but an exception from the user's code in it comes out as a `HookError` with the
     original as `__cause__`: a bug in a reward or filter fails the same way on every retry,
@@ -199,10 +209,7 @@ def guard(fn: Callable[..., Any], config_key: str) -> Callable[..., Any]:
             try:
                 return await fn(*args, **kwargs)
             except Exception as e:
-                failure = hook_failure(e, fn, config_key, args)
-                if failure is e:
-                    raise
-                raise failure from e
+                _raise_as_hook_failure(e, fn, config_key, args)
 
         return guarded_async
 
@@ -211,10 +218,7 @@ def guard(fn: Callable[..., Any], config_key: str) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            failure = hook_failure(e, fn, config_key, args)
-            if failure is e:
-                raise
-            raise failure from e
+            _raise_as_hook_failure(e, fn, config_key, args)
 
     return guarded
 
