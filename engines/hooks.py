@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import reprlib
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -83,6 +84,22 @@ def load_function(path: str, config_key: str = "hook") -> Callable[..., Any]:
 
 def _name(fn: Callable[..., Any]) -> str:
     return str(getattr(fn, "__qualname__", None) or fn)
+
+
+def _qualified(fn: Callable[..., Any]) -> str:
+    """`module:function`, as a user would write the hook's import string."""
+    return f"{getattr(fn, '__module__', None) or '?'}:{_name(fn)}"
+
+
+def bad_return(
+    fn: Callable[..., Any], config_key: str, value: Any, expected: str, part: str = ""
+) -> HookError:
+    """A hook's result of the wrong shape: it comes back the same on every retry, so a
+    `HookError` (reported at once) naming the hook, what it returned (`part`: which part of
+    the result, e.g. "for metric 'acc'") and what was expected, instead of a TypeError a few
+    lines later that the step task would retry."""
+    return HookError(f"{config_key}: {_qualified(fn)} returned {type(value).__name__} "
+                     f"{reprlib.repr(value)}{' ' + part if part else ''}, expected {expected}")
 
 
 def check_arity(fn: Callable[..., Any], n_args: int, config_key: str) -> None:
@@ -181,8 +198,7 @@ def hook_failure(
     if _passes_through(e):
         return e
     where = _call_site(fn, args)
-    name = f"{getattr(fn, '__module__', None) or '?'}:{_name(fn)}"
-    return HookError(f"{config_key}: {name} failed" + (f" on {where}" if where else "")
+    return HookError(f"{config_key}: {_qualified(fn)} failed" + (f" on {where}" if where else "")
                      + f": {type(e).__name__}: {e}")
 
 

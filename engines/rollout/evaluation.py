@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engines.hooks import bad_return
 from engines.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.config import EvalDataset, RolloutConfig
 from engines.rollout.generation import EngineClient, GenerationLoop
@@ -119,14 +120,15 @@ async def evaluate_datasets(
 
 async def custom_eval_metrics(fn: EvalFn, args: Any, weight_version: int) -> dict[str, float]:
     """The custom eval function's metrics, named `eval/...` like the built-in ones; a
-    non-numeric value fails here, naming the key (not later in a metric sink)."""
+    result that is not a mapping of numbers fails here as a `HookError` naming the hook and
+    the key (not later in a metric sink, and not retried: it would return the same)."""
+    key = "eval.eval_function_path"
     result = await fn(args, weight_version)
     if not isinstance(result, Mapping):
-        raise TypeError(f"eval.eval_function_path returned {type(result).__name__}, expected a "
-                        "mapping of metric name -> number")
+        raise bad_return(fn, key, result, "a mapping of metric name -> number")
     metrics: dict[str, float] = {}
-    for key, value in result.items():
+    for name, value in result.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"eval.eval_function_path: metric {key!r} is {value!r}, not a number")
-        metrics[key if str(key).startswith("eval/") else f"eval/{key}"] = float(value)
+            raise bad_return(fn, key, value, "a number", part=f"for metric {name!r}")
+        metrics[name if str(name).startswith("eval/") else f"eval/{name}"] = float(value)
     return metrics

@@ -181,11 +181,14 @@ def test_the_eval_function_is_checked_at_startup_and_its_metrics_named() -> None
     async def text(args: Any, version: int) -> dict[str, Any]:
         return {"score": "high"}
 
-    with pytest.raises(TypeError, match=r"metric 'score' is 'high', not a number"):
+    # A bad result is the same on every retry: a HookError (not retried) naming the hook.
+    with pytest.raises(HookError, match=rf"^eval.eval_function_path: {mod}:.*text returned "
+                       r"str 'high' for metric 'score', expected a number$"):
         asyncio.run(custom_eval_metrics(text, None, 3))
 
     async def not_a_mapping(args: Any, version: int) -> list[float]:
         return [1.0]
 
-    with pytest.raises(TypeError, match=r"returned list, expected a mapping"):
+    with pytest.raises(HookError, match=rf"^eval.eval_function_path: {mod}:.*not_a_mapping "
+                       r"returned list \[1.0\], expected a mapping of metric name -> number$"):
         asyncio.run(custom_eval_metrics(not_a_mapping, None, 3))
