@@ -281,15 +281,29 @@ def test_request_joins_a_running_batch_over_http(engine: EngineActor) -> None:
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_and_continue_keep_requests(engine: EngineActor, mode: str) -> None:
     prompt = prompt_ids(engine, "12*3=")
-    solo = solo_outputs(engine, [prompt], SEEDED)[0]
+    params = {**SEEDED, "max_new_tokens": 120}
+    solo = solo_outputs(engine, [prompt], params)[0]
+
+    async def paused_while_running(client: SGLangClient, rid: str) -> asyncio.Task[Any] | None:
+        """A request paused mid-generation; None if it finished before the pause arrived
+        (a loaded machine can deschedule this test for longer than the generation takes)."""
+        task = asyncio.create_task(client.generate(prompt, params, rid=rid))
+        while await client.flush_cache():
+            await asyncio.sleep(0.002)
+        paused = httpx.post(f"{engine.url()}/pause_generation", json={"mode": mode}).json()
+        assert paused["status"] == "ok"
+        if task.done():
+            httpx.post(f"{engine.url()}/continue_generation", json={})
+            return None
+        return task
 
     async def main() -> None:
         async with SGLangClient(engine.url()) as client:
-            task = asyncio.create_task(client.generate(prompt, SEEDED, rid="p"))
-            while await client.flush_cache():
-                await asyncio.sleep(0.002)
-            paused = httpx.post(f"{engine.url()}/pause_generation", json={"mode": mode}).json()
-            assert paused["status"] == "ok"
+            for attempt in range(5):
+                task = await paused_while_running(client, rid=f"p{attempt}")
+                if task is not None:
+                    break
+            assert task is not None, "the request finished before every pause"
             # in_place keeps the KV cache (flush refused); retract dropped it.
             assert await client.flush_cache() == (mode == "retract")
             await asyncio.sleep(0.2)
