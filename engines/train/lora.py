@@ -21,6 +21,7 @@ peft is imported only when LoRA is on: its import alone takes seconds.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import warnings
@@ -44,6 +45,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 class NotHFModelError(TypeError):
     """`save_hf` got a module that is neither a Hugging Face model nor a PeftModel."""
+
+
+class LoraResumeError(ValueError):
+    """A checkpoint's LoRA adapter does not fit the run's `train.lora` (rank, alpha or the
+    modules it adapts), or a LoRA checkpoint is resumed with LoRA off: the same on every
+    retry; resume with the settings it was saved with."""
 
 
 def _peft_model(model: torch.nn.Module) -> PeftModel | None:
@@ -82,7 +89,7 @@ def load_policy(cfg: TrainConfig, base_path: str, source: str, device: torch.dev
     resuming = not same or (cfg.load is not None and source == cfg.load)
     if not cfg.lora.enabled:
         if resuming and os.path.isdir(os.path.join(source, ADAPTER_DIR)):
-            raise ValueError(
+            raise LoraResumeError(
                 f"checkpoint {source} was trained with LoRA (it holds {ADAPTER_DIR}/): resume it "
                 "with the train.lora settings it was saved with, or make it train.model_path to "
                 "fully fine-tune its merged weights"
@@ -94,7 +101,7 @@ def load_policy(cfg: TrainConfig, base_path: str, source: str, device: torch.dev
     with _quiet_peft():
         if resuming:
             adapter = os.path.join(source, ADAPTER_DIR)
-            _check_saved_adapter(adapter, cfg.lora)
+            _check_saved_adapter(adapter, cfg.lora, base)
             model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
         else:
             model = peft.get_peft_model(base, peft_config(cfg.lora))
@@ -102,9 +109,28 @@ def load_policy(cfg: TrainConfig, base_path: str, source: str, device: torch.dev
     return model
 
 
-def _check_saved_adapter(adapter_dir: str, cfg: LoraConfig) -> None:
-    """A checkpoint resumes only into the rank and alpha it was saved with. (Targets are not
-    compared: peft saves 'all-linear' as the module names it resolved to.)"""
+def adapted_modules(config: Any, base: torch.nn.Module) -> set[str]:
+    """Names of the modules of `base` that peft `config` puts adapters on. Compared as sets,
+    since peft saves 'all-linear' as the module names it resolved it to, and a list of
+    suffixes and a regex may name the same modules."""
+    from peft.tuners.tuners_utils import (
+        _maybe_include_all_linear_layers,  # peft's own 'all-linear' resolution
+        check_target_module_exists,
+    )
+
+    resolved = _maybe_include_all_linear_layers(copy.copy(config), base)
+    return {name for name, _ in base.named_modules()
+            if name and check_target_module_exists(resolved, name)}
+
+
+def _names(modules: set[str], limit: int = 4) -> str:
+    shown = sorted(modules)[:limit]
+    return ", ".join(shown) + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
+
+
+def _check_saved_adapter(adapter_dir: str, cfg: LoraConfig, base: torch.nn.Module) -> None:
+    """A checkpoint resumes only into the rank, alpha and adapted modules it was saved with
+    (`base` says which modules each `target_modules` names)."""
     import peft
 
     if not os.path.isfile(os.path.join(adapter_dir, ADAPTER_CONFIG)):
@@ -116,10 +142,23 @@ def _check_saved_adapter(adapter_dir: str, cfg: LoraConfig) -> None:
     saved = peft.LoraConfig.from_pretrained(adapter_dir)
     for key, have, want in (("rank", saved.r, cfg.rank), ("alpha", saved.lora_alpha, cfg.alpha)):
         if have != want:
-            raise ValueError(
+            raise LoraResumeError(
                 f"train.lora.{key}={want} differs from the checkpoint's adapter ({have} in "
                 f"{adapter_dir}); resume with the settings it was saved with"
             )
+    have_modules = adapted_modules(saved, base)
+    want_modules = adapted_modules(peft_config(cfg), base)
+    if have_modules != want_modules:
+        only_config, only_saved = want_modules - have_modules, have_modules - want_modules
+        targets = saved.target_modules
+        raise LoraResumeError(
+            f"train.lora.target_modules={cfg.target_modules!r} adapts other modules than the "
+            f"checkpoint's adapter (saved with target_modules "
+            f"{targets if isinstance(targets, str) else sorted(targets)!r} in {adapter_dir})"
+            + (f"; only in the config: {_names(only_config)}" if only_config else "")
+            + (f"; only in the checkpoint: {_names(only_saved)}" if only_saved else "")
+            + "; resume with the settings it was saved with"
+        )
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -190,13 +190,27 @@ def test_resume_refuses_other_adapter_settings_or_a_full_checkpoint(
     trained: dict[str, Any], tiny_model_dir: str, tmp_path: Path
 ) -> None:
     other = lora_backend(tiny_model_dir, lora={"rank": 8, "alpha": 8})
-    with pytest.raises(ValueError, match=r"train\.lora\.rank=8 differs from the checkpoint"):
+    with pytest.raises(lora.LoraResumeError, match=r"train\.lora\.rank=8 differs from the checkpoint"):
         other.load_checkpoint(trained["ckpt"])
+    with pytest.raises(lora.LoraResumeError, match=r"train\.lora\.alpha=16 differs from the checkpoint"):
+        lora_backend(tiny_model_dir, lora={**LORA, "alpha": 16}).load_checkpoint(trained["ckpt"])
+    # The checkpoint adapts every linear layer ('all-linear'); fewer targets are refused ...
+    fewer = lora_backend(tiny_model_dir, lora={**LORA, "target_modules": ["q_proj", "v_proj"]})
+    with pytest.raises(lora.LoraResumeError, match=r"train\.lora\.target_modules=\['q_proj', "
+                       r"'v_proj'\] adapts other modules .* only in the checkpoint: .*k_proj"):
+        fewer.load_checkpoint(trained["ckpt"])
+    # ... while the same modules named one by one resume (peft saved 'all-linear' as names).
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    linear = {n.rpartition(".")[2] for n, m in base.named_modules()
+              if isinstance(m, torch.nn.Linear) and m is not base.get_output_embeddings()}
+    same = lora_backend(tiny_model_dir, lora={**LORA, "target_modules": sorted(linear)})
+    same.load_checkpoint(trained["ckpt"])
+    assert same.version == 1
     full = make_backend(tiny_model_dir)
     full.save_checkpoint(str(tmp_path / "full"))
     with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
         lora_backend(tiny_model_dir).load_checkpoint(str(tmp_path / "full"))
-    with pytest.raises(ValueError, match="was trained with LoRA"):
+    with pytest.raises(lora.LoraResumeError, match="was trained with LoRA"):
         full.load_checkpoint(trained["ckpt"])
     # ... but a LoRA checkpoint is a plain model to start a new run from
     assert make_backend(trained["ckpt"]).version == 0
