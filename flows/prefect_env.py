@@ -5,6 +5,7 @@ Set as environment defaults before Prefect is imported, so a user's own environm
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 
 # Settings of a Prefect server rollflow starts (ephemeral, or `rollflow server`).
 SERVER_SETTINGS: dict[str, str] = {
@@ -30,7 +31,19 @@ PREFECT_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
-def prefect_env_defaults() -> None:
-    """Put `PREFECT_ENV_DEFAULTS` into os.environ where the variable is not set already."""
-    for key, value in PREFECT_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+# What a Prefect server rollflow starts in its own process (`rollflow server`) gets: the
+# server's settings only, not the CLI's logging ones.
+SERVER_ENV_DEFAULTS: dict[str, str] = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    **SERVER_SETTINGS,
+}
+
+
+def prefect_env_defaults(
+    env: MutableMapping[str, str] | None = None,
+    defaults: Mapping[str, str] = PREFECT_ENV_DEFAULTS,
+) -> None:
+    """Put `defaults` into `env` (os.environ) where the variable is not set already."""
+    target = os.environ if env is None else env
+    for key, value in defaults.items():
+        target.setdefault(key, value)

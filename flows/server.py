@@ -16,7 +16,7 @@ from typing import TextIO
 
 import httpx
 
-from flows.prefect_env import SERVER_SETTINGS
+from flows.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
 
 
 @dataclass
@@ -68,9 +68,7 @@ def _prefect_cli() -> str:
 
 def server_env(home: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    for key, value in SERVER_SETTINGS.items():
-        env.setdefault(key, value)
+    prefect_env_defaults(env, SERVER_ENV_DEFAULTS)
     env.pop("PREFECT_API_URL", None)  # the server must not try to report to another server
     if home is not None:
         env["PREFECT_HOME"] = home

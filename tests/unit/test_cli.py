@@ -99,3 +99,27 @@ def test_the_main_job_starts_prefect_with_the_cli_settings(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["90", "INFO", "False"]
+
+
+def test_the_prefect_server_gets_the_server_settings_under_the_users_own(monkeypatch, tmp_path):
+    """`rollflow server`'s environment: the users' variables win, the server's settings fill
+    the rest (from the same defaults the CLI puts in its own environment), the CLI's console
+    logging levels are left out, and no PREFECT_API_URL points it at another server."""
+    import os
+
+    from flows.prefect_env import PREFECT_ENV_DEFAULTS, SERVER_SETTINGS
+    from flows.server import server_env
+
+    batch = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
+    for key in PREFECT_ENV_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(batch, "7")
+    monkeypatch.setenv("PREFECT_API_URL", "http://elsewhere:4200/api")
+    env = server_env(str(tmp_path))
+    assert env[batch] == "7"
+    assert {k: env[k] for k in SERVER_SETTINGS if k != batch} == {
+        k: v for k, v in SERVER_SETTINGS.items() if k != batch}
+    assert env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+    assert "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL" not in env
+    assert "PREFECT_API_URL" not in env and env["PREFECT_HOME"] == str(tmp_path)
+    assert os.environ[batch] == "7" and "PREFECT_SERVER_ANALYTICS_ENABLED" not in os.environ
