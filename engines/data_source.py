@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engines.hooks import returned_groups
 from storage.batch_io import read_samples, write_samples
 from storage.run_layout import RunLayout
 from storage.sample import Group, Sample, Status
@@ -156,7 +157,10 @@ class RolloutDataSourceWithBuffer:
         """`num_groups` groups: buffered ones first, then fresh prompts."""
         groups: list[Group] = []
         if self.buffer:
-            groups = self.buffer_filter(self.hook_args, rollout_id, self.buffer, num_groups)
+            groups = returned_groups(
+                self.buffer_filter, "rollout.buffer_filter_path",
+                self.buffer_filter(self.hook_args, rollout_id, self.buffer, num_groups),
+            )
         fresh = self._next_prompts(num_groups - len(groups))
         groups.extend(self._make_group(p) for p in fresh)
         self.state.rollout_id = rollout_id

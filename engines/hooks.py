@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from engines.rollout import protocols as p
-from storage.sample import Sample
+from storage.sample import Group, Sample
 
 
 class HookError(ValueError):
@@ -153,6 +153,18 @@ def load_hook(
     else:
         check_protocol(fn, spec, config_key)
     return fn
+
+
+def returned_groups(fn: Callable[..., Any], config_key: str, value: Any) -> list[Group]:
+    """`value` as a list if it is a list (or tuple) of non-empty groups of `Sample`s, else
+    the `bad_return` HookError: what a buffer filter, an over-sampling filter or a rollout
+    function must give back."""
+    if isinstance(value, list | tuple) and all(
+        isinstance(g, list | tuple) and g and all(isinstance(s, Sample) for s in g)
+        for g in value
+    ):
+        return list(value)
+    raise bad_return(fn, config_key, value, "a list of groups (non-empty lists of Sample)")
 
 
 # Errors that pass through a guarded hook unwrapped: I/O that may work on a retry (an

@@ -31,7 +31,7 @@ from engines.algorithms.advantages import (
     rloo_advantages_by_group,
 )
 from engines.algorithms.config import AlgorithmConfig
-from engines.hooks import load_user_hook
+from engines.hooks import bad_return, load_user_hook
 
 Estimates = tuple[list[Tensor], list[Tensor]]
 
@@ -133,7 +133,12 @@ def compute_advantages(
     algo: AlgorithmConfig, x: AdvantageInputs, estimator: Estimator | None = None
 ) -> AdvantageResult:
     """Run the estimator, then distillation and whitening (see the module docstring)."""
-    advantages, returns = (estimator or load_estimator(algo))(algo, x)
+    estimator = estimator or load_estimator(algo)
+    result = estimator(algo, x)
+    if not (isinstance(result, tuple | list) and len(result) == 2):  # a custom hook's
+        raise bad_return(estimator, "algorithm.custom_advantage_function_path", result,
+                         "a pair (advantages, returns) of per-sample lists")
+    advantages, returns = result
     if len(advantages) != len(x.loss_masks):
         raise ValueError(
             f"advantage estimator returned {len(advantages)} rows for {len(x.loss_masks)} samples"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
-from engines.hooks import load_hook, load_user_hook
+from engines.hooks import load_hook, load_user_hook, returned_groups
 from engines.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
@@ -260,8 +260,9 @@ class RolloutManager:
         target = self._keep_target()
         metrics: dict[str, float] = {}
         if self.rollout_fn is not None:
+            groups = self.rollout_fn(self.cfg, rollout_id, step_source, False)
             kept, returned = split_for_training(
-                self.rollout_fn(self.cfg, rollout_id, step_source, False), target
+                returned_groups(self.rollout_fn, "rollout.function_path", groups), target
             )
         else:
             result = asyncio.run(run_generation(
@@ -312,7 +313,8 @@ class RolloutManager:
         failed = [g for g in groups if any(s.status == Status.FAILED for s in g)]
         ok = [g for g in groups if g not in failed]
         if self.over_sampling_filter is not None and not self.cfg.rollout.debug_train_only:
-            ok = self.over_sampling_filter(self.cfg, ok)
+            ok = returned_groups(self.over_sampling_filter, "rollout.over_sampling_filter_path",
+                                 self.over_sampling_filter(self.cfg, ok))
         limit = len(ok) if self.cfg.rollout.debug_train_only else self.cfg.rollout.rollout_batch_size
         kept = ok[:limit]
         return FilterRecord(

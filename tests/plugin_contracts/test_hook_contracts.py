@@ -192,3 +192,18 @@ def test_the_eval_function_is_checked_at_startup_and_its_metrics_named() -> None
     with pytest.raises(HookError, match=rf"^eval.eval_function_path: {mod}:.*not_a_mapping "
                        r"returned list \[1.0\], expected a mapping of metric name -> number$"):
         asyncio.run(custom_eval_metrics(not_a_mapping, None, 3))
+
+
+def test_hooks_that_return_groups_are_checked_and_named() -> None:
+    """A buffer filter, over-sampling filter or rollout function that returns something other
+    than groups fails as a HookError (not retried) naming it, not as a TypeError later."""
+    from engines.hooks import returned_groups
+    from storage.sample import Sample
+
+    group = [Sample(index=0, group_index=0, prompt="p")]
+    assert returned_groups(rollout_ok, "rollout.function_path", ([*group],)) == [group]
+    for bad, shown in ((None, "NoneType None"), (group, "list \\[Sample"),
+                       ([[]], "list \\[\\[\\]\\]"), ({0: group}, "dict")):
+        with pytest.raises(HookError, match=rf"^rollout.over_sampling_filter_path: {__name__}:"
+                           rf"rollout_ok returned {shown}.*, expected a list of groups"):
+            returned_groups(rollout_ok, "rollout.over_sampling_filter_path", bad)

@@ -342,6 +342,15 @@ def test_custom_advantage_hook_by_import_string() -> None:
     bad = AlgorithmConfig(custom_advantage_function_path="tests.unit.test_algorithms:nope")
     with pytest.raises(HookError, match="custom_advantage_function_path"):
         load_estimator(bad)
+    only_advantages = AlgorithmConfig(
+        custom_advantage_function_path="tests.unit.test_algorithms:_hook_advantages_only")
+    with pytest.raises(HookError, match=r"^algorithm.custom_advantage_function_path: tests.unit."
+                       r"test_algorithms:_hook_advantages_only returned list .*, expected a pair"):
+        compute_advantages(only_advantages, _adv_inputs())
+
+
+def _hook_advantages_only(algo: AlgorithmConfig, x: AdvantageInputs) -> list:
+    return [torch.full_like(m, 7.0) for m in x.loss_masks][:1]  # no returns, and one row short
 
 
 # -- more loss options --------------------------------------------------------------------

@@ -85,6 +85,21 @@ def test_custom_buffer_filter_is_used():
     assert ds.get_samples(1)[0] is g[2]
 
 
+def test_a_buffer_filter_returning_no_groups_is_a_hook_error():
+    """A wrong result is the same on every retry: a HookError naming the hook, not a
+    TypeError from `len(None)` that the step task would retry."""
+    from engines.hooks import HookError
+
+    def forgot_return(args, rollout_id, buffer, n):
+        del buffer[:n]
+
+    ds = RolloutDataSourceWithBuffer(prompts(10), 1, seed=0, buffer_filter=forgot_return)
+    ds.add_samples(ds.get_samples(2))
+    with pytest.raises(HookError, match=r"^rollout.buffer_filter_path: .*forgot_return returned "
+                       r"NoneType None, expected a list of groups"):
+        ds.get_samples(1)
+
+
 def test_state_round_trip_with_non_empty_buffer(tmp_path):
     layout = RunLayout.open(str(tmp_path), "run")
     ds = RolloutDataSourceWithBuffer(prompts(7), n_samples_per_prompt=2, seed=5)

@@ -146,6 +146,19 @@ async def rank_group_missing(args: Any) -> float:
     return 0.0
 
 
+async def one_reward_for_the_group(args: Any, samples: list[Sample]) -> float:
+    return 1.0
+
+
+def test_a_group_reward_that_is_not_a_list_is_a_hook_error() -> None:
+    hub = RewardHub.from_config(
+        cfg(custom_rm_path=f"{__name__}:one_reward_for_the_group", group_rm=True))
+    with pytest.raises(HookError, match=rf"^rollout.custom_rm_path: {__name__}:"
+                       r"one_reward_for_the_group returned float 1.0, expected a list of one "
+                       r"reward per sample"):
+        run(hub.assign(None, [sample("a", None, 0), sample("b", None, 1)]))
+
+
 async def buggy_reward(args: Any, s: Sample) -> float:
     return float(s.response)  # ValueError on a non-number: a bug in the user's code
 

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engines.hooks import load_user_hook
+from engines.hooks import bad_return, load_user_hook
 from engines.rollout.config import RolloutConfig
 from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
 from engines.rollout.rewards.deadline import (
@@ -193,11 +193,17 @@ class RewardHub:
         `group_rm` is on, else the per-sample functions concurrently."""
         if self.group_fn is not None:
             try:
-                rewards = list(await self.group_fn(args, list(samples)))
+                result = await self.group_fn(args, list(samples))
             except Exception as e:  # most often a per-sample function under group_rm
                 e.add_note("rollout.group_rm=true calls rollout.custom_rm_path once per group, "
                            "with the list of its samples")
                 raise
+            try:
+                rewards = list(result)
+            except TypeError:  # a per-sample reward function under group_rm, most often
+                raise bad_return(self.group_fn, "rollout.custom_rm_path", result,
+                                 "a list of one reward per sample (rollout.group_rm=true)"
+                                 ) from None
             if len(rewards) != len(samples):
                 raise RewardConfigError(
                     f"rollout.custom_rm_path: group reward returned {len(rewards)} rewards "
