@@ -170,7 +170,7 @@ def returned_groups(fn: Callable[..., Any], config_key: str, value: Any) -> list
 # Errors that pass through a guarded hook unwrapped: I/O that may work on a retry (an
 # unreachable service, a timeout) and errors that already say what they are (rollflow's own,
 # e.g. RewardError, raised by a built-in the hook calls; Ray's, an actor that died under it).
-_OWN_PACKAGES = frozenset({"engines", "storage", "ray", "httpx", "httpcore"})
+_OWN_PACKAGES = frozenset({"engines", "storage", "ray", "httpx", "httpcore", "aiohttp"})
 
 
 def _passes_through(e: Exception) -> bool:
