@@ -92,38 +92,52 @@ class PaddedBatch:
         return replace(self, **moved)
 
 
+def padded_rows(
+    rows: Sequence[Sequence[int] | Sequence[float]], width: int, fill: float, dtype: torch.dtype
+) -> Tensor:
+    """Rows of different lengths as one `[len(rows), width]` tensor, right-padded with `fill`.
+
+    One tensor from padded Python lists: filling a preallocated tensor row by row costs a
+    small tensor and a copy per row (~10 us each), which was ~10% of the arithmetic example's
+    train step (12 batch builds of 256-1024 samples per step)."""
+    return torch.tensor([[*r, *[fill] * (width - len(r))] for r in rows], dtype=dtype)
+
+
+def response_targets(samples: Sequence[Sample]) -> tuple[Tensor, Tensor, Tensor]:
+    """`[B, R]` targets, response mask and loss mask (zero past each response's end)."""
+    resp = max(max(s.response_length for s in samples), 1)
+    targets = padded_rows([s.response_tokens for s in samples], resp, 0, torch.long)
+    response_mask = padded_rows(
+        [[1.0] * s.response_length for s in samples], resp, 0.0, torch.float32
+    )
+    loss_mask = padded_rows([s.loss_mask for s in samples], resp, 0.0, torch.float32)
+    return targets, response_mask, loss_mask
+
+
 def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:
     """Pad `samples` to one batch; every sample needs a non-empty prompt (the first response
     token is predicted from the last prompt position)."""
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
+    for s in samples:
+        if s.prompt_length < 1:
+            raise ValueError(f"sample {s.index}: needs at least one prompt token")
+        if len(s.loss_mask) != s.response_length:
+            raise ValueError(
+                f"sample {s.index}: loss_mask has {len(s.loss_mask)} != {s.response_length} entries"
+            )
     seq_len = max(len(s.tokens) for s in samples)
     resp_len = max(max(s.response_length for s in samples), 1)
-    b = len(samples)
-    input_ids = torch.full((b, seq_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, seq_len), dtype=torch.long)
-    logit_index = torch.zeros((b, resp_len), dtype=torch.long)
-    targets = torch.zeros((b, resp_len), dtype=torch.long)
-    response_mask = torch.zeros((b, resp_len), dtype=torch.float32)
-    loss_mask = torch.zeros((b, resp_len), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        n, r, p = len(s.tokens), s.response_length, s.prompt_length
-        if p < 1:
-            raise ValueError(f"sample {s.index}: needs at least one prompt token")
-        if len(s.loss_mask) != r:
-            raise ValueError(f"sample {s.index}: loss_mask has {len(s.loss_mask)} != {r} entries")
-        input_ids[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        if r == 0:
-            continue
-        logit_index[i, :r] = torch.arange(p - 1, p - 1 + r)
-        targets[i, :r] = torch.tensor(s.response_tokens, dtype=torch.long)
-        response_mask[i, :r] = 1.0
-        loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    targets, response_mask, loss_mask = response_targets(samples)
     return PaddedBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        logit_index=logit_index,
+        input_ids=padded_rows([s.tokens for s in samples], seq_len, pad_token_id, torch.long),
+        attention_mask=padded_rows(
+            [[1] * len(s.tokens) for s in samples], seq_len, 0, torch.long
+        ),
+        logit_index=padded_rows(
+            [range(s.prompt_length - 1, s.prompt_length - 1 + s.response_length)
+             for s in samples], resp_len, 0, torch.long,
+        ),
         targets=targets,
         response_mask=response_mask,
         loss_mask=loss_mask,

@@ -29,14 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from engines.train.batching import PaddedBatch
-from engines.train.prompt_sharing import (
-    _PAD,
-    PromptRow,
-    prompt_rows,
-    response_targets,
-    shared_prompt_mask,
-)
+from engines.train.batching import PaddedBatch, response_targets
+from engines.train.prompt_sharing import _PAD, PromptRow, prompt_rows, shared_prompt_mask
 from storage.sample import Sample
 
 

@@ -24,9 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from engines.train.batching import PaddedBatch, build_padded_batch
+from engines.train.batching import (
+    PaddedBatch,
+    build_padded_batch,
+    padded_rows,
+    response_targets,
+)
 from storage.sample import Sample
 
 _PROMPT, _PAD = -1, -2  # segment ids; response k of a row has segment k >= 0
@@ -91,22 +96,6 @@ def prompt_rows(samples: Sequence[Sample], share: bool = True) -> list[PromptRow
     return rows
 
 
-def response_targets(samples: Sequence[Sample]) -> tuple[Tensor, Tensor, Tensor]:
-    """`[B, R]` targets, response mask and loss mask, as `build_padded_batch` makes them."""
-    resp = max(max(s.response_length for s in samples), 1)
-    n = len(samples)
-    targets = torch.zeros((n, resp), dtype=torch.long)
-    response_mask = torch.zeros((n, resp), dtype=torch.float32)
-    loss_mask = torch.zeros((n, resp), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        r = s.response_length
-        if r:
-            targets[i, :r] = torch.tensor(s.response_tokens, dtype=torch.long)
-            response_mask[i, :r] = 1.0
-            loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    return targets, response_mask, loss_mask
-
-
 def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatch:
     """`samples` as one row per distinct prompt (see the module docstring); response-space
     tensors are per sample, in `samples` order, exactly as `build_padded_batch` makes them.
@@ -116,18 +105,18 @@ def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) 
         return build_padded_batch(samples, pad_token_id)
     width = max(len(row.ids) for row in rows)
     resp = max(max(s.response_length for s in samples), 1)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    seg = torch.full((len(rows), width), _PAD, dtype=torch.long)
-    logit_row = torch.zeros((len(samples), resp), dtype=torch.long)
-    logit_index = torch.zeros((len(samples), resp), dtype=torch.long)
+    row_of: list[int] = [0] * len(samples)
+    slots_of: list[list[int]] = [[] for _ in samples]
     for r, row in enumerate(rows):
-        n = len(row.ids)
-        ids[r, :n], pos[r, :n] = torch.tensor(row.ids), torch.tensor(row.pos)
-        seg[r, :n] = torch.tensor(row.seg)
         for i, slots in row.slots.items():
-            logit_row[i, : len(slots)] = r
-            logit_index[i, : len(slots)] = torch.tensor(slots, dtype=torch.long)
+            row_of[i], slots_of[i] = r, slots
+    ids = padded_rows([row.ids for row in rows], width, pad_token_id, torch.long)
+    pos = padded_rows([row.pos for row in rows], width, 0, torch.long)
+    seg = padded_rows([row.seg for row in rows], width, _PAD, torch.long)
+    logit_row = padded_rows(
+        [[row_of[i]] * len(slots) for i, slots in enumerate(slots_of)], resp, 0, torch.long
+    )
+    logit_index = padded_rows(slots_of, resp, 0, torch.long)
     targets, response_mask, loss_mask = response_targets(samples)
     return PaddedBatch(
         input_ids=ids,
