@@ -19,7 +19,6 @@ from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
 from flows.config import ConfigError, RollflowConfig
 from flows.rollout_step import open_layout
-from tasks import artifact_queue
 from tasks import step_tasks as t
 
 
@@ -47,7 +46,6 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
     restored = ray.get(actors.trainer.ensure_version.remote(version))
     t.sync_engine_weights(actors)
     metrics = t.evaluate(t.StepContext(config, layout, actors), version)
-    artifact_queue.drain()
     if not config.cluster.keep_actors:
         kill_run_actors(config)
     return {"run_dir": layout.uri, "weight_version": version, "restored": restored,

@@ -15,7 +15,6 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from storage.run_layout import RunLayout
-from tasks.artifact_queue import later
 from tasks.artifacts import artifact_key, for_people, rounded_rows
 
 CURVES = ("reward/mean", "train/loss", "train/approx_kl", "rollout/response_len_mean")
@@ -123,18 +122,16 @@ def publish_step_report(
     layout: RunLayout, rollout_id: int, metrics: dict[str, Any], make_plot: bool = True
 ) -> None:
     """Artifacts of one rollout step's flow run: every scalar metric of the step (table
-    `{run}-step-metrics`) and the curves up to this step (markdown `{run}-reward-curves`).
-    Both are made on the artifact thread (tasks/artifact_queue.py): the next step does not
-    wait for them, nor for the ~0.2 s plot."""
+    `{run}-step-metrics`) and the curves up to this step (markdown `{run}-reward-curves`)."""
     table = [
         {"metric": k, "value": for_people(v)}
         for k, v in sorted(metrics.items())
         if isinstance(v, int | float) and not isinstance(v, bool)
     ]
-    later(create_table_artifact, table, key=artifact_key(run_name_of(layout), "step-metrics"),
-          description=f"step {rollout_id} of {layout.uri}")
+    create_table_artifact(table, key=artifact_key(run_name_of(layout), "step-metrics"),
+                          description=f"step {rollout_id} of {layout.uri}")
     if make_plot:
-        later(lambda: _publish_curves(layout, collect_metrics(layout), layout.evals()))
+        _publish_curves(layout, collect_metrics(layout), layout.evals())
 
 
 def publish_run_report(layout: RunLayout, make_plot: bool = True) -> dict[str, Any]:

@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 import ray
 from prefect import flow
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
@@ -29,9 +31,7 @@ from flows.rollout_step import open_layout, run_rollout_step
 from flows.run_labels import labelled
 from storage.run_layout import RunLayout
 from storage.secrets import register
-from tasks import artifact_queue
 from tasks import step_tasks as t
-from tasks.artifact_queue import ProgressArtifact
 
 
 def _progress_bar(cfg: RollflowConfig, start: int) -> Any:
@@ -108,10 +108,7 @@ def train(config: RollflowConfig) -> dict[str, Any]:
     register(config.secret_values())  # deployments pass the config without the CLI
     config = resolve_paths(config)
     with labelled(config):  # tags run/algo/backends on this run and all it starts
-        try:
-            return _train(config)
-        finally:
-            artifact_queue.drain()  # a finished (or failed) training has all its artifacts
+        return _train(config)
 
 
 def _train(config: RollflowConfig) -> dict[str, Any]:
@@ -125,9 +122,10 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     if evaluate_now and config.eval.before_train:
         t.evaluate(ctx, start)
     total = config.rollout.num_rollout
-    progress = ProgressArtifact(artifact_key(config.storage.run_name, "steps"),
-                                "rollout steps committed")
-    progress.set(100.0 * start / total)
+    progress_id = cast(UUID, create_progress_artifact(
+        100.0 * start / total, key=artifact_key(config.storage.run_name, "steps"),
+        description="rollout steps committed",
+    ))
     bar = _progress_bar(config, start)
     sinks = open_sinks(config.logging, layout, config.storage.run_name)
 
@@ -135,7 +133,7 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
         sinks.log(metrics, step=rollout_id)
         bar.update(1)
         bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
-        progress.set(100.0 * (rollout_id + 1) / total)
+        update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
         if evaluates_after(config, rollout_id) and not pipelined:  # (async: in the step)
             t.evaluate(ctx, rollout_id + 1)
 

@@ -11,8 +11,6 @@ from typing import Any
 
 from prefect.artifacts import create_table_artifact
 
-from tasks.artifact_queue import later
-
 
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
@@ -50,8 +48,7 @@ def publish_eval(run_name: str, weight_version: int, metrics: Mapping[str, Any])
     """Table `{run}-eval`, one version of it per evaluated weight version."""
     if not in_a_run():
         return
-    later(
-        create_table_artifact, eval_rows(weight_version, metrics),
-        key=artifact_key(run_name, "eval"),
+    create_table_artifact(
+        eval_rows(weight_version, metrics), key=artifact_key(run_name, "eval"),
         description=f"held-out metrics of run {run_name} at weight version {weight_version}",
     )
