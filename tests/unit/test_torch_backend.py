@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engines.hooks import HookError
 from engines.train.batching import (
     build_padded_batch,
     log_probs_from_logits,
@@ -305,6 +306,21 @@ def test_custom_loss_hook_drives_training(tiny_model_dir: str) -> None:
     samples = make_samples(8)
     losses = [backend.train(samples, k)["loss"] for k in range(3)]
     assert losses[-1] < losses[0]  # the hook is an NLL: it must go down
+
+
+def _loss_as_float(algo: Any, inputs: Any, denominator: float) -> float:
+    return float((inputs.log_probs * inputs.loss_mask).sum())
+
+
+def test_a_custom_loss_of_the_wrong_type_is_a_hook_error(tiny_model_dir: str) -> None:
+    algo = {"loss_type": "custom_loss",
+            "custom_loss_function_path": "tests.unit.test_torch_backend:_loss_as_float"}
+    with pytest.raises(HookError) as err:
+        make_backend(tiny_model_dir, algo).train(make_samples(8), 0)
+    message = str(err.value)
+    assert message.startswith("algorithm.custom_loss_function_path: "
+                              "tests.unit.test_torch_backend:_loss_as_float returned float ")
+    assert "expected (a scalar loss tensor, {metric name: tensor})" in message
 
 
 def test_offload_onload_keeps_state_and_training_identical(tiny_model_dir: str) -> None:
