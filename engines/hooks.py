@@ -102,6 +102,23 @@ def bad_return(
                      f"{reprlib.repr(value)}{' ' + part if part else ''}, expected {expected}")
 
 
+def checked_returns(
+    fn: Callable[..., Any], config_key: str, ok: Callable[[Any], bool], expected: str
+) -> Callable[..., Any]:
+    """`fn` (a synchronous hook) whose every result must pass `ok`; any other result is the
+    `bad_return` HookError. Checked where the hook is loaded, so the callers stay as they
+    are for built-ins."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        if not ok(result):
+            raise bad_return(fn, config_key, result, expected)
+        return result
+
+    return checked
+
+
 def check_arity(fn: Callable[..., Any], n_args: int, config_key: str) -> None:
     """Raise unless `fn` accepts `n_args` positional arguments."""
     try:

@@ -31,7 +31,7 @@ from engines.algorithms.advantages import (
     rloo_advantages_by_group,
 )
 from engines.algorithms.config import AlgorithmConfig
-from engines.hooks import bad_return, load_user_hook
+from engines.hooks import checked_returns, load_user_hook
 
 Estimates = tuple[list[Tensor], list[Tensor]]
 
@@ -117,8 +117,11 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
 def load_estimator(algo: AlgorithmConfig) -> Estimator:
     """The custom hook if configured (checked now, not at the first step), else the built-in."""
     if algo.custom_advantage_function_path:
-        return load_user_hook(
-            algo.custom_advantage_function_path, "algorithm.custom_advantage_function_path", 2
+        key = "algorithm.custom_advantage_function_path"
+        return checked_returns(
+            load_user_hook(algo.custom_advantage_function_path, key, 2), key,
+            lambda r: isinstance(r, tuple | list) and len(r) == 2,
+            "a pair (advantages, returns) of per-sample lists",
         )
     try:
         return ADVANTAGE_ESTIMATORS[algo.advantage_estimator]
@@ -133,12 +136,7 @@ def compute_advantages(
     algo: AlgorithmConfig, x: AdvantageInputs, estimator: Estimator | None = None
 ) -> AdvantageResult:
     """Run the estimator, then distillation and whitening (see the module docstring)."""
-    estimator = estimator or load_estimator(algo)
-    result = estimator(algo, x)
-    if not (isinstance(result, tuple | list) and len(result) == 2):  # a custom hook's
-        raise bad_return(estimator, "algorithm.custom_advantage_function_path", result,
-                         "a pair (advantages, returns) of per-sample lists")
-    advantages, returns = result
+    advantages, returns = (estimator or load_estimator(algo))(algo, x)
     if len(advantages) != len(x.loss_masks):
         raise ValueError(
             f"advantage estimator returned {len(advantages)} rows for {len(x.loss_masks)} samples"

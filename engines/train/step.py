@@ -33,7 +33,7 @@ from torch import Tensor
 from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import LossInputs, actor_loss, critic_loss, make_reducer
 from engines.algorithms.registry import load_estimator
-from engines.hooks import bad_return, load_user_hook
+from engines.hooks import checked_returns, load_user_hook
 from engines.train.batching import pad_response_values, split_micro_batches
 from engines.train.config import TrainConfig
 from engines.train.finite import stale_on_failure
@@ -67,8 +67,10 @@ class TrainStep:
         self.custom_loss: CustomLoss | None = None
         if algo_cfg.loss_type == "custom_loss":
             assert algo_cfg.custom_loss_function_path is not None
-            self.custom_loss = load_user_hook(
-                algo_cfg.custom_loss_function_path, "algorithm.custom_loss_function_path", 3
+            key = "algorithm.custom_loss_function_path"
+            self.custom_loss = checked_returns(
+                load_user_hook(algo_cfg.custom_loss_function_path, key, 3), key,
+                _is_loss_and_terms, "(a scalar loss tensor, {metric name: tensor})",
             )
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
@@ -185,9 +187,7 @@ class TrainStep:
                 ref_log_probs=_rows(prep.ref_log_probs, rows, width, device),
                 rollout_log_probs=_rows(prep.rollout_log_probs, rows, width, device),
             )
-            result = loss_fn(algo, inputs, denominator)
-            loss, terms = result if self.custom_loss is None else _custom_loss_result(
-                self.custom_loss, result)
+            loss, terms = loss_fn(algo, inputs, denominator)
             kl = _rows(prep.opd_reverse_kl, rows, width, device)
             if kl is not None:
                 reduce = make_reducer(algo.calculate_per_token_loss, fwd.batch.loss_mask, denominator)
@@ -210,14 +210,11 @@ class TrainStep:
         return micro_batch_loss
 
 
-def _custom_loss_result(fn: Callable[..., Any], result: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    """A custom loss's `(scalar loss tensor, {metric: tensor})`; any other result is the
-    same on every retry, so it is the hook's HookError, not a TypeError in backward()."""
-    if (isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], Tensor)
-            and result[0].numel() == 1 and isinstance(result[1], Mapping)):
-        return result[0], dict(result[1])
-    raise bad_return(fn, "algorithm.custom_loss_function_path", result,
-                     "(a scalar loss tensor, {metric name: tensor})")
+def _is_loss_and_terms(result: Any) -> bool:
+    """What a custom loss must return: `(scalar loss tensor, {metric: tensor})`."""
+    return (isinstance(result, tuple | list) and len(result) == 2
+            and isinstance(result[0], Tensor) and result[0].numel() == 1
+            and isinstance(result[1], Mapping))
 
 
 def _rows(
