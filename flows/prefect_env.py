@@ -18,8 +18,16 @@ SERVER_SETTINGS: dict[str, str] = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
 }
 
-PREFECT_ENV_DEFAULTS: dict[str, str] = {
+# What a Prefect server rollflow starts in its own process (`rollflow server`) gets: the
+# server's settings only, not the CLI's logging ones.
+SERVER_ENV_DEFAULTS: dict[str, str] = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    **SERVER_SETTINGS,
+}
+
+PREFECT_ENV_DEFAULTS: dict[str, str] = {
+    # the ephemeral server is a child of this process: it reads the server's settings too
+    **SERVER_ENV_DEFAULTS,
     # INFO goes to the Prefect API (the UI's Logs tab: states, retries and why), while the
     # console handler shows WARNING and up only, so a run prints its progress and result.
     "PREFECT_LOGGING_LEVEL": "INFO",
@@ -27,15 +35,6 @@ PREFECT_ENV_DEFAULTS: dict[str, str] = {
     # Prefect's own 20 s (counted in its sleeps) is too short for the ephemeral server to
     # start on a busy machine
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
-    **SERVER_SETTINGS,  # the ephemeral server is a child of this process: it reads these
-}
-
-
-# What a Prefect server rollflow starts in its own process (`rollflow server`) gets: the
-# server's settings only, not the CLI's logging ones.
-SERVER_ENV_DEFAULTS: dict[str, str] = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    **SERVER_SETTINGS,
 }
 
 
