@@ -10,7 +10,9 @@
 #   parallel  both: TP=2 / PP=2 / DP=2 vs one GPU
 #   nccl      both: NCCL weight sync trainer -> engine
 #   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
-#             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072")
+#             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072";
+#             BENCH_TORCH / BENCH_MEGATRON to one backend's runs, e.g. "--profile")
+# On a one-GPU machine the parts run one after another on that GPU and TP=2 is skipped.
 #
 # Packages the image lacks: .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh: pydantic,
 # Ray, Prefect, ...) and any .gpu_wheels/*/megatron_core*.whl, installed into /tmp/site;
@@ -43,14 +45,18 @@ part() {  # name, timeout (s), command...
   echo "== $name rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
   grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| " "$LOG/$name.log" | tail -n 40
 }
-# one GPU each, side by side
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
+LAST=$(( NGPU > 1 ? 1 : 0 ))  # the "other" GPU; the same one on a one-GPU machine
+# one GPU each, side by side (one after the other on a one-GPU machine)
 CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-300} $PYTEST tests/gpu/test_megatron_backend.py tests/gpu/test_megatron_packing.py &
-CUDA_VISIBLE_DEVICES=1 part parity ${T_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py &
+[ "$NGPU" -gt 1 ] || wait
+CUDA_VISIBLE_DEVICES=$LAST part parity ${T_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py &
 wait
 part group ${T_GROUP:-300} $PYTEST tests/gpu/test_megatron_group.py
 part parallel ${T_PARALLEL:-420} $PYTEST tests/gpu/test_megatron_parallel.py
 part nccl ${T_NCCL:-240} $PYTEST tests/gpu/test_nccl_weight_sync.py
-part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend torch && \
-  CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend megatron && \
-  CUDA_VISIBLE_DEVICES=1 $PY $BENCH --backend megatron --pack && \
-  $PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
+TP2="$PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
+[ "$NGPU" -gt 1 ] || TP2=true  # TP=2 needs two GPUs
+part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=$LAST $PY $BENCH --backend torch ${BENCH_TORCH:-} && \
+  CUDA_VISIBLE_DEVICES=$LAST $PY $BENCH --backend megatron ${BENCH_MEGATRON:-} && \
+  CUDA_VISIBLE_DEVICES=$LAST $PY $BENCH --backend megatron --pack ${BENCH_MEGATRON:-} && $TP2"

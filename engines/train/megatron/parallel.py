@@ -1,4 +1,4 @@
-"""Process groups, vocab-parallel log-probs / entropy, and gathering full weights.
+"""Process groups, the TP vocab shard, and gathering full weights.
 
 Every rank of a torchrun job builds one `MegatronTrainBackend`; with no torchrun (a single
 process) `init_parallel` starts a one-rank NCCL group itself. Megatron is imported lazily.
@@ -43,32 +43,13 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def vocab_parallel_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log p(target) from vocab-sharded logits `[..., V/tp]` through megatron's
-    `vocab_parallel_cross_entropy`, which overwrites its fp32 input: it gets a clone."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    return -vocab_parallel_cross_entropy(logits.float().clone(), targets)
-
-
-def vocab_parallel_entropy(logits: Tensor) -> Tensor:
-    """Entropy of softmax over the full vocab from vocab-sharded logits (autograd-aware)."""
+def tp_vocab_shard(local_vocab: int) -> tuple[Any, int]:
+    """(the TP group, or None without TP; the first vocab id of this rank's logit columns)."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-    logits = logits.float()
-    peak = logits.detach().max(dim=-1, keepdim=True).values
-    if tp > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    z = logits - peak
-    e = z.exp()
-    sums = torch.stack([e.sum(-1), (e * z).sum(-1)], dim=0)
-    if tp > 1:
-        from torch.distributed.nn.functional import all_reduce
-
-        sums = all_reduce(sums, group=group)
-    return sums[0].log() - sums[1] / sums[0]
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return None, 0
+    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * local_vocab
 
 
 def _local_params(model: Any) -> dict[str, Tensor]:

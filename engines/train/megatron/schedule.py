@@ -3,8 +3,9 @@ the shared step's response-space `Forward` (log-probs / entropy, or critic value
 
 `run` feeds token-budgeted micro-batches through `get_forward_backward_func()` (PP-aware),
 padded or (`packed`, train.pack_sequences) as one varlen row each (megatron's `thd`);
-`on_output(mb, batch, output)` runs on the last pipeline stage with the model's raw output
-(`[B, L, V/tp]` logits, or `[B, L, 1]` values for the critic) and returns `(loss, result)`;
+`on_output(mb, batch, output)` runs on the last pipeline stage with the model's raw output,
+projected at the response slots only (`response_head`: `[1, B*R, V/tp]` logits, or
+`[1, B*R, 1]` values for the critic), and returns `(loss, result)`;
 the results come back in micro-batch order (empty on other stages). `score` splits the
 samples over DP ranks, runs forward-only and gives every rank every sample's tensor.
 Megatron is imported inside the functions.
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engines.train.batching import PaddedBatch, build_padded_batch, gather_response_logits
+from engines.train.batching import PaddedBatch, build_padded_batch
 from engines.train.megatron import parallel
+from engines.train.megatron.response_head import response_view, select_positions
+from engines.train.megatron.token_stats import token_stats
 from engines.train.packing import build_packed_batch
 from engines.train.step_model import Forward, MicroBatch
 from storage.sample import Sample
@@ -64,6 +67,7 @@ def run(
         pos = batch.position_ids
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        select_positions(m, batch.logit_index, batch.logit_row)
         out = m(input_ids=ids, position_ids=pos, attention_mask=None,
                 packed_seq_params=packed_seq_params(batch))
 
@@ -84,21 +88,14 @@ def to_forward(
     batch: PaddedBatch, output: Tensor, values: bool, temperature: float,
     entropy: bool = True, entropy_grad: bool = False,
 ) -> Forward:
-    """Raw model output -> response-space `Forward` (TP-aware: logits are vocab-sharded)."""
+    """Response-slot model output -> response-space `Forward` (TP-aware: logits are
+    vocab-sharded; `token_stats` gives log-probs and entropy in one fused pass)."""
+    resp = response_view(output, batch.logit_index)
     if values:
-        v = output.squeeze(-1).float()
-        rows = batch.logit_row
-        if rows is None:
-            rows = torch.arange(v.shape[0], device=v.device).unsqueeze(-1)
-        return Forward(batch, values=v[rows, batch.logit_index])
-    resp = gather_response_logits(output, batch.logit_index, batch.logit_row).float()
-    if temperature != 1.0:
-        resp = resp / temperature
-    log_probs = parallel.vocab_parallel_log_probs(resp, batch.targets)
-    ent = None
-    if entropy:
-        ent = parallel.vocab_parallel_entropy(resp if entropy_grad else resp.detach())
-    return Forward(batch, log_probs=log_probs, entropy=ent)
+        return Forward(batch, values=resp.squeeze(-1).float())
+    group, start = parallel.tp_vocab_shard(resp.shape[-1])
+    log_probs, ent = token_stats(resp, batch.targets, temperature, group, start, entropy_grad)
+    return Forward(batch, log_probs=log_probs, entropy=ent if entropy else None)
 
 
 @torch.no_grad()
