@@ -14,7 +14,9 @@ more step.
 
 MFU counts the model FLOPs of the tokens the backend needs to compute (`step_flops`): 6N per
 token plus 12·h per attended query/key pair and layer (forward + backward), N the
-non-embedding matmul parameters plus the LM head; a prompt shared by its group's responses
+non-embedding matmul parameters, plus 6H per response token for the LM head H (both
+backends project the response positions only; until the megatron head did so too, the LM
+head was counted at every token); a prompt shared by its group's responses
 (the torch backend's `share_prompts`) once; padding never; and the no-grad old-log-prob
 forward only where the step runs it. Until this revision the formula also counted that
 forward (2N per token) although the step takes the old log-probs from the first training
@@ -79,20 +81,21 @@ def make_samples(n_groups: int, group: int, prompt_len: int, resp_len: int) -> l
     return samples
 
 
-def _dims() -> tuple[int, int, int]:
-    """(hidden, layers, N): N = the non-embedding matmul parameters plus the LM head."""
+def _dims() -> tuple[int, int, int, int]:
+    """(hidden, layers, N, H): N = the non-embedding matmul parameters, H = the LM head's."""
     c = QWEN2_05B
     h, layers, f, v = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     kv = h * int(c["num_key_value_heads"]) // int(c["num_attention_heads"])
-    return h, layers, layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v
+    return h, layers, layers * (h * (h + 2 * kv) + h * h + 3 * h * f), h * v
 
 
 def step_flops(samples: list[Sample], shared_prompts: bool, old_forward: bool) -> tuple[float, int]:
     """(model FLOPs, tokens computed) of one `train()` over `samples`: forward + backward
     (6N per token, 12·h per attended query/key pair and layer) of the tokens the backend
-    computes (a shared prompt once per group), plus a forward (a third of that) for the old
+    computes (a shared prompt once per group), the LM head (6H) at the response positions
+    only (both backends project only those), plus a forward (a third of that) for the old
     log-probs where the step runs one (`lazy_old_log_probs` is False). Padding is not counted."""
-    h, layers, n = _dims()
+    h, layers, n, head = _dims()
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group_index, []).append(s)
@@ -106,7 +109,8 @@ def step_flops(samples: list[Sample], shared_prompts: bool, old_forward: bool) -
             r = s.response_length
             tokens += r if share else p + r
             pairs += r * p + r * r / 2 if share else (p + r) ** 2 / 2
-    flops = 6 * n * tokens + 12 * h * layers * pairs
+    responses = sum(s.response_length for s in samples)
+    flops = 6 * n * tokens + 6 * head * responses + 12 * h * layers * pairs
     return flops * (4 / 3 if old_forward else 1.0), tokens
 
 
@@ -210,7 +214,7 @@ def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> N
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         backend.train(samples, step)
         if cuda:
             torch.cuda.synchronize()
@@ -218,6 +222,9 @@ def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> N
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60),
               flush=True)
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by=key, row_limit=40, max_name_column_width=40, max_shapes_column_width=80),
+            flush=True)
 
 if __name__ == "__main__":
     main()

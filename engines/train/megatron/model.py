@@ -121,7 +121,8 @@ def layer_spec(sdpa: bool = True) -> Any:
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, dtype: torch.dtype, cpu_init: bool = False
 ) -> Any:
-    """A `TransformerConfig` matching HF Llama/Qwen2 numerics (no fusions needing apex/TE).
+    """A `TransformerConfig` matching HF Llama/Qwen2 numerics (no fusions needing apex/TE;
+    the swiglu fusion is megatron's own, through torch.compile).
 
     `calculate_per_token_loss=True` makes megatron *sum* (not average) gradients over DP
     ranks and micro-batches: our losses are already divided by the global step denominator.
@@ -143,7 +144,7 @@ def transformer_config(
         add_qkv_bias=shape.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        bias_activation_fusion=True,  # swiglu through megatron's torch.compile'd fusion (no TE)
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

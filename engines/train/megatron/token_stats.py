@@ -3,24 +3,94 @@
 A small model with a large vocabulary (Qwen2-0.5B: hidden 896, vocab 151,936) spends most
 of a step's non-matmul GPU time on `[tokens, V]` logits: the unfused path made an fp32 copy,
 a clone for megatron's in-place cross entropy, a second fp32 pass for the entropy, and
-autograd kept fp32 intermediates of each for backward. `token_stats` reads the (bf16)
-logits chunk by chunk in fp32, keeps only three floats per token for backward, and its
-backward recomputes the softmax from the saved logits: the gradient of
-`log p(t) = z_t - lse` is `onehot(t) - p`, and of `H = lse - E_p[z]` is `-p (z - E_p[z])`
-(z the tempered logits). With tensor parallelism each rank holds `V/tp` columns starting at
-`vocab_start`; the row maxima and the three sums are all-reduced over `group`, and the
-backward needs no communication. Pure torch: it runs (and is tested) on the CPU.
+autograd kept fp32 intermediates of each for backward. `token_stats` reduces each row to
+four floats (`row_stats`), keeps two per token for backward, and its backward recomputes the
+softmax from the saved logits (`logit_grad`): the gradient of `log p(t) = z_t - lse` is
+`onehot(t) - p`, and of `H = lse - E_p[z]` is `-p (z - E_p[z])` (z the tempered logits).
+On CUDA both run through torch.compile, so the logits are read once per pass in their own
+dtype; elsewhere (and if compiling fails) in fp32 chunks. With tensor parallelism each rank
+holds `V/tp` columns from `vocab_start`; the ranks' row stats are all-gathered and combined
+exactly (`combine_stats`), and the backward needs no communication. Pure torch: it runs (and
+is tested) on the CPU.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-CHUNK_BYTES = 1 << 28  # fp32 bytes of logits per chunk: two such temporaries live at once
+CHUNK_BYTES = 1 << 28  # eager: fp32 bytes of logits per chunk (a few such temporaries live)
+
+
+def row_stats(x: Tensor, col: Tensor, mine: Tensor, temperature: float) -> Tensor:
+    """`[4, n]` per row of `[n, V]` logits, z = x / temperature: the row max m, sum(e),
+    sum(e * (z - m)) with e = exp(z - m), and the target's z where this shard holds it
+    (else 0). Shards' stats combine exactly (`combine_stats`)."""
+    z = x.float() / temperature
+    peak = z.amax(dim=-1, keepdim=True)
+    shifted = z - peak
+    e = shifted.exp()
+    picked = z.gather(-1, col).squeeze(-1) * mine
+    return torch.stack([peak.squeeze(-1), e.sum(-1), (e * shifted).sum(-1), picked])
+
+
+def combine_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`[shards, 4, n]` -> (logsumexp, E_p[z], target z) over the whole vocab: with
+    M = max m_r and w_r = exp(m_r - M), sum(e) = sum w_r s_r and
+    sum(e * (z - M)) = sum w_r (q_r + (m_r - M) s_r)."""
+    peak, total, moment, picked = stats.unbind(1)
+    top = peak.amax(dim=0)
+    w = (peak - top).exp()
+    s = (w * total).sum(0)
+    q = (w * (moment + (peak - top) * total)).sum(0)
+    return top + s.log(), top + q / s, picked.sum(0)
+
+
+def logit_grad(
+    x: Tensor, col: Tensor, mine: Tensor, lse: Tensor, mean_z: Tensor, g_lp: Tensor,
+    g_h: Tensor, temperature: float,
+) -> Tensor:
+    """d/dx [g_lp * log p(t) + g_h * H] = (g_lp * onehot(t) - p * (g_lp + g_h * (z - E[z]))) / T,
+    in the dtype of `x`."""
+    z = x.float() / temperature
+    p = (z - lse.unsqueeze(-1)).exp()
+    g = -p * (g_lp.unsqueeze(-1) + g_h.unsqueeze(-1) * (z - mean_z.unsqueeze(-1)))
+    columns = torch.arange(x.shape[-1], device=x.device)
+    g = g + torch.where(columns == col, (g_lp * mine).unsqueeze(-1), 0.0)
+    return (g / temperature).to(x.dtype)
+
+
+_compiled: dict[str, Any] = {}
+
+
+def _kernel(name: str, fn: Callable[..., Tensor], x: Tensor) -> Callable[..., Tensor] | None:
+    """`fn` through torch.compile on CUDA (one fused kernel reading the logits once, no
+    `[n, V]` fp32 temporaries), None where it is not used: on the CPU, or once compiling
+    failed (warned once; the chunked eager path then runs)."""
+    if not x.is_cuda or os.environ.get("ROLLFLOW_COMPILE_TOKEN_STATS", "1") == "0":
+        return None
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=True)
+    return _compiled[name]
+
+
+def _run(name: str, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor | None:
+    kernel = _kernel(name, fn, x)
+    if kernel is None:
+        return None
+    try:
+        return kernel(x, *args)
+    except Exception as err:  # noqa: BLE001 - any compiler failure: use the eager path
+        warnings.warn(f"token_stats: torch.compile failed ({err!r}); using eager chunks",
+                      stacklevel=2)
+        os.environ["ROLLFLOW_COMPILE_TOKEN_STATS"] = "0"
+        return None
 
 
 def _rows_per_chunk(vocab: int) -> int:
@@ -28,10 +98,20 @@ def _rows_per_chunk(vocab: int) -> int:
 
 
 def _local_targets(targets: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """(column in this shard, whether the target lies in this shard) per row."""
+    """(column in this shard `[n, 1]`, 1.0 where the target lies in this shard `[n]`)."""
     local = targets - vocab_start
-    mine = (local >= 0) & (local < vocab)
+    mine = ((local >= 0) & (local < vocab)).float()
     return local.clamp(0, vocab - 1).unsqueeze(-1), mine
+
+
+def _stats(flat: Tensor, col: Tensor, mine: Tensor, temperature: float) -> Tensor:
+    out = _run("stats", row_stats, flat, col, mine, temperature)
+    if out is not None:
+        return out
+    step = _rows_per_chunk(flat.shape[-1])
+    parts = [row_stats(flat[a : a + step], col[a : a + step], mine[a : a + step], temperature)
+             for a in range(0, flat.shape[0], step)]
+    return torch.cat(parts, dim=1) if parts else flat.new_zeros((4, 0), dtype=torch.float32)
 
 
 class _TokenStats(torch.autograd.Function):
@@ -41,61 +121,38 @@ class _TokenStats(torch.autograd.Function):
         vocab_start: int,
     ) -> tuple[Tensor, Tensor]:
         vocab = logits.shape[-1]
-        flat, tgt = logits.reshape(-1, vocab), targets.reshape(-1)
-        n = flat.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        mean_z = torch.empty_like(lse)
-        log_probs = torch.empty_like(lse)
-        step = _rows_per_chunk(vocab)
-        for a in range(0, n, step):
-            z = flat[a:a + step].to(torch.float32, copy=True)  # never the saved input itself
-            if temperature != 1.0:
-                z.div_(temperature)
-            peak = z.amax(dim=-1)
-            if group is not None:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            z.sub_(peak.unsqueeze(-1))
-            col, mine = _local_targets(tgt[a:a + step], vocab_start, vocab)
-            picked = z.gather(-1, col).squeeze(-1) * mine
-            e = z.exp()
-            total = e.sum(-1)
-            sums = torch.stack([total, e.mul_(z).sum(-1), picked])
-            if group is not None:
-                dist.all_reduce(sums, group=group)
-            log_sum = sums[0].log()
-            lse[a:a + step] = peak + log_sum
-            mean_z[a:a + step] = peak + sums[1] / sums[0]
-            log_probs[a:a + step] = sums[2] - log_sum
-        ctx.save_for_backward(logits, targets, lse, mean_z)
-        ctx.temperature, ctx.vocab_start = temperature, vocab_start
+        flat = logits.reshape(-1, vocab)
+        col, mine = _local_targets(targets.reshape(-1), vocab_start, vocab)
+        stats = _stats(flat, col, mine, temperature)
+        if group is None:
+            shards = stats.unsqueeze(0)
+        else:
+            parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, stats.contiguous(), group=group)
+            shards = torch.stack(parts)
+        lse, mean_z, picked = combine_stats(shards)
+        ctx.save_for_backward(logits, col, mine, lse, mean_z)
+        ctx.temperature = temperature
         shape = targets.shape
-        return log_probs.view(shape), (lse - mean_z).view(shape)
+        return (picked - lse).view(shape), (lse - mean_z).view(shape)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_log_probs: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        logits, targets, lse, mean_z = ctx.saved_tensors
-        temperature, vocab = ctx.temperature, logits.shape[-1]
-        flat, tgt = logits.reshape(-1, vocab), targets.reshape(-1)
-        g_lp = _or_zeros(grad_log_probs, lse)
-        g_h = _or_zeros(grad_entropy, lse)
-        grad = torch.empty_like(flat)
-        step = _rows_per_chunk(vocab)
-        for a in range(0, flat.shape[0], step):
-            b = a + step
-            z = flat[a:b].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            p = (z - lse[a:b].unsqueeze(-1)).exp_()
-            # d/dz [g_lp * log p(t) + g_h * H] = g_lp * onehot(t) - p * (g_lp + g_h * (z - E[z]))
-            z.sub_(mean_z[a:b].unsqueeze(-1)).mul_(g_h[a:b].unsqueeze(-1))
-            z.add_(g_lp[a:b].unsqueeze(-1)).mul_(p).neg_()
-            col, mine = _local_targets(tgt[a:b], ctx.vocab_start, vocab)
-            z.scatter_add_(-1, col, (g_lp[a:b] * mine).unsqueeze(-1))
-            if temperature != 1.0:
-                z.div_(temperature)
-            grad[a:b] = z
+        logits, col, mine, lse, mean_z = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        g_lp, g_h = _or_zeros(grad_log_probs, lse), _or_zeros(grad_entropy, lse)
+        per_row = (col, mine, lse, mean_z, g_lp, g_h)
+        grad = _run("grad", logit_grad, flat, *per_row, ctx.temperature)
+        if grad is None:
+            grad = torch.empty_like(flat)
+            step = _rows_per_chunk(flat.shape[-1])
+            for a in range(0, flat.shape[0], step):
+                c, m, lse_c, mean_c, g_lp_c, g_h_c = (t[a : a + step] for t in per_row)
+                grad[a : a + step] = logit_grad(
+                    flat[a : a + step], c, m, lse_c, mean_c, g_lp_c, g_h_c, ctx.temperature
+                )
         return grad.view_as(logits), None, None, None, None
 
 
