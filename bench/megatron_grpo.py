@@ -222,6 +222,8 @@ def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> N
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60),
               flush=True)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15,
+                                        max_name_column_width=60), flush=True)
         print(prof.key_averages(group_by_input_shape=True).table(
             sort_by=key, row_limit=40, max_name_column_width=40, max_shapes_column_width=80),
             flush=True)

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from engines.algorithms.config import AlgorithmConfig
 from engines.train.batching import PaddedBatch, effective_temperature
@@ -230,28 +230,29 @@ class MegatronTrainBackend:
             loss, terms = loss_fn(mb.rows, fwd)
             if not mb.counted:
                 return loss * 0.0, {}
-            out = {prefix + k: float(v) for k, v in terms.items()}
-            out[TRAINED_LOSS] = float(loss.detach())
+            # kept on the device: a float() per micro-batch would stall the GPU each time
+            out = {prefix + k: torch.as_tensor(v).detach().float() for k, v in terms.items()}
+            out[TRAINED_LOSS] = loss.detach().float()
             return loss, out
 
         t.model.zero_grad_buffer()
         t.optimizer.zero_grad()
-        totals: dict[str, float] = defaultdict(float)
-        for out in schedule.run(t.model, samples, micro_batches, self.pad_token_id, on_output,
-                                False, self.train_cfg.pack_sequences):
-            for k, v in out.items():
-                totals[k] += v
-        ranks = parallel.all_gather_dp(dict(totals))
+        with record_function("megatron.forward_backward"):
+            outs = schedule.run(t.model, samples, micro_batches, self.pad_token_id, on_output,
+                                False, self.train_cfg.pack_sequences)
+        ranks = parallel.all_gather_dp(_sum_on_host(outs))
         result = {k: sum(r.get(k, 0.0) for r in ranks) for k in set().union(*ranks)}
         result = parallel.broadcast_from_last_stage(result)
         loss_value = result.pop(TRAINED_LOSS, 0.0)
         # megatron checks for inf/nan only with an fp16 loss scaler: bf16/fp32 would step.
-        skip = not (math.isfinite(loss_value) and self._grads_finite(t.model))
+        with record_function("megatron.grads_finite"):
+            skip = not (math.isfinite(loss_value) and self._grads_finite(t.model))
         lr, grad_norm = scheduled_lr(self.train_cfg, t.base_lr, t.lr_steps), math.nan
         if not skip:
             for group in t.optimizer.param_groups:
                 group["lr"] = lr
-            stepped, norm, _ = t.optimizer.step()
+            with record_function("megatron.optimizer_step"):
+                stepped, norm, _ = t.optimizer.step()
             skip, grad_norm = not stepped, float(norm or 0.0)
         t.consecutive_skips = count_skip(
             t.consecutive_skips, skip, self.train_cfg.max_consecutive_skipped_steps, prefix
@@ -275,11 +276,13 @@ class MegatronTrainBackend:
     def _grads_finite(self, model: Any) -> bool:
         """No rank's gradient buffer holds NaN/inf. With the distributed optimizer a rank
         keeps its own contribution outside its shard, so a NaN anywhere is seen somewhere."""
+        flat = [b.grad_data for b in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", [])
+                if getattr(b, "grad_data", None) is not None]  # DDP's contiguous grad buffers
+        grads = flat or [g for p in model.module.parameters()
+                         if (g := getattr(p, "main_grad", None)) is not None]
         bad = torch.zeros((), device=parallel.current_device())
-        for p in model.module.parameters():
-            grad = getattr(p, "main_grad", None)
-            if grad is not None:
-                bad = torch.maximum(bad, torch.logical_not(torch.isfinite(grad)).any().float())
+        for grad in grads:
+            bad = torch.maximum(bad, torch.logical_not(torch.isfinite(grad)).any().float())
         return not self._any_rank(bool(bad.item()))
 
     def check_weights_finite(self) -> None:
@@ -366,6 +369,17 @@ class MegatronTrainBackend:
             t.lr_steps = int(saved[name].get("lr_step", 0))
         ckpt.load_rng(local_dir, self._shuffle)
         self.version = int(meta["version"])
+
+
+def _sum_on_host(outs: list[dict[str, Tensor]]) -> dict[str, float]:
+    """Per-micro-batch metric tensors summed per key, brought to the host in one copy."""
+    keys = sorted(set().union(*outs)) if outs else []
+    if not keys:
+        return {}
+    device = next(v.device for out in outs for v in out.values())
+    zero = torch.zeros((), device=device)
+    sums = torch.stack([sum((out.get(k, zero) for out in outs), zero) for k in keys])
+    return dict(zip(keys, sums.tolist(), strict=True))
 
 
 def _shape(hf_path: str, tp: int) -> tuple[Any, ModelShape]:
