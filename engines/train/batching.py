@@ -72,10 +72,15 @@ class PaddedBatch:
             return int(mask.diagonal(dim1=-2, dim2=-1).sum().item())
         return int(mask.sum().item())
 
-    def to(self, device: torch.device) -> PaddedBatch:
-        """The same batch with every tensor on `device` (a no-op on its own device)."""
+    def to(self, device: torch.device, non_blocking: bool = False) -> PaddedBatch:
+        """The same batch with every tensor on `device` (a no-op on its own device).
+        `non_blocking` (CPU -> CUDA): through pinned memory, so the copy queues behind the
+        GPU's work instead of waiting for it."""
+        pin = non_blocking and device.type == "cuda"
         moved = {
-            f: getattr(self, f).to(device)
+            f: (getattr(self, f).pin_memory() if pin else getattr(self, f)).to(
+                device, non_blocking=non_blocking
+            )
             for f in (
                 "input_ids",
                 "attention_mask",
@@ -182,7 +187,8 @@ def logit_positions(batch: PaddedBatch) -> tuple[Tensor, Tensor]:
 
 def pad_response_values(values: Sequence[Tensor], width: int, fill: float = 0.0) -> Tensor:
     """Stack per-sample 1-D response tensors (ragged) into `[B, width]` float32."""
-    out = torch.full((len(values), width), fill, dtype=torch.float32)
+    device = values[0].device if values else None  # where they are: no host round trip
+    out = torch.full((len(values), width), fill, dtype=torch.float32, device=device)
     for i, v in enumerate(values):
         out[i, : v.numel()] = v.float()
     return out

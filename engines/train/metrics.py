@@ -137,6 +137,6 @@ def rollout_logprob_abs_diff(
         if old is None or len(s.rollout_log_probs) != s.response_length or not s.response_length:
             continue
         engine = torch.tensor(s.rollout_log_probs, dtype=old.dtype)
-        total += float((old.detach() - engine).abs().sum())
+        total += float((old.detach().cpu() - engine).abs().sum())
         count += s.response_length
     return total / count if count else float("nan")

@@ -230,9 +230,8 @@ def _old_rows(prep: PreparedBatch, rows: list[int], log_probs: Tensor) -> list[T
     """Old log-probs of `rows`, filling (once) the lazy ones from the current forward, which
     runs before the first update (see `rollout_prep`)."""
     assert prep.old_log_probs is not None
-    missing = [(r, i) for r, i in enumerate(rows) if prep.old_log_probs[i] is None]
-    if missing:
-        host = log_probs.detach().float().cpu()  # one device sync per micro-batch, not per row
-        for r, i in missing:
-            prep.old_log_probs[i] = host[r, : prep.response_lengths[i]].clone()
+    for r, i in enumerate(rows):
+        if prep.old_log_probs[i] is None:  # kept on the device: no sync per micro-batch
+            width = prep.response_lengths[i]
+            prep.old_log_probs[i] = log_probs[r, :width].detach().float().clone()
     return [t for t in (prep.old_log_probs[i] for i in rows) if t is not None]

@@ -13,7 +13,7 @@ Megatron is imported inside the functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,16 +38,29 @@ def build_batch(samples: list[Sample], pad_token_id: int, packed: bool) -> Padde
     return build_padded_batch(samples, pad_token_id)
 
 
-def packed_seq_params(batch: PaddedBatch) -> Any:
-    """megatron's `thd` description of a varlen-packed batch (None for a padded one)."""
+def packed_seq_params(batch: PaddedBatch, device: torch.device) -> Any:
+    """megatron's `thd` description of a varlen-packed CPU batch, its offsets on `device`
+    (None for a padded batch)."""
     if batch.cu_seqlens is None:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = batch.cu_seqlens
-    longest = int((cu[1:] - cu[:-1]).max())
+    longest = int((cu[1:] - cu[:-1]).max())  # on the CPU: no device sync
+    cu = cu.to(device, non_blocking=True)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _device_batches(
+    samples: list[Sample], micro_batches: list[MicroBatch], pad_token_id: int, packed: bool,
+    device: torch.device,
+) -> Iterator[tuple[MicroBatch, PaddedBatch, Any]]:
+    """Each micro-batch built on the CPU when the schedule asks for it and copied without
+    waiting (pinned memory): building the next one overlaps the GPU's work on the last."""
+    for mb in micro_batches:
+        batch = build_batch([samples[i] for i in mb.rows], pad_token_id, packed)
+        yield mb, batch.to(device, non_blocking=True), packed_seq_params(batch, device)
 
 
 def run(
@@ -58,18 +71,16 @@ def run(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = parallel.current_device()
-    batches = [(mb, build_batch([samples[i] for i in mb.rows], pad_token_id, packed).to(device))
-               for mb in micro_batches]
 
     def forward_step(data_iterator: Any, m: Any) -> tuple[Tensor, Any]:
-        mb, batch = next(data_iterator)
+        mb, batch, seq_params = next(data_iterator)
         ids = batch.input_ids
         pos = batch.position_ids
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         select_positions(m, batch.logit_index, batch.logit_row)
         out = m(input_ids=ids, position_ids=pos, attention_mask=None,
-                packed_seq_params=packed_seq_params(batch))
+                packed_seq_params=seq_params)
 
         def loss_func(output: Tensor) -> tuple[Tensor, Tensor, Any]:
             loss, result = on_output(mb, batch, output)
@@ -77,10 +88,15 @@ def run(
 
         return out, loss_func
 
+    # Shapes for pipeline sends only (variable_seq_lengths: the real ones travel with them).
+    lengths = [[len(samples[i].tokens) for i in mb.rows] for mb in micro_batches]
     return list(get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=max(b.input_ids.shape[1] for _, b in batches),
-        micro_batch_size=max(b.input_ids.shape[0] for _, b in batches), forward_only=forward_only,
+        forward_step_func=forward_step,
+        data_iterator=_device_batches(samples, micro_batches, pad_token_id, packed, device),
+        model=[model], num_microbatches=len(micro_batches),
+        seq_length=max(sum(ls) if packed else max(ls) for ls in lengths),
+        micro_batch_size=1 if packed else max(len(ls) for ls in lengths),
+        forward_only=forward_only,
     ))
 
 
