@@ -34,8 +34,12 @@ class NonFiniteError(FloatingPointError):
 
 
 def nonfinite_names(named: Iterable[tuple[str, Tensor]]) -> list[str]:
-    """Names of the tensors holding any NaN or inf."""
-    return [name for name, t in named if not bool(torch.isfinite(t).all())]
+    """Names of the tensors holding any NaN or inf (one device-to-host read for all)."""
+    pairs = list(named)
+    if not pairs:
+        return []
+    finite = torch.stack([torch.isfinite(t).all().to(pairs[0][1].device) for _, t in pairs])
+    return [name for (name, _), ok in zip(pairs, finite.tolist(), strict=True) if not ok]
 
 
 def check_finite(named: Iterable[tuple[str, Tensor]], what: str) -> None:
