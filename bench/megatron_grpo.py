@@ -42,6 +42,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -215,10 +216,13 @@ def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> N
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
+        start = time.perf_counter()
         backend.train(samples, step)
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     if rank == 0:
+        print(f"profiled step: {wall:.3f} s wall", flush=True)
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60),
               flush=True)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import LossInputs, actor_loss, critic_loss, make_reducer
@@ -140,10 +141,11 @@ class TrainStep:
     def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()
         epochs = [self.partitions(samples) for _ in range(self.train_cfg.num_epochs_per_rollout)]
-        prep = prepare_batch(
-            samples, self.algo_cfg, self._scorers(), self.estimator, epochs[0][0],
-            self.reward_key, lazy=self.model.lazy_old_log_probs,
-        )
+        with record_function("rollflow.prepare_batch"):
+            prep = prepare_batch(
+                samples, self.algo_cfg, self._scorers(), self.estimator, epochs[0][0],
+                self.reward_key, lazy=self.model.lazy_old_log_probs,
+            )
         uses_critic = self.algo_cfg.uses_critic
         train_actor = not (uses_critic and rollout_id < self.train_cfg.num_critic_only_steps)
         steps = []
@@ -158,7 +160,8 @@ class TrainStep:
                 loss = self._actor_loss(prep, denominator)
                 out.update(self.model.optimizer_step("actor", samples, mbs, loss))
             steps.append(out)
-        self.model.check_weights_finite()
+        with record_function("rollflow.check_weights_finite"):
+            self.model.check_weights_finite()
         elapsed = max(time.perf_counter() - start, 1e-9)
         self.model.version = rollout_id + 1
         tokens = sum(len(s.tokens) for s in samples) * len(epochs)
