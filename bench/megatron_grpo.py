@@ -160,7 +160,8 @@ def main() -> None:
     ap.add_argument("--micro-tokens", type=int, default=16384)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU")
     ap.add_argument("--pack", action="store_true", help="train.pack_sequences")
-    ap.add_argument("--no-share", action="store_true", help="train.share_prompts=false (torch)")
+    ap.add_argument("--share", choices=["auto", "on", "off"], default="auto",
+                    help="train.share_prompts (torch; auto: on the CPU only)")
     ap.add_argument("--profile", action="store_true",
                     help="one more step under torch.profiler: the top CUDA kernels")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "qwen2-05b-random"))
@@ -176,7 +177,7 @@ def main() -> None:
         torch.distributed.barrier()
     train_cfg = TrainConfig(model_path=args.model_dir, lr=1e-6, dtype="bfloat16",
                             max_tokens_per_micro_batch=args.micro_tokens, seed=1,
-                            pack_sequences=args.pack, share_prompts=not args.no_share)
+                            pack_sequences=args.pack, share_prompts={"auto": None, "on": True, "off": False}[args.share])
     algo = AlgorithmConfig()
     backend: Any
     if args.backend == "torch":

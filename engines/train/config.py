@@ -92,12 +92,15 @@ class TrainConfig(Section):
         0, ge=0, description="First N rollouts train only the critic (ppo)."
     )
     max_tokens_per_micro_batch: int = Field(16384, ge=1)
-    share_prompts: bool = Field(
-        True,
+    share_prompts: bool | None = Field(
+        None,
         description="torch backend: compute a prompt once for all of its responses in a "
         "micro-batch (one row per prompt under a custom attention mask; same log-probs and "
         "gradients up to float rounding, ~2x less work for 8 short responses per prompt). "
-        "Used when the model's attention is sdpa; false: one padded row per sample.",
+        "Used when the model's attention is sdpa; false: one padded row per sample. "
+        "Default (null): on the CPU only. On a GPU the masked attention cannot take the "
+        "flash kernels that causal padded rows use, and it measured slower (H200, "
+        "Qwen2-0.5B shape, seq 1k: 36.2k vs 53.0k tok/s).",
     )
     pack_sequences: bool = Field(
         False,

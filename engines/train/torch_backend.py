@@ -139,7 +139,7 @@ class TorchTrainBackend:
         return score_samples(
             samples, run, cfg.max_tokens_per_micro_batch, self.pad_token_id, self.device, build,
             packed=cfg.pack_sequences and build is not build_padded_batch,  # critic: padded
-            by_group=cfg.share_prompts and build is not build_padded_batch,
+            by_group=self._share_prompts and build is not build_padded_batch,
         )
 
     def _log_prob_batch(self, model: torch.nn.Module) -> BuildBatch:
@@ -148,9 +148,9 @@ class TorchTrainBackend:
         (prompt_sharing.py), else one padded row per sample."""
         cfg = self.train_cfg
         if cfg.pack_sequences:
-            return functools.partial(build_packed_batch, share_prompts=cfg.share_prompts,
+            return functools.partial(build_packed_batch, share_prompts=self._share_prompts,
                                      hidden_size=model_hidden_size(model))
-        share = cfg.share_prompts and supports_prompt_sharing(model)
+        share = self._share_prompts and supports_prompt_sharing(model)
         return build_shared_prompt_batch if share else build_padded_batch
 
     def _log_prob_scorer(self, model: torch.nn.Module) -> Callable[[list[Sample]], list[Tensor]]:
@@ -210,8 +210,14 @@ class TorchTrainBackend:
         return not self.dp.enabled
 
     @property
+    def _share_prompts(self) -> bool:
+        """`train.share_prompts`, by default on the CPU only (see its description)."""
+        share = self.train_cfg.share_prompts
+        return self.device.type == "cpu" if share is None else share
+
+    @property
     def shares_prompts(self) -> bool:
-        return self.train_cfg.share_prompts and supports_prompt_sharing(self.model)
+        return self._share_prompts and supports_prompt_sharing(self.model)
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned."""

@@ -127,3 +127,13 @@ def test_distinct_prompts_get_the_padded_batch() -> None:
     batch = build_shared_prompt_batch([a, b], pad_token_id=0)
     assert batch.position_ids is None and batch.attention_mask.dim() == 2
     assert batch.input_ids.tolist() == build_padded_batch([a, b], 0).input_ids.tolist()
+
+
+def test_prompts_are_shared_by_default_on_the_cpu_only(tiny_model_dir: str) -> None:
+    """`train.share_prompts` unset: on for a CPU trainer (a GPU's flash kernels need causal
+    padded rows, see the field's description); an explicit setting wins."""
+    assert make_backend(tiny_model_dir).shares_prompts
+    assert not make_backend(tiny_model_dir, share_prompts=False).shares_prompts
+    backend = make_backend(tiny_model_dir)
+    backend.device = torch.device("cuda")  # as a GPU trainer resolves it; nothing runs there
+    assert not backend.shares_prompts
