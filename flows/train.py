@@ -10,12 +10,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any, cast
-from uuid import UUID
+from typing import Any
 
 import ray
 from prefect import flow
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
@@ -32,6 +30,7 @@ from flows.run_labels import labelled
 from storage.run_layout import RunLayout
 from storage.secrets import register
 from tasks import step_tasks as t
+from tasks.artifacts import ProgressArtifact
 
 
 def _progress_bar(cfg: RollflowConfig, start: int) -> Any:
@@ -122,10 +121,9 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     if evaluate_now and config.eval.before_train:
         t.evaluate(ctx, start)
     total = config.rollout.num_rollout
-    progress_id = cast(UUID, create_progress_artifact(
-        100.0 * start / total, key=artifact_key(config.storage.run_name, "steps"),
-        description="rollout steps committed",
-    ))
+    progress = ProgressArtifact(artifact_key(config.storage.run_name, "steps"),
+                                "rollout steps committed")
+    progress.set(100.0 * start / total)
     bar = _progress_bar(config, start)
     sinks = open_sinks(config.logging, layout, config.storage.run_name)
 
@@ -133,7 +131,7 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
         sinks.log(metrics, step=rollout_id)
         bar.update(1)
         bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
-        update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
+        progress.set(100.0 * (rollout_id + 1) / total)
         if evaluates_after(config, rollout_id) and not pipelined:  # (async: in the step)
             t.evaluate(ctx, rollout_id + 1)
 

@@ -7,14 +7,39 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+class ProgressArtifact:
+    """A Prefect progress artifact created by its first `set` and updated by the later ones;
+    a value equal to the last one shown is not sent again (a wait may poll it every 0.5 s)."""
+
+    def __init__(self, key: str, description: str) -> None:
+        self.key, self.description = key, description
+        self._id: UUID | None = None
+        self._last: float | None = None
+
+    def set(self, percent: float) -> None:
+        if percent == self._last:
+            return
+        self._last = percent
+        if self._id is None:
+            self._id = cast(UUID, create_progress_artifact(
+                percent, key=self.key, description=self.description))
+        else:
+            update_progress_artifact(self._id, percent)
 
 
 def for_people(value: Any, digits: int = 4) -> Any:

@@ -14,12 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar, cast
-from uuid import UUID
+from typing import Any, TypeVar
 
 import ray
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
@@ -41,7 +39,7 @@ from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
 from storage.sample import RewardError
 from tasks import colocate
-from tasks.artifacts import artifact_key, publish_eval
+from tasks.artifacts import ProgressArtifact, artifact_key, publish_eval
 from tasks.records import BroadcastRecord, StepMetrics, TrainRecord
 
 
@@ -151,25 +149,15 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> Genera
     """resolve(ref), meanwhile mirroring the actor's progress file into a Prefect progress
     artifact, so the UI shows how far generation is (groups kept / target)."""
     parts = (f"steps/{rollout_id:06d}", "generate.progress.json")
-    artifact: UUID | None = None
+    bar = ProgressArtifact(artifact_key(ctx.cfg.storage.run_name, "generation"),
+                           f"step {rollout_id}: groups kept / rollout_batch_size")
     while isinstance(ref, ray.ObjectRef) and not ray.wait([ref], timeout=0.5)[0]:
-        if not ctx.layout.store.exists(*parts):
-            continue
-        p = ctx.layout.store.read_json(*parts)
-        percent = 100.0 * p["kept"] / max(p["target"], 1)
-        if artifact is None:
-            artifact = cast(UUID, create_progress_artifact(
-                percent, key=artifact_key(ctx.cfg.storage.run_name, "generation"),
-                description=f"step {rollout_id}: groups kept / rollout_batch_size",
-            ))
-        else:
-            update_progress_artifact(artifact, percent)
+        if ctx.layout.store.exists(*parts):
+            p = ctx.layout.store.read_json(*parts)
+            bar.set(100.0 * p["kept"] / max(p["target"], 1))
     result: GenerateRecord = resolve(ref)
-    if artifact is not None:
-        update_progress_artifact(artifact, 100.0)
-    elif ctx.layout.store.exists(*parts):  # finished before the first poll
-        create_progress_artifact(100.0, key=artifact_key(ctx.cfg.storage.run_name, "generation"),
-                                 description=f"step {rollout_id}: groups kept / rollout_batch_size")
+    if ctx.layout.store.exists(*parts):  # also when it finished before the first poll
+        bar.set(100.0)
     return result
 
 
