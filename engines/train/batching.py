@@ -150,14 +150,20 @@ def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> Padd
     )
 
 
+def slot_rows(logit_index: Tensor, logit_row: Tensor | None) -> Tensor:
+    """The input row of each `[B, R]` response slot, `[B, R]`: `logit_row`, or where a batch
+    has none, sample b's slots on row b."""
+    if logit_row is None:
+        logit_row = torch.arange(logit_index.shape[0], device=logit_index.device).unsqueeze(-1)
+    return logit_row.expand_as(logit_index)
+
+
 def gather_response_logits(
     logits: Tensor, logit_index: Tensor, logit_row: Tensor | None = None
 ) -> Tensor:
     """`[rows, L, V]` full-sequence logits -> `[B, R, V]` logits that predict each response
     slot; `logit_row` says which input row holds them (default: sample b is row b)."""
-    if logit_row is None:
-        logit_row = torch.arange(logits.shape[0], device=logits.device).unsqueeze(-1)
-    return logits[logit_row, logit_index]
+    return logits[slot_rows(logit_index, logit_row), logit_index]
 
 
 def logit_positions(batch: PaddedBatch) -> tuple[Tensor, Tensor]:
@@ -170,10 +176,7 @@ def logit_positions(batch: PaddedBatch) -> tuple[Tensor, Tensor]:
     positions repeat other positions (computed, never read)."""
     rows, width = batch.input_ids.shape
     device = batch.logit_index.device
-    row = batch.logit_row
-    if row is None:
-        row = torch.arange(batch.logit_index.shape[0], device=device).unsqueeze(-1)
-    row = row.expand_as(batch.logit_index)
+    row = slot_rows(batch.logit_index, batch.logit_row)
     valid = batch.response_mask.bool()
     needed = torch.zeros((rows, width), dtype=torch.bool, device=device)
     needed[row[valid], batch.logit_index[valid]] = True

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
+
+from engines.train.batching import slot_rows
 
 _ARMED = "_rollflow_response_positions"
 
@@ -50,14 +51,8 @@ def select_positions(model: Any, logit_index: Tensor, logit_row: Tensor | None) 
     if not getattr(layer, "_rollflow_hooked", False):
         layer.register_forward_pre_hook(_cut_hidden, with_kwargs=True)
         layer._rollflow_hooked = True  # type: ignore[assignment]
-    if logit_row is None:
-        logit_row = _row_per_sample(logit_index)
-    setattr(layer, _ARMED, (logit_index, logit_row.expand_as(logit_index)))
+    setattr(layer, _ARMED, (logit_index, slot_rows(logit_index, logit_row)))
     return True
-
-
-def _row_per_sample(logit_index: Tensor) -> Tensor:
-    return torch.arange(logit_index.shape[0], device=logit_index.device).unsqueeze(-1)
 
 
 def response_view(output: Tensor, logit_index: Tensor) -> Tensor:

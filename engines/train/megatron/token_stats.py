@@ -66,26 +66,19 @@ def logit_grad(
     return (g / temperature).to(x.dtype)
 
 
-_compiled: dict[str, Any] = {}
+_compiled: dict[str, Callable[..., Tensor]] = {}
 
 
-def _kernel(name: str, fn: Callable[..., Tensor], x: Tensor) -> Callable[..., Tensor] | None:
-    """`fn` through torch.compile on CUDA (one fused kernel reading the logits once, no
-    `[n, V]` fp32 temporaries), None where it is not used: on the CPU, or once compiling
-    failed (warned once; the chunked eager path then runs)."""
+def _run(name: str, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor | None:
+    """`fn(x, *args)` through torch.compile on CUDA (one fused kernel reading the logits
+    once, no `[n, V]` fp32 temporaries); None where it is not used: on the CPU, or once
+    compiling failed (warned once; the chunked eager path then runs)."""
     if not x.is_cuda or os.environ.get("ROLLFLOW_COMPILE_TOKEN_STATS", "1") == "0":
         return None
     if name not in _compiled:
         _compiled[name] = torch.compile(fn, dynamic=True)
-    return _compiled[name]
-
-
-def _run(name: str, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor | None:
-    kernel = _kernel(name, fn, x)
-    if kernel is None:
-        return None
     try:
-        return kernel(x, *args)
+        return _compiled[name](x, *args)
     except Exception as err:  # noqa: BLE001 - any compiler failure: use the eager path
         warnings.warn(f"token_stats: torch.compile failed ({err!r}); using eager chunks",
                       stacklevel=2)
