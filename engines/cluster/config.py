@@ -24,7 +24,10 @@ class ClusterConfig(Section):
         "the starting process, so CUDA_VISIBLE_DEVICES applies; 0 on a CPU-only machine).",
     )
     actor_num_threads: int | None = Field(
-        None, ge=1, description="torch threads per actor (None: all cores of the machine)."
+        None, ge=1,
+        description="torch threads per actor (None: all cores of the machine, split among a "
+        "CPU train group's ranks on one node; applied in each actor, because Ray starts an "
+        "actor that reserves no CPU with OMP_NUM_THREADS=1).",
     )
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,

@@ -24,6 +24,7 @@ from engines.rollout.health import wait_for_health
 from engines.rollout.mock_generator import MockGenerator
 from engines.rollout.scheduler import ContinuousScheduler
 from engines.rollout.sglang_server import create_app
+from engines.torch_threads import actor_threads
 
 GeneratorFactory = Callable[[EngineConfig, int, int | None], Generator]
 _MOCK_VOCAB, _MOCK_EOS = 256, 0
@@ -81,7 +82,7 @@ class EngineActor:
     ) -> None:
         self.config = config
         self.engine_index = engine_index
-        self.generator = build_generator(config, engine_index, num_threads)
+        self.generator = build_generator(config, engine_index, actor_threads(num_threads))
         self.scheduler = ContinuousScheduler(self.generator, max_batch_size=config.max_batch_size)
         app = create_app(self.generator, self.scheduler)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

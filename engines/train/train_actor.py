@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engines.torch_threads import actor_threads
 from engines.train.config import TrainActorConfig
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
@@ -27,8 +28,10 @@ from storage.run_layout import RunLayout, step_dir
 def _torch_backend(cfg: TrainActorConfig) -> Any:
     from engines.train.torch_backend import TorchTrainBackend
 
+    # a CPU group's ranks on one node train at the same time: they split its cores
+    threads = actor_threads(cfg.cluster.actor_num_threads, cfg.cluster.actor_num_gpus_per_node)
     return TorchTrainBackend(
-        cfg.train, cfg.algorithm, cfg.rollout.temperature, cfg.cluster.actor_num_threads,
+        cfg.train, cfg.algorithm, cfg.rollout.temperature, threads,
         reward_key=cfg.rollout.reward_key,
     )
 

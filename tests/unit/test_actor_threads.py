@@ -1,0 +1,55 @@
+"""torch threads in the run's actors: `cluster.actor_num_threads: null` means the machine's
+cores, although Ray starts an actor that reserves no CPU (as rollflow's do without
+placement) with OMP_NUM_THREADS=1, which alone would hold torch to one core."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+
+from engines import torch_threads
+from engines.rollout.engine_actor import EngineActor
+from engines.torch_threads import actor_threads, machine_cores
+from engines.train.train_actor import TrainActor
+from tests.flow.configs import arithmetic_config
+
+
+def test_configured_count_wins_and_none_splits_the_cores(monkeypatch):
+    monkeypatch.setattr(torch_threads, "machine_cores", lambda: 8)
+    assert actor_threads(3) == 3
+    assert actor_threads(3, sharers=4) == 3
+    assert actor_threads(None) == 8
+    assert actor_threads(None, sharers=2) == 4
+    assert actor_threads(None, sharers=16) == 1  # never 0
+
+
+def _torch_threads(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
+
+
+@pytest.mark.parametrize("configured", [None, 1])
+def test_trainer_and_engine_actors_get_the_configured_threads(
+    configured, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    if machine_cores() < 2:
+        pytest.skip("one core: all cores and Ray's one thread are the same")
+    cfg = arithmetic_config(
+        run_name=f"threads-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
+        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
+        backend="embedded",
+        overrides=[f"cluster.actor_num_threads={'null' if configured is None else configured}"],
+    )
+    want = configured or machine_cores()
+    trainer = ray.remote(TrainActor).options(num_cpus=0).remote(cfg)
+    engine = ray.remote(EngineActor).options(num_cpus=0).remote(
+        cfg.engine, 0, cfg.cluster.actor_num_threads)
+    try:
+        assert _torch_threads(trainer) == want
+        # the engine drops to one thread for small decode steps, on its scheduler thread
+        # only; what it was given is its generator's ceiling
+        assert ray.get(engine.__ray_call__.remote(lambda self: self.generator._threads)) == want
+    finally:
+        ray.kill(trainer)
+        ray.kill(engine)
