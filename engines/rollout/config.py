@@ -75,7 +75,8 @@ class RolloutConfig(Section):
         description="Async mode: generation of step k waits until the engines hold weight "
         "version >= k - max_staleness (rounded down to a train.update_weights_interval push); "
         "buffered samples started on an older version are regenerated from the prompt and "
-        "counted (rollout/groups_stale_regenerated_samples).",
+        "counted (rollout/groups_stale_regenerated_samples). 0 stays on-policy: only the next "
+        "step's flow-run set-up and prompt draw overlap this step's training.",
     )
     function_path: str | None = Field(
         None,
