@@ -19,7 +19,9 @@ Threads: every torch process of either side gets `--threads` (TRL's trainer; rol
 engine and trainer actors through `cluster.actor_num_threads`), by default torch's default.
 
 Clocks: seconds of training, from the first step (rollflow: the first step's start less the
-typical gap between steps, i.e. its flow-run start-up; TRL: `on_train_begin`); start-up
+typical gap between steps, i.e. its flow-run start-up; TRL: `on_train_begin`), less the time
+either side spends saving the snapshots (rollflow: the commit of a step that checkpoints,
+`time/commit`; TRL: the weight copy; their CPU stays counted); start-up
 (actors, model loading / trainer construction) is reported apart. CPU: seconds of every
 process doing the work (TRL: this process; rollflow: this process and its children, e.g.
 the Prefect server, plus the run's Ray actors, not Ray's own daemons). Evaluation happens
@@ -195,16 +197,18 @@ def rollflow_run(
     gaps = sorted(b - a for a, b in zip(committed, started[1:], strict=False))
     t0 = started[0] - (gaps[len(gaps) // 2] if gaps else 0.0)  # step 0's flow-run start-up
     samples, points, ckpts = 0, [Point(0, 0.0, 0.0)], [sft_ckpt]
+    saving = 0.0  # seconds spent saving the snapshots: off the clock, as TRL's copies are
     for step, done in zip(steps, committed, strict=True):
         metrics = json.loads((step / "metrics.json").read_text())
         samples += int(metrics.get("train/num_samples", per_step))
         ckpt = run_dir / "checkpoints" / step.name
         if (ckpt / "model.safetensors").exists():
-            points.append(Point(samples, done - t0, meter.at(done) - meter.at(t0)))
+            saving += float(metrics.get("time/commit", 0.0))
+            points.append(Point(samples, done - t0 - saving, meter.at(done) - meter.at(t0)))
             ckpts.append(str(ckpt))
     end = committed[-1]
-    return Curve("rollflow", points, t0 - called, end - t0, meter.at(end) - meter.at(t0),
-                 meter.by_role(t0, end)), ckpts
+    return Curve("rollflow", points, t0 - called, end - t0 - saving,
+                 meter.at(end) - meter.at(t0), meter.by_role(t0, end)), ckpts
 
 
 def with_accuracy(curve: Curve, accuracies: list[float]) -> Curve:
