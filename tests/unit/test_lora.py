@@ -264,6 +264,6 @@ def test_example_lora_config_is_grpo_yaml_with_adapters(tiny_model_dir: str) -> 
     for dumped in (full, other):  # everything else is the full fine-tuning example's
         for section, key in (("train", "lora"), ("train", "lr"), ("train", "num_epochs_per_rollout"),
                              ("train", "lr_decay_style"), ("train", "lr_decay_steps"),
-                             ("algorithm", "eps_clip_high"), ("storage", "run_name")):
+                             ("storage", "run_name")):
             dumped[section].pop(key)
     assert other == full
