@@ -110,11 +110,26 @@ def train(config: RollflowConfig) -> dict[str, Any]:
         return _train(config)
 
 
+def finished(config: RollflowConfig, layout: RunLayout) -> bool:
+    """Every step committed and, if the run evaluates, its last version's metrics stored:
+    a rerun has nothing to compute. It then starts no actors: loading models it would not
+    use made a rerun of the finished main job take ~30 s per phase."""
+    total = config.rollout.num_rollout
+    if layout.next_rollout_id() < total:
+        return False
+    return not config.eval.enabled or total in layout.evals()
+
+
 def _train(config: RollflowConfig) -> dict[str, Any]:
     checked = preflight_once(config)
-    connect(config.cluster)
     layout = open_layout(config)
     save_config(layout, config)
+    if finished(config, layout):
+        report = publish_run_report(layout, make_plot=config.logging.plot)
+        return {"run_dir": layout.uri, "resumed_at": config.rollout.num_rollout,
+                "restored": None, "prompts": checked.prompts,
+                "prompts_dropped_too_long": checked.dropped_too_long, **report}
+    connect(config.cluster)
     ctx, start, restored = start_run(config, layout)
 
     evaluate_now = config.eval.enabled

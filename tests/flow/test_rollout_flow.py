@@ -136,3 +136,34 @@ def test_trainer_rebuilt_from_checkpoint_and_replay(mock_config):
     per_step = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     assert ray.get(actor(cfg, "trainer").trained_indices.remote()) == list(range(2 * per_step, 3 * per_step))
 
+
+
+def test_rerun_of_a_finished_run_starts_no_actors(mock_config, arithmetic_data, monkeypatch):
+    """All steps committed and the last version evaluated: a rerun returns the run's report
+    without starting (and loading models into) any actor. With that evaluation gone, the
+    rerun starts the actors again and evaluates."""
+    import flows.train as train_module
+    from flows.train import train
+
+    test_set = f"eval.datasets=[{{name: test, path: {arithmetic_data['test']}, temperature: 0.0}}]"
+    cfg = mock_config(overrides=[test_set])
+    first = train(cfg)
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    evaluated = layout.evals()[2]
+
+    def no_actors(*args, **kwargs):
+        raise AssertionError("a finished run started its actors")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(train_module, "start_run", no_actors)
+        again = train(cfg)
+    assert again["resumed_at"] == 2 and again["restored"] is None
+    assert again["evals"] == first["evals"] and again["steps"] == first["steps"] == 2
+
+    layout.store.delete("eval", "000002.json")
+    third = train(cfg)
+    assert third["restored"] is not None
+    def scores(metrics):
+        return {k: v for k, v in metrics.items() if not k.endswith("/seconds")}
+
+    assert scores(layout.evals()[2]) == scores(evaluated)
