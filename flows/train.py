@@ -23,7 +23,7 @@ from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
 from flows.failure_notice import notify_failure
 from flows.logging_sinks import open_sinks
-from flows.preflight import preflight_once
+from flows.preflight import PreflightReport, preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
 from flows.run_labels import labelled
@@ -117,7 +117,7 @@ def finished(config: RollflowConfig, layout: RunLayout) -> bool:
     total = config.rollout.num_rollout
     if layout.next_rollout_id() < total:
         return False
-    return not config.eval.enabled or total in layout.evals()
+    return not config.eval.enabled or layout.has_eval(total)
 
 
 def _train(config: RollflowConfig) -> dict[str, Any]:
@@ -125,10 +125,7 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     layout = open_layout(config)
     save_config(layout, config)
     if finished(config, layout):
-        report = publish_run_report(layout, make_plot=config.logging.plot)
-        return {"run_dir": layout.uri, "resumed_at": config.rollout.num_rollout,
-                "restored": None, "prompts": checked.prompts,
-                "prompts_dropped_too_long": checked.dropped_too_long, **report}
+        return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
     connect(config.cluster)
     ctx, start, restored = start_run(config, layout)
 
@@ -159,9 +156,18 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
         bar.close()  # a failure's first line must not run on from the bar
     if evaluate_now:
         t.evaluate(ctx, total)
-    report = publish_run_report(layout, make_plot=config.logging.plot)
+    result = _result(config, layout, checked, start, restored)
     if not config.cluster.keep_actors:
         kill_run_actors(config)
+    return result
+
+
+def _result(
+    config: RollflowConfig, layout: RunLayout, checked: PreflightReport, start: int,
+    restored: Any,
+) -> dict[str, Any]:
+    """What train() returns, with the run's report published (tables, curves)."""
+    report = publish_run_report(layout, make_plot=config.logging.plot)
     return {"run_dir": layout.uri, "resumed_at": start, "restored": restored,
             "prompts": checked.prompts, "prompts_dropped_too_long": checked.dropped_too_long,
             **report}

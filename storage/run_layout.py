@@ -189,7 +189,10 @@ class RunLayout:
 
     # -- eval ----------------------------------------------------------------------------
     def save_eval(self, rollout_id: int, metrics: dict[str, Any]) -> None:
-        self.store.write_json(metrics, "eval", f"{rollout_id:06d}.json")
+        self.store.write_json(metrics, "eval", _eval_file(rollout_id))
+
+    def has_eval(self, rollout_id: int) -> bool:
+        return self.store.exists("eval", _eval_file(rollout_id))
 
     def evals(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -197,3 +200,7 @@ class RunLayout:
             if name.endswith(".json"):
                 out[int(name[:6])] = self.store.read_json("eval", name)
         return out
+
+
+def _eval_file(weight_version: int) -> str:
+    return f"{weight_version:06d}.json"
