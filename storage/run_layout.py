@@ -194,6 +194,12 @@ class RunLayout:
     def has_eval(self, rollout_id: int) -> bool:
         return self.store.exists("eval", _eval_file(rollout_id))
 
+    def eval_of(self, weight_version: int) -> dict[str, Any] | None:
+        """One version's stored held-out metrics (one read, where `evals` reads them all)."""
+        if not self.has_eval(weight_version):
+            return None
+        return dict(self.store.read_json("eval", _eval_file(weight_version)))
+
     def evals(self) -> dict[int, dict[str, Any]]:
         out = {}
         for name in self.store.list("eval"):

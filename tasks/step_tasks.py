@@ -34,6 +34,7 @@ from engines.records import (
 from engines.rollout.rewards.hub import RewardConfigError
 from engines.run_config import RunConfig as RollflowConfig
 from engines.train.finite import NonFiniteError
+from engines.train.lora import LoraResumeError
 from engines.weight_schedule import pushes_weights, required_weight_version
 from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
@@ -96,7 +97,8 @@ def run_once(layout: RunLayout, rollout_id: int, kind: type[R], work: Callable[[
 # Failures that come out the same however often they are retried: a bad input or a
 # corrupt file (fix it and rerun) is reported at once instead of after two retries.
 DETERMINISTIC: tuple[type[BaseException], ...] = (
-    CorruptFileError, DatasetError, HookError, NonFiniteError, RewardConfigError, RewardError,
+    CorruptFileError, DatasetError, HookError, LoraResumeError, NonFiniteError,
+    RewardConfigError, RewardError,
 )
 
 
@@ -286,7 +288,7 @@ def commit(
 def evaluate(ctx: StepContext, weight_version: int) -> dict[str, float]:
     """Held-out metrics of `weight_version` (stored ones if it was evaluated before), also
     shown in the UI as a table (artifact `{run}-eval`)."""
-    metrics = ctx.layout.evals().get(weight_version)
+    metrics = ctx.layout.eval_of(weight_version)
     if metrics is None:
         metrics = dict(resolve(ctx.reattach().rollout.evaluate.remote(weight_version)))
     publish_eval(ctx.cfg.storage.run_name, weight_version, metrics)

@@ -31,7 +31,7 @@ from engines.algorithms.advantages import (
     rloo_advantages_by_group,
 )
 from engines.algorithms.config import AlgorithmConfig
-from engines.hooks import checked_returns, load_user_hook
+from engines.hooks import HookError, checked_returns, load_user_hook
 
 Estimates = tuple[list[Tensor], list[Tensor]]
 
@@ -137,9 +137,11 @@ def compute_advantages(
 ) -> AdvantageResult:
     """Run the estimator, then distillation and whitening (see the module docstring)."""
     advantages, returns = (estimator or load_estimator(algo))(algo, x)
-    if len(advantages) != len(x.loss_masks):
-        raise ValueError(
-            f"advantage estimator returned {len(advantages)} rows for {len(x.loss_masks)} samples"
+    if len(advantages) != len(x.loss_masks):  # a HookError: the same on every retry
+        which = algo.custom_advantage_function_path or algo.advantage_estimator
+        raise HookError(
+            f"advantage estimator {which} returned {len(advantages)} rows for "
+            f"{len(x.loss_masks)} samples"
         )
     reverse_kl = None
     if algo.use_opd:

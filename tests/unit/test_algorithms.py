@@ -353,6 +353,25 @@ def _hook_advantages_only(algo: AlgorithmConfig, x: AdvantageInputs) -> list:
     return [torch.full_like(m, 7.0) for m in x.loss_masks][:1]  # no returns, and one row short
 
 
+def _hook_one_row_short(algo: AlgorithmConfig, x: AdvantageInputs) -> tuple[list, list]:
+    adv = [torch.full_like(m, 7.0) for m in x.loss_masks][1:]
+    return adv, adv
+
+
+def test_a_custom_advantage_with_too_few_rows_is_reported_at_once() -> None:
+    """Rows missing from a custom estimator's result come back the same on a retry: a
+    HookError naming the hook, which the step task does not retry."""
+    from prefect.states import Failed
+
+    from tasks.step_tasks import retry_transient
+
+    path = "tests.unit.test_algorithms:_hook_one_row_short"
+    with pytest.raises(HookError) as raised:
+        compute_advantages(AlgorithmConfig(custom_advantage_function_path=path), _adv_inputs())
+    assert str(raised.value) == f"advantage estimator {path} returned 1 rows for 2 samples"
+    assert retry_transient(None, None, Failed(data=raised.value)) is False
+
+
 # -- more loss options --------------------------------------------------------------------
 def test_dual_clip_caps_negative_advantages() -> None:
     # ratio 3 (ppo_kl = -ln 3), eps 0.2:

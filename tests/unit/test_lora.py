@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from prefect.states import Failed
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -26,6 +27,7 @@ from engines.train.weight_sender import (
 from engines.weight_sync import weights_checksum
 from flows.config import AlgorithmConfig, ConfigError, EngineConfig, TrainConfig
 from flows.config_loader import apply_overrides, config_from_dict
+from tasks.step_tasks import retry_transient
 from tests.unit.test_torch_backend import make_backend, make_samples
 
 LORA = {"rank": 4, "alpha": 8}
@@ -190,8 +192,10 @@ def test_resume_refuses_other_adapter_settings_or_a_full_checkpoint(
     trained: dict[str, Any], tiny_model_dir: str, tmp_path: Path
 ) -> None:
     other = lora_backend(tiny_model_dir, lora={"rank": 8, "alpha": 8})
-    with pytest.raises(lora.LoraResumeError, match=r"train\.lora\.rank=8 differs from the checkpoint"):
+    with pytest.raises(lora.LoraResumeError, match=r"train\.lora\.rank=8 differs from the checkpoint"
+                       ) as raised:
         other.load_checkpoint(trained["ckpt"])
+    assert not retry_transient(None, None, Failed(data=raised.value))  # reported at once
     with pytest.raises(lora.LoraResumeError, match=r"train\.lora\.alpha=16 differs from the checkpoint"):
         lora_backend(tiny_model_dir, lora={**LORA, "alpha": 16}).load_checkpoint(trained["ckpt"])
     # The checkpoint adapts every linear layer ('all-linear'); fewer targets are refused ...
