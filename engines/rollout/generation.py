@@ -199,7 +199,8 @@ class GenerationLoop:
         self.min_weight_version = min_weight_version
         self.stale_regenerated = 0
         self.dispatch: Dispatch = (
-            dispatch if isinstance(dispatch, Dispatch) else RoundRobinDispatch(dispatch)
+            dispatch if isinstance(dispatch, Dispatch)
+            else RoundRobinDispatch(dispatch, cfg.max_request_samples)
         )
         # A bare reward function is the common case (eval, tests); the hub adds group_rm,
         # per-sample metadata.rm_type and remote reward models.

@@ -1,0 +1,104 @@
+"""Direct dispatch: groups that start together share requests, each sample keeps its own."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from engines.rollout.dispatch import RoundRobinDispatch
+from engines.rollout.sglang_client import GenerateOutput
+
+
+class RecordingEngine:
+    """The engine edge: records each /generate request's rids and answers each row with its
+    own seed as the output token (so a mixed-up row would show)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.requests: list[list[str]] = []
+        self.fail = fail
+
+    async def generate_batch(
+        self, input_ids: list[list[int]], sampling_params: Any, rids: list[str] | None = None,
+        return_logprob: bool = True,
+    ) -> list[GenerateOutput]:
+        assert rids is not None and len(rids) == len(input_ids) == len(sampling_params)
+        self.requests.append(list(rids))
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise ConnectionError("engine unreachable")
+        return [GenerateOutput([p["sampling_seed"]], "", [-0.5], {"type": "length"}, 3)
+                for p in sampling_params]
+
+
+def group_call(dispatch: RoundRobinDispatch, g: int, size: int) -> Any:
+    seeds = [100 * g + j for j in range(size)]
+    return dispatch.generate([[1, 2, g]] * size, [{"sampling_seed": s} for s in seeds],
+                             [f"sample-{s}" for s in seeds])
+
+
+async def _groups(dispatch: RoundRobinDispatch, sizes: list[int]) -> list[Any]:
+    return await asyncio.gather(*(group_call(dispatch, g, n) for g, n in enumerate(sizes)))
+
+
+def test_groups_that_start_together_share_requests_up_to_the_cap() -> None:
+    engines = [RecordingEngine(), RecordingEngine()]
+    outs = asyncio.run(_groups(RoundRobinDispatch(engines, max_request_samples=16), [8] * 5))
+    # 40 samples in requests of at most 16 (whole groups), engines in turn
+    assert [len(r) for r in engines[0].requests + engines[1].requests] == [16, 8, 16]
+    assert engines[0].requests[0] == [f"sample-{100 * g + j}" for g in (0, 1) for j in range(8)]
+    for g, out in enumerate(outs):  # each caller gets its own rows back, in its order
+        assert [o.output_ids[0] for o in out] == [100 * g + j for j in range(8)]
+
+
+def test_one_sample_per_request_sends_each_group_alone() -> None:
+    engine = RecordingEngine()
+    asyncio.run(_groups(RoundRobinDispatch([engine], max_request_samples=1), [4, 4, 4]))
+    assert [len(r) for r in engine.requests] == [4, 4, 4]
+    # a group larger than the cap still travels whole
+    engine.requests.clear()
+    asyncio.run(_groups(RoundRobinDispatch([engine], max_request_samples=3), [4, 2, 1]))
+    assert [len(r) for r in engine.requests] == [4, 3]
+
+
+def test_a_group_sent_later_gets_its_own_request() -> None:
+    engine = RecordingEngine()
+    dispatch = RoundRobinDispatch([engine], max_request_samples=1024)
+
+    async def staggered() -> None:
+        first = asyncio.ensure_future(_groups(dispatch, [2, 2]))
+        while not engine.requests:  # until the first two are on their way
+            await asyncio.sleep(0)
+        await asyncio.gather(first, group_call(dispatch, 7, 2))
+
+    asyncio.run(staggered())
+    assert [len(r) for r in engine.requests] == [4, 2]
+
+
+def test_a_failed_request_fails_every_group_in_it() -> None:
+    dispatch = RoundRobinDispatch([RecordingEngine(fail=True)], max_request_samples=1024)
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(*(group_call(dispatch, g, 2) for g in range(3)),
+                                    return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert [type(r) for r in results] == [ConnectionError] * 3
+    with pytest.raises(ConnectionError):
+        asyncio.run(_groups(dispatch, [2]))
+
+
+def test_groups_share_requests_only_when_every_group_must_finish() -> None:
+    from engines.rollout.config import RolloutConfig
+    from engines.rollout.rewards.hub import RewardHub
+    from engines.rollout.rollout_manager import LoopHooks, request_cap
+
+    plain = LoopHooks(RewardHub(), None, None)
+    cfg = RolloutConfig(num_rollout=1, rollout_batch_size=4, max_request_samples=512)
+    assert request_cap(cfg, plain, target=4) == 512
+    # a dynamic filter or over-sampling lets the step abort stragglers: a request per group
+    assert request_cap(cfg, LoopHooks(RewardHub(), lambda _a, g: True, None), target=4) == 1
+    over = RolloutConfig(num_rollout=1, rollout_batch_size=4, over_sampling_batch_size=6,
+                         max_request_samples=512)
+    assert request_cap(over, plain, target=4) == 1
