@@ -128,8 +128,8 @@ class RolloutConfig(Section):
         "request of at most this many samples (a larger group goes alone) when all of them "
         "must finish anyway (no dynamic filter, no over-sampling; evaluation); otherwise, and "
         "with 1, each group is its own request. Per-request HTTP, JSON and prefill costs add "
-        "up on a fast engine: 128 requests of 8 took the embedded engine about twice as long "
-        "as one of 1,024.",
+        "up on a fast engine: the main job's generate stage took 0.40 s per step as one "
+        "request against 0.61 s as 128.",
     )
     ignore_eos: bool = Field(
         False, description="Generate past EOS up to max_response_len (benchmarks, tests)."

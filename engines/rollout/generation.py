@@ -198,6 +198,8 @@ class GenerationLoop:
         # Buffered samples started on an older policy are regenerated (async max_staleness).
         self.min_weight_version = min_weight_version
         self.stale_regenerated = 0
+        # Plain clients (evaluation, where every group finishes) share requests; a training
+        # step passes its own Dispatch (rollout_manager.request_cap decides there).
         self.dispatch: Dispatch = (
             dispatch if isinstance(dispatch, Dispatch)
             else RoundRobinDispatch(dispatch, cfg.max_request_samples)
