@@ -53,7 +53,7 @@ def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
 
 
 def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:
-    """Every `logging.plot_interval` steps and at the last: a plot (~0.2 s) every step
+    """Every `logging.plot_interval` steps and at the last: a plot (~0.45 s) every step
     would cost more than the step's bookkeeping."""
     interval = cfg.logging.plot_interval
     if not cfg.logging.plot or interval is None:

@@ -12,7 +12,14 @@ from PIL import Image
 
 from flows.config_loader import apply_overrides, config_from_dict
 from flows.failure_notice import failure_summary, where_it_stopped
-from flows.reporting import curves_markdown, eval_history, metrics_table, plot_curves, small_png
+from flows.reporting import (
+    UI_PLOT_SCALE,
+    curves_markdown,
+    eval_history,
+    metrics_table,
+    plot_curves,
+    small_png,
+)
 from flows.run_labels import run_tags
 from storage.run_layout import RunLayout
 from tasks.artifacts import artifact_key, eval_rows, for_people
@@ -54,7 +61,9 @@ def test_run_tags_name_run_algorithm_and_backends():
 
 def test_curves_are_inlined_as_a_small_png():
     rows = [{"rollout_id": k, "reward/mean": k / 10, "train/loss": 1 - k / 10} for k in range(10)]
-    png = small_png(plot_curves(rows, {0: {"eval/test": 0.1}, 5: {"eval/test": 0.4}}, dpi=60))
+    full = plot_curves(rows, {0: {"eval/test": 0.1}, 5: {"eval/test": 0.4}})
+    png = small_png(full, scale=UI_PLOT_SCALE)
+    assert Image.open(io.BytesIO(png)).width == round(Image.open(io.BytesIO(full)).width * 2 / 3)
     text = curves_markdown(png, "/runs/r1/curves.png")
     data = re.search(r"!\[[^\]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", text).group(1)
     image = Image.open(io.BytesIO(base64.b64decode(data)))
