@@ -135,12 +135,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--address", default=None, help="Ray address (default: local head)")
     args = parser.parse_args()
+    from flows.server import local_prefect_api
+
     with tempfile.TemporaryDirectory() as root:
         results = {
             "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
             "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
-            "prefect": bench_prefect(make_config(root, "prefect", args.steps, args.address)),
         }
+        with local_prefect_api():  # the server the CLI and the main job run with
+            results["prefect"] = bench_prefect(make_config(root, "prefect", args.steps,
+                                                           args.address))
     for name, times in results.items():
         print(summary(name, times))
     plain = results["plain"]

@@ -48,6 +48,8 @@ from typing import Any
 
 from bench.trl_baseline import TrlRun, evaluate_states, read_rows, run_trl
 from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft
+from flows.prefect_env import prefect_env_defaults
+from flows.server import local_prefect_api
 
 RUN_NAME = "vs-trl-rollflow"
 
@@ -307,8 +309,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for rollflow's GRPO phase, e.g. train.lr=2e-4")
     args = parser.parse_args()
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    prefect_env_defaults()  # the main job's Prefect settings (examples/arithmetic/run.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
@@ -322,22 +323,11 @@ def main() -> None:
     from examples.arithmetic.run import HERE
 
     data, model = prepare_artifacts(args.artifacts or str(HERE / "artifacts"))
-    _, sft_ckpt = run_sft(args.runs, data, model)
-    train_rows, test_rows = read_rows(data["train"]), read_rows(data["test"])
-    max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
-
-    trl_runs, trl_startup = [], []
-    for lr in (float(x) for x in args.trl_lr.split(",") if x):
-        t = time.perf_counter()
-        trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr,
-                                steps=args.samples * args.trl_iterations // 64,
-                                snapshot_every=args.snapshot_every,
-                                max_completion_length=max_new,
-                                num_iterations=args.trl_iterations))
-        trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
-    ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, threads,
-                               args.set, args.samples)
+    with local_prefect_api():  # the main job's server, as in examples/arithmetic/run.py
+        trl_runs, trl_startup, ours, ckpts, sft_ckpt = run_both(args, data, model, threads)
     print(f"load average after: {os.getloadavg()}; evaluating the snapshots ...")
+    test_rows = read_rows(data["test"])
+    max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
 
     from transformers import AutoModelForCausalLM
 
@@ -362,6 +352,27 @@ def main() -> None:
                           for c in curves]}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"curves: {out / 'curves.png'}\nresults: {out / 'results.json'}")
+
+
+def run_both(
+    args: argparse.Namespace, data: dict[str, str], model: str, threads: int,
+) -> tuple[list[TrlRun], list[float], Curve, list[str], str]:
+    """The SFT warm start (reused when committed), then TRL's runs, then rollflow's."""
+    _, sft_ckpt = run_sft(args.runs, data, model)
+    train_rows = read_rows(data["train"])
+    max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
+    trl_runs, trl_startup = [], []
+    for lr in (float(x) for x in args.trl_lr.split(",") if x):
+        t = time.perf_counter()
+        trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr,
+                                steps=args.samples * args.trl_iterations // 64,
+                                snapshot_every=args.snapshot_every,
+                                max_completion_length=max_new,
+                                num_iterations=args.trl_iterations))
+        trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
+    ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, threads,
+                               args.set, args.samples)
+    return trl_runs, trl_startup, ours, ckpts, sft_ckpt
 
 
 def vars_of(p: Point) -> dict[str, float]:

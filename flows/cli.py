@@ -29,15 +29,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.preflight import preflight_once
 
     preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
+    from flows.server import local_prefect_api
     from flows.train import train
 
-    result = train(cfg)
+    with local_prefect_api():
+        result = train(cfg)
     _print_result(result, args.result_out)
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from flows.replay import parse_steps, replay, replay_config
+    from flows.server import local_prefect_api
     from storage.object_store import open_store
 
     prefect_env_defaults()
@@ -49,7 +52,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 1
     cfg = replay_config(source.read_text("config.yaml"), args.root, args.run, steps, args.set,
                         args.endpoint_url)
-    result = replay(cfg, args.run, *steps)
+    with local_prefect_api():
+        result = replay(cfg, args.run, *steps)
     _print_result(result, args.result_out)
     return 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
-# Settings of a Prefect server rollflow starts (ephemeral, or `rollflow server`).
+# Settings of a Prefect server rollflow starts (a driver's local one, or `rollflow server`).
 SERVER_SETTINGS: dict[str, str] = {
     # The task run recorder writes task run states from events. Prefect's default writes
     # each event in its own SQLite transaction; a step's 7 tasks make ~21 of them, and the
@@ -26,7 +26,7 @@ SERVER_ENV_DEFAULTS: dict[str, str] = {
 }
 
 PREFECT_ENV_DEFAULTS: dict[str, str] = {
-    # the ephemeral server is a child of this process: it reads the server's settings too
+    # the local server is a child of this process: it reads the server's settings too
     **SERVER_ENV_DEFAULTS,
     # INFO goes to the Prefect API (the UI's Logs tab: states, retries and why), while the
     # console handler shows WARNING and up only, so a run prints its progress and result.

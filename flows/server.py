@@ -1,17 +1,22 @@
-"""`rollflow server`: a Prefect server with its UI on loopback, for watching and retrying
-rollout steps. Flow runs report to it once `PREFECT_API_URL` points at its API; without it
-every driver starts its own ephemeral server and the history is gone when it exits.
+"""Prefect servers rollflow starts, each running flows/prefect_app.py (Prefect's app, with
+SQLite writes that wait their turn instead of failing into a 2 s client retry):
+
+* `rollflow server`: the UI on loopback, for watching and retrying rollout steps. Flow runs
+  report to it once `PREFECT_API_URL` points at its API.
+* `local_prefect_api()`: without `PREFECT_API_URL`, a driver's own server for as long as it
+  runs, in place of Prefect's ephemeral one (the same app and database, `PREFECT_HOME`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TextIO
 
 import httpx
@@ -61,9 +66,8 @@ class PrefectServer:
                 self.process.wait()
 
 
-def _prefect_cli() -> str:
-    local = Path(sys.executable).with_name("prefect")
-    return str(local) if local.exists() else (shutil.which("prefect") or "prefect")
+def _prefect_app() -> list[str]:
+    return [sys.executable, "-m", "flows.prefect_app"]
 
 
 def server_env(home: str | None = None) -> dict[str, str]:
@@ -84,7 +88,7 @@ def start_server(
 ) -> PrefectServer:
     """Start the server (UI included) in a child process; `home` is its PREFECT_HOME (the
     SQLite database lives there). With `wait_s`, return once `/api/health` answers."""
-    cmd = [_prefect_cli(), "server", "start", "--host", host, "--port", str(port)]
+    cmd = [*_prefect_app(), "server", "start", "--host", host, "--port", str(port)]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = server_env(home)
     # The UI's pages call the API at PREFECT_UI_API_URL, derived from these two settings
@@ -112,3 +116,54 @@ def serve_forever(host: str, port: int, home: str | None, out: TextIO | None = N
         return 0
     finally:
         server.stop()
+
+
+def start_local_server(port: int | None = None) -> PrefectServer:
+    """A driver's own server: Prefect's app as its ephemeral server runs it (no UI) on
+    loopback. Its output goes to stderr: a CLI's stdout is its result."""
+    port = port or _free_port()
+    process = subprocess.Popen([*_prefect_app(), "local", str(port)], env=server_env(),
+                               stdout=sys.stderr.fileno(), stderr=subprocess.STDOUT)
+    return PrefectServer(process, "127.0.0.1", port)
+
+
+@contextmanager
+def local_prefect_api() -> Iterator[PrefectServer | None]:
+    """Prefect reports to a local server of ours while this lasts, where it would otherwise
+    start its ephemeral one: no `PREFECT_API_URL` (environment, profile or a test harness)
+    and ephemeral mode allowed. Enter it after `prefect_env_defaults()`."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        yield None
+        return
+    server = start_local_server()
+    try:
+        server.wait_ready(float(os.environ.get(
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
+        os.environ["PREFECT_API_URL"] = server.api_url
+        refresh_global_settings_context()  # Prefect read its settings at import
+        try:
+            yield server
+        finally:
+            _drain_prefect_clients()
+            del os.environ["PREFECT_API_URL"]
+            refresh_global_settings_context()
+    finally:
+        server.stop()
+
+
+def _drain_prefect_clients() -> None:
+    """Logs and events still queued in this process reach the server before it stops."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

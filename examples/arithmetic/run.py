@@ -78,16 +78,18 @@ def main() -> None:
         for run in ("arithmetic-sft", "arithmetic-grpo"):
             shutil.rmtree(os.path.join(args.runs, run), ignore_errors=True)
 
+    from flows.server import local_prefect_api
     from flows.train import train
 
-    t_sft = time.perf_counter()
-    sft_result, sft_ckpt = run_sft(args.runs, data, model)
-    t_sft = time.perf_counter() - t_sft
+    with local_prefect_api():  # one Prefect server for both phases (see flows/server.py)
+        t_sft = time.perf_counter()
+        sft_result, sft_ckpt = run_sft(args.runs, data, model)
+        t_sft = time.perf_counter() - t_sft
 
-    grpo = grpo_config(args.runs, data, sft_ckpt, args.set)
-    t_rl = time.perf_counter()
-    rl_result = train(grpo)
-    t_rl = time.perf_counter() - t_rl
+        grpo = grpo_config(args.runs, data, sft_ckpt, args.set)
+        t_rl = time.perf_counter()
+        rl_result = train(grpo)
+        t_rl = time.perf_counter() - t_rl
 
     evals = rl_result["evals"]
     before, after = accuracy(evals, 0), accuracy(evals, grpo.rollout.num_rollout)
