@@ -10,7 +10,6 @@ SQLite writes that wait their turn instead of failing into a 2 s client retry):
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -121,9 +120,11 @@ def serve_forever(host: str, port: int, home: str | None, out: TextIO | None = N
 def start_local_server(port: int | None = None) -> PrefectServer:
     """A driver's own server: Prefect's app as its ephemeral server runs it (no UI) on
     loopback. Its output goes to stderr: a CLI's stdout is its result."""
-    port = port or _free_port()
+    from engines.cluster.head import free_port
+
+    port = port or free_port()
     process = subprocess.Popen([*_prefect_app(), "local", str(port)], env=server_env(),
-                               stdout=sys.stderr.fileno(), stderr=subprocess.STDOUT)
+                               stdout=2, stderr=2)  # (fd 2: sys.stderr may be a wrapper)
     return PrefectServer(process, "127.0.0.1", port)
 
 
@@ -161,9 +162,3 @@ def _drain_prefect_clients() -> None:
 
     APILogWorker.drain_all(timeout=10)
     EventsWorker.drain_all(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
