@@ -80,8 +80,10 @@ def _rloo(algo: AlgorithmConfig, x: AdvantageInputs) -> Estimates:
 
 
 def _reinforce_pp(algo: AlgorithmConfig, x: AdvantageInputs) -> Estimates:
+    # A fully masked response is one rollout.sample_filter_path removed: it trains on nothing.
     ret = [
         reinforce_plus_plus_returns(float(r), kl, m, algo.kl_coef, algo.gamma)
+        if m.any() else torch.zeros_like(kl, dtype=torch.float32)
         for r, kl, m in zip(x.rewards, x.kl, x.loss_masks, strict=True)
     ]
     return ret, ret

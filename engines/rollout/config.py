@@ -86,6 +86,13 @@ class RolloutConfig(Section):
     buffer_filter_path: str | None = Field(
         None, description="Buffer filter `(args, rollout_id, buffer, num_samples) -> groups`."
     )
+    sample_filter_path: str | None = Field(
+        None,
+        description="Per-sample filter `(args, sample) -> bool`, called on each trained "
+        "sample once its reward is final (slime's --rollout-sample-filter-path): False keeps "
+        "the sample in its group's reward statistics but out of the loss (its loss mask is "
+        "zeroed in train.arrow). Counted as reward/removed_samples.",
+    )
     rm_type: str | None = Field(
         None,
         description="Built-in reward (rm hub): math, deepscaler, dapo, f1, exact_match, "

@@ -33,7 +33,7 @@ from engines.rollout.generation import (
     RolloutResult,
     is_finished,
 )
-from engines.rollout.protocols import EvalFn
+from engines.rollout.protocols import EvalFn, SampleFilterFn
 from engines.rollout.protocols import GenerateFn as GenerateFnProtocol
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
@@ -161,6 +161,10 @@ class RolloutManager:
             if cfg.eval.eval_function_path else None
         )
         self.over_sampling_filter = resolve_over_sampling_filter(r.over_sampling_filter_path)
+        self.sample_filter: SampleFilterFn | None = (
+            load_user_hook(r.sample_filter_path, "rollout.sample_filter_path", SampleFilterFn)
+            if r.sample_filter_path else None
+        )
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
 
@@ -329,12 +333,15 @@ class RolloutManager:
         samples = read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow")
         keep = set(kept_groups)
         train = sorted((s for s in samples if s.group_index in keep), key=lambda s: s.index)
-        rewards = []
+        rewards, removed = [], 0
         for s in train:
             if isinstance(s.reward, dict):
                 s.metadata["reward_dict"] = s.reward
             s.reward = s.scalar_reward(self.cfg.rollout.reward_key)
             rewards.append(s.reward)
+            if self.sample_filter is not None and not self.sample_filter(self.cfg, s):
+                s.loss_mask = [0] * len(s.loss_mask)
+                removed += 1
         uri = write_samples(
             self.layout.store,
             train,
@@ -349,6 +356,7 @@ class RolloutManager:
             samples=len(train),
             mean=mean,
             std=(sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+            removed=removed,
         )
 
     def evaluate(self, weight_version: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Dynamic sampling under real Prefect + Ray with mock engines: dropped groups are refilled
-and every step trains exactly rollout_batch_size whole groups, none twice."""
+and every step trains exactly rollout_batch_size whole groups, none twice; a sample filter
+keeps samples in their groups but out of the loss."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_dynamic_filter_drops_and_over_sampling_refills(
             "rollout.n_samples_per_prompt=2", "rollout.over_sampling_batch_size=6",
             "rollout.dynamic_sampling_filter_path=tests.flow.filter_hooks:drop_odd_groups",
             "rollout.over_sampling_filter_path=sort_by_reward_std",
+            "rollout.sample_filter_path=tests.flow.filter_hooks:train_on_first_of_group",
             "cluster.keep_actors=true",
         ],
     )
@@ -38,11 +40,15 @@ def test_dynamic_filter_drops_and_over_sampling_refills(
         assert len(groups) == cfg.rollout.rollout_batch_size == 4
         assert all(len(g) == 2 for g in groups)
         assert all(g[0].group_index % 2 == 0 for g in groups)
+        for g in groups:  # the sample filter: each group's second sample out of the loss
+            first, second = sorted(g, key=lambda s: s.index)
+            assert any(first.loss_mask) and not any(second.loss_mask), (first, second)
         trained_groups += [g[0].group_index for g in groups]
         m = layout.step_metrics(k)
         # 6 even groups kept means at least 5 odd ones were generated and dropped.
         assert m["rollout/groups_kept"] == 6 and m["rollout/groups_dropped"] >= 5
         assert m["filter/over_sampling_dropped"] == 2
+        assert m["reward/removed_samples"] == 4
         assert m["rollout/groups_drawn"] >= 11
     assert len(set(trained_groups)) == 8
     trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")

@@ -309,6 +309,16 @@ def test_registry_estimators_by_hand() -> None:
         compute_advantages(AlgorithmConfig(advantage_estimator="ppo"), x)
 
 
+def test_reinforce_plus_plus_gives_a_removed_sample_nothing_to_learn() -> None:
+    """A response whose loss mask rollout.sample_filter_path zeroed gets zero returns; its
+    group mate keeps its own (the pure return function still refuses such a response)."""
+    x = _adv_inputs(loss_masks=[torch.ones(2), torch.zeros(2)])
+    res = compute_advantages(AlgorithmConfig(advantage_estimator="reinforce_plus_plus",
+                                             kl_coef=0.5, gamma=1.0), x)
+    torch.testing.assert_close(res.advantages[0], torch.tensor([0.7, 0.8]))
+    assert res.advantages[1].tolist() == [0.0, 0.0]
+
+
 def test_on_policy_distillation_subtracts_reverse_kl() -> None:
     # grpo on (1, 0): A = +-0.5 / (sqrt(0.5) + eps) ~ +-0.7071 on every token
     # sample 0: student (-1, -2), teacher (-0.5, -2.5) -> reverse KL (-0.5, 0.5)
