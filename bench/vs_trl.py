@@ -198,6 +198,10 @@ def rollflow_run(
                for s in steps]
     gaps = sorted(b - a for a, b in zip(committed, started[1:], strict=False))
     t0 = started[0] - (gaps[len(gaps) // 2] if gaps else 0.0)  # step 0's flow-run start-up
+    if gaps:  # what the workflow costs between steps, tail included
+        print(f"rollflow between steps (a commit to the next step's first task): median "
+              f"{gaps[len(gaps) // 2]:.2f} s, max {gaps[-1]:.2f} s, "
+              f"{sum(g > 1.5 for g in gaps)} of {len(gaps)} over 1.5 s")
     samples, points, ckpts = 0, [Point(0, 0.0, 0.0)], [sft_ckpt]
     saving = 0.0  # seconds spent saving the snapshots: off the clock, as TRL's copies are
     for step, done in zip(steps, committed, strict=True):
