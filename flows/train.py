@@ -16,7 +16,7 @@ import ray
 from prefect import flow
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
-from engines.cluster.head import connect
+from engines.cluster.head import cluster_address, connect
 from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.config_loader import dump_config
@@ -120,11 +120,38 @@ def finished(config: RollflowConfig, layout: RunLayout) -> bool:
     return not config.eval.enabled or layout.has_eval(total)
 
 
+# In a run directory while the run's actors outlive it (`cluster.keep_actors`), so that a
+# later rerun without keep_actors knows there is something to free even when it has no step
+# left to run (and otherwise would not connect to Ray at all).
+ACTORS_KEPT = "ACTORS_KEPT"
+
+
+def release_actors(config: RollflowConfig, layout: RunLayout) -> None:
+    """The end of a run: its actors stay warm for the next run (keep_actors), or go."""
+    if config.cluster.keep_actors:
+        layout.store.write_text("", ACTORS_KEPT)
+        return
+    kill_run_actors(config)
+    if layout.store.exists(ACTORS_KEPT):
+        layout.store.delete(ACTORS_KEPT)
+
+
+def free_kept_actors(config: RollflowConfig, layout: RunLayout) -> None:
+    """A finished run rerun without keep_actors frees the actors an earlier run kept."""
+    if config.cluster.keep_actors or not layout.store.exists(ACTORS_KEPT):
+        return
+    if cluster_address(config.cluster, start=False) is not None:  # (none: they went with it)
+        connect(config.cluster)
+        kill_run_actors(config)
+    layout.store.delete(ACTORS_KEPT)
+
+
 def _train(config: RollflowConfig) -> dict[str, Any]:
     checked = preflight_once(config)
     layout = open_layout(config)
     save_config(layout, config)
     if finished(config, layout):
+        free_kept_actors(config, layout)
         return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
     connect(config.cluster)
     ctx, start, restored = start_run(config, layout)
@@ -157,8 +184,7 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     if evaluate_now:
         t.evaluate(ctx, total)
     result = _result(config, layout, checked, start, restored)
-    if not config.cluster.keep_actors:
-        kill_run_actors(config)
+    release_actors(config, layout)
     return result
 
 

@@ -39,7 +39,8 @@ class ClusterConfig(Section):
     keep_actors: bool = Field(
         False,
         description="Keep the run's actors after the train flow succeeds (a failed run always "
-        "keeps them, so a rerun attaches to warm engines and trainer).",
+        "keeps them, so a rerun attaches to warm engines and trainer). A later run without it "
+        "frees them, also a rerun of the finished run.",
     )
     actor_num_nodes: int = Field(1, ge=1, description="Nodes of the train group (slime).")
     actor_num_gpus_per_node: int = Field(

@@ -138,6 +138,25 @@ def test_trainer_rebuilt_from_checkpoint_and_replay(mock_config):
 
 
 
+def test_a_finished_rerun_without_keep_actors_frees_the_kept_ones(mock_config):
+    """keep_actors leaves the run's actors warm after it ends; rerunning the finished run
+    with keep_actors off frees them, though it has no step to run."""
+    from flows.train import ACTORS_KEPT, train
+
+    kept = mock_config(overrides=["cluster.keep_actors=true"])
+    run, namespace = kept.storage.run_name, kept.cluster.namespace
+    train(kept)
+    layout = RunLayout.open(kept.storage.uri, run)
+    assert layout.store.exists(ACTORS_KEPT)
+    assert get_run_actor(namespace, run, "trainer") is not None
+
+    again = train(mock_config(run_name=run, overrides=["cluster.keep_actors=false"]))
+    assert again["resumed_at"] == 2 and again["restored"] is None  # nothing was rerun
+    with pytest.raises(ValueError, match="0 live 'trainer' actors"):
+        get_run_actor(namespace, run, "trainer")
+    assert not layout.store.exists(ACTORS_KEPT)
+
+
 def test_rerun_of_a_finished_run_starts_no_actors(mock_config, arithmetic_data, monkeypatch):
     """All steps committed and the last version evaluated: a rerun returns the run's report
     without starting (and loading models into) any actor. With that evaluation gone, the
