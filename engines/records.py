@@ -205,18 +205,22 @@ class RewardRecord(StageRecord):
     samples: int
     mean: float
     std: float
-    removed: int = 0  # samples rollout.sample_filter_path keeps out of the loss
+    # Samples rollout.sample_filter_path kept out of the loss; None (and no metric) without one.
+    removed: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"uri": self.uri, "samples": self.samples, "reward/mean": self.mean,
-                "reward/std": self.std, "removed": self.removed, **self.timing_json()}
+                "reward/std": self.std, **self._removed(), **self.timing_json()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         return cls(uri=data["uri"], samples=data["samples"], mean=data["reward/mean"],
-                   std=data["reward/std"], removed=data.get("removed", 0), **timing_of(data))
+                   std=data["reward/std"], removed=data.get("reward/removed_samples"),
+                   **timing_of(data))
 
     def to_metrics(self) -> Metrics:
         return {"reward/samples": self.samples, "reward/mean": self.mean,
-                "reward/std": self.std, "reward/removed_samples": self.removed,
-                **self.timing_metrics()}
+                "reward/std": self.std, **self._removed(), **self.timing_metrics()}
+
+    def _removed(self) -> dict[str, int]:
+        return {} if self.removed is None else {"reward/removed_samples": self.removed}

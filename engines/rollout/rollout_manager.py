@@ -356,7 +356,7 @@ class RolloutManager:
             samples=len(train),
             mean=mean,
             std=(sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-            removed=removed,
+            removed=None if self.sample_filter is None else removed,
         )
 
     def evaluate(self, weight_version: int) -> dict[str, float]:
