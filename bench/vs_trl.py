@@ -328,10 +328,22 @@ def main() -> None:
 
     data, model = prepare_artifacts(args.artifacts or str(HERE / "artifacts"))
     with local_prefect_api():  # the main job's server, as in examples/arithmetic/run.py
-        trl_runs, trl_startup, ours, ckpts, sft_ckpt = run_both(args, data, model, threads)
+        _, sft_ckpt = run_sft(args.runs, data, model)
+        train_rows, test_rows = read_rows(data["train"]), read_rows(data["test"])
+        max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
+
+        trl_runs, trl_startup = [], []
+        for lr in (float(x) for x in args.trl_lr.split(",") if x):
+            t = time.perf_counter()
+            trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr,
+                                    steps=args.samples * args.trl_iterations // 64,
+                                    snapshot_every=args.snapshot_every,
+                                    max_completion_length=max_new,
+                                    num_iterations=args.trl_iterations))
+            trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
+        ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, threads,
+                                   args.set, args.samples)
     print(f"load average after: {os.getloadavg()}; evaluating the snapshots ...")
-    test_rows = read_rows(data["test"])
-    max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
 
     from transformers import AutoModelForCausalLM
 
@@ -356,27 +368,6 @@ def main() -> None:
                           for c in curves]}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"curves: {out / 'curves.png'}\nresults: {out / 'results.json'}")
-
-
-def run_both(
-    args: argparse.Namespace, data: dict[str, str], model: str, threads: int,
-) -> tuple[list[TrlRun], list[float], Curve, list[str], str]:
-    """The SFT warm start (reused when committed), then TRL's runs, then rollflow's."""
-    _, sft_ckpt = run_sft(args.runs, data, model)
-    train_rows = read_rows(data["train"])
-    max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
-    trl_runs, trl_startup = [], []
-    for lr in (float(x) for x in args.trl_lr.split(",") if x):
-        t = time.perf_counter()
-        trl_runs.append(run_trl(sft_ckpt, train_rows, lr=lr,
-                                steps=args.samples * args.trl_iterations // 64,
-                                snapshot_every=args.snapshot_every,
-                                max_completion_length=max_new,
-                                num_iterations=args.trl_iterations))
-        trl_startup.append(time.perf_counter() - t - trl_runs[-1].seconds)
-    ours, ckpts = rollflow_run(args.runs, data, sft_ckpt, args.snapshot_every, threads,
-                               args.set, args.samples)
-    return trl_runs, trl_startup, ours, ckpts, sft_ckpt
 
 
 def vars_of(p: Point) -> dict[str, float]:

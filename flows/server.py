@@ -134,15 +134,18 @@ def local_prefect_api() -> Iterator[PrefectServer | None]:
     start its ephemeral one: no `PREFECT_API_URL` (environment, profile or a test harness)
     and ephemeral mode allowed. Enter it after `prefect_env_defaults()`."""
     from prefect.context import refresh_global_settings_context
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         yield None
         return
     server = start_local_server()
     try:
-        server.wait_ready(float(os.environ.get(
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
+        server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
         os.environ["PREFECT_API_URL"] = server.api_url
         refresh_global_settings_context()  # Prefect read its settings at import
         try:
