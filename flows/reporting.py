@@ -15,6 +15,7 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from storage.run_layout import RunLayout
+from tasks.artifact_sender import send_artifact
 from tasks.artifacts import artifact_key, for_people, rounded_rows
 
 CURVES = ("reward/mean", "train/loss", "train/approx_kl", "rollout/response_len_mean")
@@ -80,7 +81,8 @@ def metrics_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def publish_step_table(rows: list[dict[str, Any]], key: str, description: str = "") -> None:
     if rows:
-        create_table_artifact(metrics_table(rows), key=artifact_key(key), description=description)
+        send_artifact(create_table_artifact, metrics_table(rows), key=artifact_key(key),
+                      description=description)
 
 
 def eval_history(evals: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,7 +120,8 @@ def curves_markdown(png: bytes, where: str) -> str:
 def _publish_curves(layout: RunLayout, rows: list[dict[str, Any]], evals: Any) -> str:
     png = plot_curves(rows, evals)
     uri = layout.store.write_bytes(png, "curves.png")
-    create_markdown_artifact(
+    send_artifact(
+        create_markdown_artifact,
         curves_markdown(small_png(png, scale=UI_PLOT_SCALE), uri),
         key=artifact_key(run_name_of(layout), "reward-curves"),
         description=f"reward and loss up to step {rows[-1]['rollout_id'] if rows else 0}",
@@ -136,8 +139,8 @@ def publish_step_report(
         for k, v in sorted(metrics.items())
         if isinstance(v, int | float) and not isinstance(v, bool)
     ]
-    create_table_artifact(table, key=artifact_key(run_name_of(layout), "step-metrics"),
-                          description=f"step {rollout_id} of {layout.uri}")
+    send_artifact(create_table_artifact, table, key=artifact_key(run_name_of(layout), "step-metrics"),
+                  description=f"step {rollout_id} of {layout.uri}")
     if make_plot:
         _publish_curves(layout, collect_metrics(layout), layout.evals())
 
@@ -151,8 +154,9 @@ def publish_run_report(layout: RunLayout, make_plot: bool = True) -> dict[str, A
     run = run_name_of(layout)
     publish_step_table(rows, key=f"{run}-run-metrics", description=f"metrics of {layout.uri}")
     if evals:
-        create_table_artifact(eval_history(evals), key=artifact_key(run, "eval-history"),
-                              description=f"held-out metrics of {run} per weight version")
+        send_artifact(create_table_artifact, eval_history(evals),
+                      key=artifact_key(run, "eval-history"),
+                      description=f"held-out metrics of {run} per weight version")
     if make_plot and rows:
         report["plot"] = _publish_curves(layout, rows, evals)
     return report

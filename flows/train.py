@@ -30,6 +30,7 @@ from flows.run_labels import labelled
 from storage.run_layout import RunLayout
 from storage.secrets import register
 from tasks import step_tasks as t
+from tasks.artifact_sender import artifacts_in_background
 from tasks.artifacts import ProgressArtifact
 
 
@@ -106,7 +107,8 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
 def train(config: RollflowConfig) -> dict[str, Any]:
     register(config.secret_values())  # deployments pass the config without the CLI
     config = resolve_paths(config)
-    with labelled(config):  # tags run/algo/backends on this run and all it starts
+    # tags run/algo/backends on this run and all it starts; artifacts sent off the steps' path
+    with labelled(config), artifacts_in_background():
         return _train(config)
 
 

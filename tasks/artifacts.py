@@ -16,6 +16,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from tasks.artifact_sender import send_artifact
+
 
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
@@ -24,7 +26,8 @@ def artifact_key(*parts: str) -> str:
 
 class ProgressArtifact:
     """A Prefect progress artifact created by its first `set` and updated by the later ones;
-    a value equal to the last one shown is not sent again (a wait may poll it every 0.5 s)."""
+    a value equal to the last one shown is not sent again (a wait may poll it every 0.5 s).
+    Sent through `send_artifact`, so in a training's background thread, in order."""
 
     def __init__(self, key: str, description: str) -> None:
         self.key, self.description = key, description
@@ -35,6 +38,9 @@ class ProgressArtifact:
         if percent == self._last:
             return
         self._last = percent
+        send_artifact(self._send, percent)
+
+    def _send(self, percent: float) -> None:
         if self._id is None:
             self._id = cast(UUID, create_progress_artifact(
                 percent, key=self.key, description=self.description))
@@ -73,7 +79,8 @@ def publish_eval(run_name: str, weight_version: int, metrics: Mapping[str, Any])
     """Table `{run}-eval`, one version of it per evaluated weight version."""
     if not in_a_run():
         return
-    create_table_artifact(
+    send_artifact(
+        create_table_artifact,
         eval_rows(weight_version, metrics), key=artifact_key(run_name, "eval"),
         description=f"held-out metrics of run {run_name} at weight version {weight_version}",
     )
