@@ -121,19 +121,25 @@ def _dashboard_line(url: str | None, auth: str | None) -> str:
 
 
 def cmd_stop_run(args: argparse.Namespace) -> int:
-    """`runs stop RUN`: that run's actors and placement group only; other runs go on."""
+    """`runs stop RUN`: that run's actors and placement group only; other runs go on. The
+    run directory's ACTORS_KEPT marker goes too: nothing is left for a rerun to free."""
     from engines.cluster import head as cluster
     from engines.cluster.registry import stop_run
     from flows.config import ClusterConfig
+    from storage.object_store import open_store
+    from storage.run_layout import ACTORS_KEPT
 
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
     address = cluster.cluster_address(cfg, start=False)
     if address is None:
         print("no cluster running: nothing to stop", file=args.result_out)
-        return 0
-    cluster.connect(cfg)
-    print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)",
-          file=args.result_out)
+    else:
+        cluster.connect(cfg)
+        print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)",
+              file=args.result_out)
+    run_dir = open_store(args.root, args.endpoint_url).child(args.run)
+    if run_dir.exists(ACTORS_KEPT):
+        run_dir.delete(ACTORS_KEPT)
     return 0
 
 

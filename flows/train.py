@@ -27,7 +27,7 @@ from flows.preflight import PreflightReport, preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
 from flows.run_labels import labelled
-from storage.run_layout import RunLayout
+from storage.run_layout import ACTORS_KEPT, RunLayout
 from storage.secrets import register
 from tasks import step_tasks as t
 from tasks.artifact_sender import artifacts_in_background
@@ -121,11 +121,6 @@ def finished(config: RollflowConfig, layout: RunLayout) -> bool:
         return False
     return not config.eval.enabled or layout.has_eval(total)
 
-
-# In a run directory while the run's actors outlive it (`cluster.keep_actors`), so that a
-# later rerun without keep_actors knows there is something to free even when it has no step
-# left to run (and otherwise would not connect to Ray at all).
-ACTORS_KEPT = "ACTORS_KEPT"
 
 
 def release_actors(config: RollflowConfig, layout: RunLayout) -> None:

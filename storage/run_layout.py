@@ -38,6 +38,11 @@ from storage.object_store import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 
+# In a run directory while the run's actors outlive it (`cluster.keep_actors`), so that a
+# later rerun without keep_actors knows there is something to free even when it has no step
+# left to run (and otherwise would not connect to Ray at all); `runs stop` removes it.
+ACTORS_KEPT = "ACTORS_KEPT"
+
 
 def step_dir(rollout_id: int) -> str:
     return f"steps/{rollout_id:06d}"

@@ -19,7 +19,7 @@ import pytest
 
 from engines.cluster.registry import run_actors
 from flows.cli import main
-from storage.run_layout import RunLayout
+from storage.run_layout import ACTORS_KEPT, RunLayout
 from tests.conftest import REPO_ROOT
 
 NAMESPACE = "rollflow-tests"
@@ -147,9 +147,13 @@ def test_runs_stop_frees_one_run_and_leaves_the_others(workdir, ray_address, cap
         config = write_config(workdir, run, ray_address, keep_actors="true")
         assert main(["train", "--config", config]) == 0
     assert run_actors(NAMESPACE, mine) and run_actors(NAMESPACE, theirs)
+    kept = {run: workdir / "runs" / run / ACTORS_KEPT for run in (mine, theirs)}
+    assert kept[mine].exists() and kept[theirs].exists()
     capsys.readouterr()
     assert main(["runs", "stop", mine, "--address", ray_address, "--namespace", NAMESPACE]) == 0
     assert "stopped 3 actor(s)" in capsys.readouterr().out  # rollout, trainer, engine-0
     assert run_actors(NAMESPACE, mine) == []
     assert len(run_actors(NAMESPACE, theirs)) == 3
+    # ./runs (the default --root, relative to the shell's directory) holds the markers
+    assert not kept[mine].exists() and kept[theirs].exists()
     main(["runs", "stop", theirs, "--address", ray_address, "--namespace", NAMESPACE])
