@@ -139,7 +139,8 @@ def publish_step_report(
         for k, v in sorted(metrics.items())
         if isinstance(v, int | float) and not isinstance(v, bool)
     ]
-    send_artifact(create_table_artifact, table, key=artifact_key(run_name_of(layout), "step-metrics"),
+    send_artifact(create_table_artifact, table,
+                  key=artifact_key(run_name_of(layout), "step-metrics"),
                   description=f"step {rollout_id} of {layout.uri}")
     if make_plot:
         _publish_curves(layout, collect_metrics(layout), layout.evals())

@@ -122,7 +122,6 @@ def finished(config: RollflowConfig, layout: RunLayout) -> bool:
     return not config.eval.enabled or layout.has_eval(total)
 
 
-
 def release_actors(config: RollflowConfig, layout: RunLayout) -> None:
     """The end of a run: its actors stay warm for the next run (keep_actors), or go."""
     if config.cluster.keep_actors:
