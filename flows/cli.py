@@ -137,9 +137,7 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
         cluster.connect(cfg)
         print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)",
               file=args.result_out)
-    run_dir = open_store(args.root, args.endpoint_url).child(args.run)
-    if run_dir.exists(ACTORS_KEPT):
-        run_dir.delete(ACTORS_KEPT)
+    open_store(args.root, args.endpoint_url).child(args.run).delete(ACTORS_KEPT)  # if there
     return 0
 
 

@@ -128,8 +128,7 @@ def release_actors(config: RollflowConfig, layout: RunLayout) -> None:
         layout.store.write_text("", ACTORS_KEPT)
         return
     kill_run_actors(config)
-    if layout.store.exists(ACTORS_KEPT):
-        layout.store.delete(ACTORS_KEPT)
+    layout.store.delete(ACTORS_KEPT)  # (if there)
 
 
 def free_kept_actors(config: RollflowConfig, layout: RunLayout) -> None:
