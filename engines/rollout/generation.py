@@ -173,6 +173,15 @@ def first_index(group: Group) -> int:
     return group[0].index
 
 
+def request_cap(cfg: RolloutConfig, filtered: bool, target: int) -> int:
+    """Samples one direct request may carry: `max_request_samples` when every group drawn
+    must finish anyway, 1 (a request per group) when the step may abort what is left once
+    it has `target` groups (a dynamic filter, `filtered`, or over-sampling): a shared
+    request ends with its slowest sample, so its stragglers could no longer be cut off."""
+    may_abort = filtered or cfg.submit_batch_size > target
+    return 1 if may_abort else cfg.max_request_samples
+
+
 class GenerationLoop:
     """Runs groups through the engines, scores finished groups, and (run_dynamic) keeps
     drawing until enough groups pass the dynamic filter.
@@ -198,8 +207,10 @@ class GenerationLoop:
         # Buffered samples started on an older policy are regenerated (async max_staleness).
         self.min_weight_version = min_weight_version
         self.stale_regenerated = 0
-        # Plain clients (evaluation, where every group finishes) share requests; a training
-        # step passes its own Dispatch (rollout_manager.request_cap decides there).
+        # Plain clients (the rollout manager without a router, evaluation, custom rollout
+        # functions): groups share requests up to `max_request_samples` where every group
+        # finishes (`run`); `run_dynamic` narrows that where it may abort (request_cap).
+        self._clients = None if isinstance(dispatch, Dispatch) else list(dispatch)
         self.dispatch: Dispatch = (
             dispatch if isinstance(dispatch, Dispatch)
             else RoundRobinDispatch(dispatch, cfg.max_request_samples)
@@ -289,6 +300,9 @@ class GenerationLoop:
 
     async def run_dynamic(self, source: GroupSource, target: int) -> RolloutResult:
         """Keep `target` groups that pass the dynamic filter, then abort the rest."""
+        if self._clients is not None:
+            cap = request_cap(self.cfg, self.dynamic_filter is not None, target)
+            self.dispatch = RoundRobinDispatch(self._clients, cap)
         start = time.perf_counter()
         limit = self.cfg.max_groups_per_step or 10 * target
         pending: dict[asyncio.Task[Group], Group] = {}

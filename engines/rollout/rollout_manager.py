@@ -18,8 +18,7 @@ from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, po
 from engines.hooks import load_hook, load_user_hook, returned_groups
 from engines.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
-from engines.rollout.config import RolloutConfig
-from engines.rollout.dispatch import Dispatch, RoundRobinDispatch, RouterDispatch
+from engines.rollout.dispatch import Dispatch, RouterDispatch
 from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
 from engines.rollout.filters import (
     DynamicFilter,
@@ -368,15 +367,6 @@ class RolloutManager:
         return metrics
 
 
-def request_cap(cfg: RolloutConfig, hooks: LoopHooks, target: int) -> int:
-    """Samples one direct request may carry: `max_request_samples` when every group drawn
-    must finish anyway, 1 (a request per group) when the step may abort what is left once
-    it has `target` groups (a dynamic filter, or over-sampling): a shared request ends with
-    its slowest sample, so its stragglers could no longer be cut off."""
-    may_abort = hooks.dynamic_filter is not None or cfg.submit_batch_size > target
-    return 1 if may_abort else cfg.max_request_samples
-
-
 # Module-level on purpose: an `async def` method would turn the Ray actor into an async actor.
 async def run_generation(
     cfg: RollflowConfig,
@@ -392,9 +382,9 @@ async def run_generation(
     """One step's dynamic-sampling generation through the router (or the engines directly)."""
     engines = [SGLangClient(url) for url in urls]
     router = SGLangClient(router_url) if router_url else None
-    dispatch: Dispatch = (
-        RouterDispatch(router, engines) if router is not None
-        else RoundRobinDispatch(engines, request_cap(cfg.rollout, hooks, target))
+    # Straight to the engines: the loop decides how many samples a request carries.
+    dispatch: Dispatch | list[SGLangClient] = (
+        RouterDispatch(router, engines) if router is not None else engines
     )
     args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
     try:
