@@ -102,37 +102,24 @@ def test_groups_share_requests_only_when_every_group_must_finish() -> None:
     assert request_cap(over, filtered=False, target=4) == 1
 
 
-class Prompts:
-    """A group source: `size` samples of prompt i for the i-th group drawn."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.drawn = size, 0
-
-    def get_samples(self, num_groups: int) -> list[list[Any]]:
-        from storage.sample import Sample
-
-        groups = []
-        for _ in range(num_groups):
-            g = self.drawn
-            groups.append([Sample(index=g * self.size + j, group_index=g, tokens=[1, 2, 3 + g])
-                           for j in range(self.size)])
-            self.drawn += 1
-        return groups
-
-
 @pytest.mark.parametrize("filtered", [False, True])
 def test_a_loop_on_plain_clients_shares_requests_only_when_it_cannot_abort(filtered: bool) -> None:
     """A GenerationLoop given plain engine clients (a custom rollout function's way) decides
     request sharing in run_dynamic as the rollout manager does: a step that may abort
     stragglers sends a request per group, so one slow sample cannot hold back the others."""
+    from engines.data_source import RolloutDataSourceWithBuffer
     from engines.rollout.config import RolloutConfig
     from engines.rollout.generation import GenerationLoop
+    from storage.sample import Sample
 
     cfg = RolloutConfig(num_rollout=1, rollout_batch_size=3, n_samples_per_prompt=2,
                         max_response_len=1, max_request_samples=512)
+    prompts = [Sample(index=-1, group_index=-1, prompt=f"p{i}", tokens=[1, 2, 3 + i])
+               for i in range(10)]
+    source = RolloutDataSourceWithBuffer(prompts, n_samples_per_prompt=2)
     engine = RecordingEngine()
     keep_all = (lambda _args, _group: True) if filtered else None
     loop = GenerationLoop(cfg, [engine], None, dynamic_filter=keep_all)
-    result = asyncio.run(loop.run_dynamic(Prompts(2), target=3))
+    result = asyncio.run(loop.run_dynamic(source, target=3))
     assert len(result.kept) == 3
     assert [len(r) for r in engine.requests] == ([2, 2, 2] if filtered else [6])
