@@ -6,8 +6,10 @@ The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) r
   prefect - the real `train` flow: one `rollout_step` flow run per step, tasks calling actors,
             timed between consecutive COMMITTED markers (what the flow does between steps
             included)
+  floor   - Prefect's own floor: the same flow-run shape with no-op tasks (bench/prefect_floor.py)
 The differences are what Ray and Prefect cost per step; the table has the median and the
-90th percentile (a flat tail matters as much as the median). Usage:
+90th percentile (a flat tail matters as much as the median). A local Ray head this starts
+is stopped at the end. Usage:
   python -m bench.orchestration --steps 10
 """
 
@@ -135,23 +137,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--address", default=None, help="Ray address (default: local head)")
     args = parser.parse_args()
+    from bench.prefect_floor import floor_times
+    from engines.cluster.config import ClusterConfig
+    from engines.cluster.head import cluster_address, stop_local_head
     from flows.server import local_prefect_api
 
+    head_was_up = args.address or cluster_address(ClusterConfig(), start=False)
     with tempfile.TemporaryDirectory() as root:
-        results = {
-            "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
-            "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
-        }
-        with local_prefect_api():  # the server the CLI and the main job run with
-            results["prefect"] = bench_prefect(make_config(root, "prefect", args.steps,
-                                                           args.address))
+        try:
+            results = {
+                "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
+                "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
+            }
+            with local_prefect_api():  # the server the CLI and the main job run with
+                results["prefect"] = bench_prefect(make_config(root, "prefect", args.steps,
+                                                               args.address))
+                results["floor"] = floor_times(args.steps)
+        finally:
+            if not head_was_up:  # leave the machine as it was: a head we started goes
+                import ray
+
+                ray.shutdown()
+                stop_local_head()
     for name, times in results.items():
         print(summary(name, times))
-    plain = results["plain"]
+    plain, prefect, floor = results["plain"], results["prefect"], results["floor"]
     for name, label in (("ray", "Ray actors"), ("prefect", "Ray + Prefect flow")):
         t = results[name]
         print(f"{label:19s} add {1000 * (statistics.median(t) - statistics.median(plain)):7.1f} "
               f"ms/step over the plain loop (median), {1000 * (p90(t) - p90(plain)):7.1f} (p90)")
+    print(f"of which Prefect's floor (`floor`: an empty step flow run of 7 no-op tasks, "
+          f"bench/prefect_floor.py) {1000 * statistics.median(floor):.1f} (median); rollflow's "
+          f"own above it {1000 * (statistics.median(prefect) - statistics.median(plain) - statistics.median(floor)):.1f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ consecutive steps overlap; see tasks/step_gates.py for the picture.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import State, flow
@@ -62,7 +64,14 @@ def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:
 
 
 def run_rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
-    """`rollout_step` as the train flow calls it: without a heartbeat thread of its own.
+    """`rollout_step` as the train flow calls it: without a heartbeat thread of its own."""
+    with child_flow_heartbeats_off():
+        return rollout_step(config, rollout_id)
+
+
+@contextmanager
+def child_flow_heartbeats_off() -> Iterator[None]:
+    """Flow runs started inside this block run without a heartbeat thread of their own.
 
     Prefect's sync flow engine joins a flow run's heartbeat thread on exit, and that thread
     sleeps in 1 s ticks, so every flow run paid up to a second (measured 1.13 s vs 0.19 s
@@ -70,7 +79,7 @@ def run_rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
     and keeps its heartbeats, so a crashed driver is still detected."""
     current = get_settings_context()
     with SettingsContext(profile=current.profile, settings=_without_heartbeats(current.settings)):
-        return rollout_step(config, rollout_id)
+        yield
 
 
 _NO_HEARTBEAT: dict[int, tuple[Settings, Settings]] = {}
