@@ -142,7 +142,7 @@ def main() -> None:
     from engines.cluster.head import cluster_address, stop_local_head
     from flows.server import local_prefect_api
 
-    head_was_up = args.address or cluster_address(ClusterConfig(), start=False)
+    head_was_up = bool(args.address or cluster_address(ClusterConfig(), start=False))
     with tempfile.TemporaryDirectory() as root:
         try:
             results = {
@@ -161,14 +161,15 @@ def main() -> None:
                 stop_local_head()
     for name, times in results.items():
         print(summary(name, times))
-    plain, prefect, floor = results["plain"], results["prefect"], results["floor"]
+    plain = results["plain"]
     for name, label in (("ray", "Ray actors"), ("prefect", "Ray + Prefect flow")):
         t = results[name]
         print(f"{label:19s} add {1000 * (statistics.median(t) - statistics.median(plain)):7.1f} "
               f"ms/step over the plain loop (median), {1000 * (p90(t) - p90(plain)):7.1f} (p90)")
-    print(f"of which Prefect's floor (`floor`: an empty step flow run of 7 no-op tasks, "
-          f"bench/prefect_floor.py) {1000 * statistics.median(floor):.1f} (median); rollflow's "
-          f"own above it {1000 * (statistics.median(prefect) - statistics.median(plain) - statistics.median(floor)):.1f}")
+    median = {name: 1000 * statistics.median(times) for name, times in results.items()}
+    own = median["prefect"] - median["plain"] - median["floor"]
+    print(f"of which Prefect's floor (`floor`: a step flow run of 7 no-op tasks, "
+          f"bench/prefect_floor.py) {median['floor']:.1f}; rollflow's own above it {own:.1f} (medians)")
 
 
 if __name__ == "__main__":
