@@ -32,7 +32,7 @@ def no_op(k: int) -> int:
     return k
 
 
-@flow(name="empty_step", persist_result=False)
+@flow(name="empty_step", flow_run_name="floor/rollout-{rollout_id}", persist_result=False)
 def empty_step(rollout_id: int, n_tasks: int) -> int:
     """`n_tasks` no-op tasks, each waiting for the one before, as `_run_stages` chains them."""
     before: list[Any] = []
@@ -48,7 +48,7 @@ def empty_driver(steps: int, n_tasks: int) -> list[float]:
     for k in range(steps):
         start = time.perf_counter()
         with child_flow_heartbeats_off():
-            empty_step.with_options(flow_run_name=f"floor/rollout-{k}")(k, n_tasks)
+            empty_step(k, n_tasks)
         times.append(time.perf_counter() - start)
     return times
 
