@@ -212,6 +212,29 @@ def probe_bundles(
     return [BundleInfo(i, ip, gpu) for i, (ip, gpu) in enumerate(where)]
 
 
+def _check_fits_local_head(plan: ResourcePlan, bundle: dict[str, float]) -> None:
+    """Fail at once when the local head (no `cluster.address`: a fixed set of resources,
+    no autoscaler) has fewer GPUs or CPUs in all than the bundles need: waiting for them
+    could only end in the timeout. A one-GPU machine meets this with the default split of
+    one engine GPU plus one trainer GPU."""
+    import ray
+
+    total = ray.cluster_resources()
+    short = {key: (plan.num_bundles * amount, total.get(key, 0.0))
+             for key, amount in bundle.items() if total.get(key, 0.0) < plan.num_bundles * amount}
+    if not short:
+        return
+    has = ", ".join(f"{key}: needs {need:g}, has {have:g}" for key, (need, have) in short.items())
+    split = ("" if plan.colocate else
+             f" (the train group's {plan.num_train} plus the engines' {plan.num_rollout})")
+    raise ConfigError(
+        f"the local Ray head cannot hold the run's {plan.num_bundles} x {bundle} bundles"
+        f"{split}: {has}. On one machine: cluster.colocate=true (engines and trainer share "
+        "the train group's bundles), fewer of them (cluster.actor_num_gpus_per_node, "
+        "cluster.rollout_num_gpus), or cluster.placement=never (actors not pinned)"
+    )
+
+
 def _missing_resources(num_bundles: int, bundle: dict[str, float]) -> str:
     import ray
 
@@ -266,6 +289,8 @@ def create_placement(
             f"section asks for {plan.num_bundles}; remove it or use another run name"
         )
     created = pg is None
+    if created and cfg.address is None:
+        _check_fits_local_head(plan, bundle)
     if pg is None:
         options: dict[str, Any] = {"strategy": "PACK"}
         if name is not None:

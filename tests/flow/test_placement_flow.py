@@ -18,6 +18,7 @@ from engines.cluster.actors import get_or_create_actors, kill_run_actors, run_pl
 from engines.cluster.placement import actor_bundle, create_placement
 from engines.cluster.registry import actor_name, get_run_actor
 from flows.config import ClusterConfig
+from storage.config import ConfigError
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
 
@@ -75,12 +76,31 @@ def test_two_steps_with_actors_pinned_to_the_runs_bundles(mock_config):
 
 
 def test_a_group_that_cannot_be_placed_fails_with_the_missing_resources(ray_address):
+    """On a cluster given by address (it may grow: an autoscaler), rollflow waits, then
+    fails naming what is free of what."""
     from ray.util import get_placement_group
 
+    cfg = ClusterConfig(address=ray_address, actor_num_gpus_per_node=63)
     with pytest.raises(RuntimeError, match=r"CPU: needs 64, free [\d.]+ of 4"):
-        create_placement(ClusterConfig(actor_num_gpus_per_node=63), name="too-big", timeout_s=2)
+        create_placement(cfg, name="too-big", timeout_s=2)
     with pytest.raises(ValueError):  # the request was withdrawn, not left pending
         get_placement_group("too-big")
+
+
+def test_a_group_larger_than_the_local_head_fails_at_once(ray_address):
+    """The local head (no cluster.address) never grows: a run needing more than it has in
+    all (a one-GPU machine with an engine GPU and a trainer GPU) fails without the wait,
+    with what to change."""
+    from ray.util import get_placement_group
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"CPU: needs 64, has 4\. On one machine: "
+                                          r"cluster\.colocate=true"):
+        create_placement(ClusterConfig(actor_num_gpus_per_node=63), name="too-big-local",
+                         timeout_s=60)
+    assert time.perf_counter() - start < 10
+    with pytest.raises(ValueError):  # nothing was requested
+        get_placement_group("too-big-local")
 
 
 def test_cluster_status_lists_actors_and_bundles_without_a_dashboard(mock_config):
