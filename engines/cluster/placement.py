@@ -289,9 +289,9 @@ def create_placement(
             f"section asks for {plan.num_bundles}; remove it or use another run name"
         )
     created = pg is None
-    if created and cfg.address is None:
-        _check_fits_local_head(plan, bundle)
     if pg is None:
+        if cfg.address is None:
+            _check_fits_local_head(plan, bundle)
         options: dict[str, Any] = {"strategy": "PACK"}
         if name is not None:
             options.update(name=name, lifetime="detached")
