@@ -244,6 +244,27 @@ def _pg_terms(algo: AlgorithmConfig, inputs: LossInputs, reduce: Reducer) -> dic
     return terms
 
 
+def zero_gradient_samples(
+    algo: AlgorithmConfig, advantages: list[Tensor], loss_masks: list[Tensor]
+) -> set[int]:
+    """Samples whose actor-loss term and gradient are exactly 0, so training may leave them
+    out: no loss-masked token (every built-in loss masks), or, under the PPO-clip surrogate
+    alone (no entropy bonus, no KL loss), an advantage of 0 on every masked token, as in a
+    GRPO group whose responses all got the same reward (both clip branches are -ratio * 0).
+    A custom loss keeps every sample."""
+    if algo.loss_type == "custom_loss":
+        return set()
+    surrogate_only = (
+        algo.loss_type == "policy_loss" and algo.entropy_coef == 0.0 and not algo.use_kl_loss
+    )
+    zero = set()
+    for i, (adv, mask) in enumerate(zip(advantages, loss_masks, strict=True)):
+        masked = mask.bool()
+        if not bool(masked.any()) or (surrogate_only and not bool(adv[masked].any())):
+            zero.add(i)
+    return zero
+
+
 def actor_loss(
     algo: AlgorithmConfig, inputs: LossInputs, denominator: float
 ) -> tuple[Tensor, dict[str, Tensor]]:

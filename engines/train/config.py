@@ -112,6 +112,17 @@ class TrainConfig(Section):
         "through flash varlen attention (bf16; float32 runs SDPA per sequence). Same "
         "log-probs and gradients as padded batches up to float rounding.",
     )
+    skip_zero_gradient_samples: bool = Field(
+        True,
+        description="Leave out of the actor's forward/backward (and of the old-log-prob "
+        "forward) the samples whose loss and gradient are exactly 0: no loss-masked token, "
+        "or, under the plain PPO-clip loss (no entropy bonus, no KL loss), an advantage of 0 "
+        "on every token, e.g. a GRPO group whose responses all got the same reward. Each step's "
+        "loss still divides by all of its samples, so the update is the same up to float "
+        "rounding; approx_kl, entropy and the TIS/mismatch metrics then average over the "
+        "trained samples (train/zero_gradient_samples counts the skipped ones). Not with "
+        "algorithm.kl_coef, use_opd or a custom advantage function (they score every sample).",
+    )
     save_interval: int | None = Field(
         None, ge=1, description="Checkpoint every N steps (None: only the last step)."
     )

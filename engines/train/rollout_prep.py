@@ -12,6 +12,12 @@ own forward, which runs before any update (see `step._old_rows`), saving one for
 global batch. Otherwise the first step is scored on its own, then the rest: a backend that
 shards a scored batch like a training step (megatron) then scores the first step in exactly
 the micro-batches that train on it, so its on-policy ratio is exactly 1 even in bf16.
+
+Zero-gradient samples (`losses.zero_gradient_samples`: e.g. a GRPO group whose responses all
+got the same reward) are left out of the optimizer steps' rows when `skip_zero_gradient` is
+set and nothing needed their old log-probs before the advantages (the lazy case's
+condition), so they cost neither the old-log-prob forward nor the training passes. The
+steps' loss denominators still count them, so each step's gradient is the full step's.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from torch import Tensor
 
 from engines.algorithms.config import AlgorithmConfig
-from engines.algorithms.losses import kl_penalty
+from engines.algorithms.losses import kl_penalty, zero_gradient_samples
 from engines.algorithms.registry import AdvantageInputs, Estimator, compute_advantages
 from storage.sample import Sample
 
@@ -35,7 +41,8 @@ class PreparedBatch:
     """Per-sample inputs of one `train()` call; per-token entries are 1-D tensors.
 
     Mutable on purpose: lazy `old_log_probs` entries start as None and are filled by the
-    first optimizer step's forward.
+    first optimizer step's forward; a skipped sample's stays None. `steps`: the rows each
+    optimizer step trains the actor on (every epoch's, in order).
     """
 
     rewards: Tensor
@@ -47,6 +54,8 @@ class PreparedBatch:
     values: list[Tensor] | None
     opd_reverse_kl: list[Tensor] | None
     response_lengths: list[int]
+    steps: list[list[int]]
+    zero_gradient: int = 0  # samples in none of `steps` (left out of every actor pass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +85,26 @@ def _rewards(samples: list[Sample], reward_key: str | None, is_rl: bool) -> Tens
     return torch.zeros(len(samples))
 
 
+def steps_without(steps: list[list[int]], skipped: set[int]) -> list[list[int]]:
+    """Each optimizer step's rows less `skipped`. A step left with none keeps its first row
+    (its gradient is zero), so the optimizer still steps as it would on the whole step:
+    AdamW moves the weights on its momentum even with a zero gradient."""
+    return [[i for i in idx if i not in skipped] or idx[:1] for idx in steps]
+
+
 def prepare_batch(
     samples: list[Sample],
     algo: AlgorithmConfig,
     scorers: Scorers,
     estimator: Estimator,
-    first_step: list[int],
+    steps: list[list[int]],
     reward_key: str | None = None,
     lazy: bool = True,
+    skip_zero_gradient: bool = False,
 ) -> PreparedBatch:
-    """`first_step`: the samples of the first optimizer step; `lazy`: whether the backend
-    may leave their old log-probs to that step's forward (see the module docstring)."""
-    n = len(samples)
+    """`steps`: every epoch's optimizer steps, as row lists; `lazy`: whether the backend may
+    leave the first step's old log-probs to that step's forward; `skip_zero_gradient`:
+    whether steps may leave out zero-gradient samples (see the module docstring)."""
     lengths = [s.response_length for s in samples]
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
     is_rl = algo.loss_type != "sft_loss"
@@ -96,19 +113,15 @@ def prepare_batch(
     ref = scorers.ref(samples) if scorers.ref is not None else None
     if not is_rl:
         zeros = [torch.zeros(r) for r in lengths]
-        return PreparedBatch(rewards, zeros, zeros, None, ref, rollout, None, None, lengths)
+        return PreparedBatch(rewards, zeros, zeros, None, ref, rollout, None, None, lengths,
+                             steps)
     eager = algo.kl_coef != 0 or algo.use_opd or algo.custom_advantage_function_path is not None
-    old: list[Tensor | None]
+    old: list[Tensor | None] = [None] * len(samples)
     if algo.use_rollout_logprobs:
         assert rollout is not None
         old = list(rollout)
-    else:
-        old = [None] * n
-        rest = sorted(set(range(n)) - set(first_step))
-        for part in ([rest] if lazy and not eager else [list(first_step), rest]):
-            if part:
-                for i, lp in zip(part, scorers.policy([samples[i] for i in part]), strict=True):
-                    old[i] = lp
+    elif eager:  # the advantages need them all, before anything is skipped
+        _score_old(old, samples, scorers, steps[0], lazy=False)
     full_old = [t for t in old if t is not None] if eager or algo.use_rollout_logprobs else None
     if algo.kl_coef != 0:
         if ref is None or full_old is None:
@@ -126,9 +139,16 @@ def prepare_batch(
         teacher_log_probs=scorers.teacher(samples) if scorers.teacher is not None else None,
     )
     result = compute_advantages(algo, inputs, estimator)
+    advantages = [a.float() for a in result.advantages]
+    skipped = zero_gradient_samples(algo, advantages, masks) if skip_zero_gradient and not eager \
+        else set()
+    trained = steps_without(steps, skipped) if skipped else steps
+    if not eager and not algo.use_rollout_logprobs:
+        _score_old(old, samples, scorers, trained[0], lazy=lazy,
+                   needed={i for idx in trained for i in idx})
     return PreparedBatch(
         rewards=rewards,
-        advantages=[a.float() for a in result.advantages],
+        advantages=advantages,
         returns=[r.float() for r in result.returns],
         old_log_probs=old,
         ref_log_probs=ref,
@@ -136,4 +156,20 @@ def prepare_batch(
         values=inputs.values,
         opd_reverse_kl=result.opd_reverse_kl,
         response_lengths=lengths,
+        steps=trained,
+        zero_gradient=len(samples) - len({i for idx in trained for i in idx}),
     )
+
+
+def _score_old(
+    old: list[Tensor | None], samples: list[Sample], scorers: Scorers, first_step: list[int],
+    lazy: bool, needed: set[int] | None = None,
+) -> None:
+    """Fill `old` with the policy's log-probs of the `needed` samples (default: all): the
+    first step's on their own (or, `lazy`, left to its forward), then the rest."""
+    wanted = set(range(len(samples))) if needed is None else needed
+    rest = sorted(wanted - set(first_step))
+    for part in ([rest] if lazy else [list(first_step), rest]):
+        if part:
+            for i, lp in zip(part, scorers.policy([samples[i] for i in part]), strict=True):
+                old[i] = lp

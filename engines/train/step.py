@@ -44,6 +44,11 @@ from engines.train.step_model import Forward, MicroBatch, MicroBatchLoss, Role, 
 from storage.sample import Sample
 
 CustomLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+ZERO_GRADIENT_SAMPLES = "zero_gradient_samples"
+# Actor-loss terms to which a zero-gradient sample adds exactly 0 (see
+# losses.zero_gradient_samples): with such samples skipped they keep the whole step's value;
+# the others (approx_kl, entropy, TIS and mismatch terms) become means over trained samples.
+EXACT_WITHOUT_SKIPPED = frozenset({"loss", "pg_loss", "clipfrac", "kl_loss"})
 
 
 def needs_reference(algo: AlgorithmConfig) -> bool:
@@ -141,23 +146,26 @@ class TrainStep:
     def _train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         start = time.perf_counter()
         epochs = [self.partitions(samples) for _ in range(self.train_cfg.num_epochs_per_rollout)]
+        full_steps = [idx for ep in epochs for idx in ep]
         with record_function("rollflow.prepare_batch"):
             prep = prepare_batch(
-                samples, self.algo_cfg, self._scorers(), self.estimator, epochs[0][0],
+                samples, self.algo_cfg, self._scorers(), self.estimator, full_steps,
                 self.reward_key, lazy=self.model.lazy_old_log_probs,
+                skip_zero_gradient=self.train_cfg.skip_zero_gradient_samples,
             )
         uses_critic = self.algo_cfg.uses_critic
         train_actor = not (uses_critic and rollout_id < self.train_cfg.num_critic_only_steps)
         steps = []
-        for idx in (idx for ep in epochs for idx in ep):
-            denominator = self._denominator(samples, idx)
-            mbs = self.micro_batches(samples, idx)
+        for idx, trained in zip(full_steps, prep.steps, strict=True):
+            denominator = self._denominator(samples, idx)  # skipped samples count here
             out: dict[str, float] = {}
-            if uses_critic:
+            if uses_critic:  # the value loss has a gradient on every sample
                 loss = self._critic_loss(prep, denominator)
+                mbs = self.micro_batches(samples, idx)
                 out.update(self.model.optimizer_step("critic", samples, mbs, loss))
             if train_actor:
-                loss = self._actor_loss(prep, denominator)
+                loss = self._actor_loss(prep, denominator, self._denominator(samples, trained))
+                mbs = self.micro_batches(samples, trained)
                 out.update(self.model.optimizer_step("actor", samples, mbs, loss))
             steps.append(out)
         with record_function("rollflow.check_weights_finite"):
@@ -165,15 +173,23 @@ class TrainStep:
         elapsed = max(time.perf_counter() - start, 1e-9)
         self.model.version = rollout_id + 1
         tokens = sum(len(s.tokens) for s in samples) * len(epochs)
-        return summarise(
+        metrics = summarise(
             samples, prep.rewards, prep.advantages, prep.old_log_probs, steps,
             tokens / elapsed, self.model.version,
         ).to_dict()
+        if self.train_cfg.skip_zero_gradient_samples:
+            metrics[ZERO_GRADIENT_SAMPLES] = float(prep.zero_gradient)
+        return metrics
 
     # -- losses ---------------------------------------------------------------------------
-    def _actor_loss(self, prep: PreparedBatch, denominator: float) -> MicroBatchLoss:
+    def _actor_loss(
+        self, prep: PreparedBatch, denominator: float, trained_denominator: float
+    ) -> MicroBatchLoss:
+        """The step's actor loss over `denominator` (all of its samples); the metric terms a
+        skipped sample would not have added 0 to are rescaled to the trained ones."""
         algo = self.algo_cfg
         loss_fn = self.custom_loss or actor_loss
+        rescale = denominator / trained_denominator if trained_denominator else 1.0
 
         def micro_batch_loss(rows: list[int], fwd: Forward) -> tuple[Tensor, dict[str, Tensor]]:
             assert fwd.log_probs is not None and fwd.entropy is not None
@@ -195,6 +211,9 @@ class TrainStep:
             if kl is not None:
                 reduce = make_reducer(algo.calculate_per_token_loss, fwd.batch.loss_mask, denominator)
                 terms = {**terms, "opd_reverse_kl": reduce(kl).detach()}
+            if rescale != 1.0:
+                terms = {k: v if k in EXACT_WITHOUT_SKIPPED else v * rescale
+                         for k, v in terms.items()}
             return loss, terms
 
         return micro_batch_loss
