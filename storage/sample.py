@@ -133,7 +133,24 @@ class Sample:
             )
 
     def clone(self) -> Sample:
-        return copy.deepcopy(self)
+        """An independent copy, as `copy.deepcopy` makes it, ~10x faster (a data source makes
+        n_samples_per_prompt clones per prompt): the id lists are copied as lists and only
+        the fields that may nest (chat prompt, dict reward, metadata) go through deepcopy."""
+        return Sample(
+            index=self.index,
+            group_index=self.group_index,
+            prompt=self.prompt if isinstance(self.prompt, str) else copy.deepcopy(self.prompt),
+            tokens=list(self.tokens),
+            response=self.response,
+            response_length=self.response_length,
+            label=self.label,
+            reward=copy.deepcopy(self.reward) if isinstance(self.reward, dict) else self.reward,
+            loss_mask=list(self.loss_mask),
+            rollout_log_probs=list(self.rollout_log_probs),
+            status=self.status,
+            weight_version=self.weight_version,
+            metadata=copy.deepcopy(self.metadata) if self.metadata else {},
+        )
 
 
 Group = list[Sample]

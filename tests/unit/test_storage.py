@@ -137,3 +137,28 @@ def test_run_layout_commits_in_order(tmp_path):
     assert layout.next_rollout_id() == 2
     assert layout.task_record(2, "generate") == {"uri": "u"}
     assert layout.task_record(2, "train") is None
+
+
+@pytest.mark.parametrize("prompt, reward", [
+    ("12+34=", 1.0),
+    ([{"role": "user", "content": "hi"}], {"acc": 1.0, "len": 0.5}),
+])
+def test_clone_copies_every_field_and_shares_nothing_mutable(prompt, reward) -> None:
+    import dataclasses
+
+    from storage.sample import Sample, Status
+
+    s = Sample(index=7, group_index=2, prompt=prompt, tokens=[1, 2, 3, 4], response="ab",
+               response_length=2, label="46", reward=reward, loss_mask=[1, 0],
+               rollout_log_probs=[-0.5, -0.25], status=Status.COMPLETED, weight_version=3,
+               metadata={"a": [1, {"b": 2}], "source_line": 4})
+    defaults = Sample(index=0, group_index=0)
+    # every field is set away from its default, so equality covers a field clone forgot
+    assert all(getattr(s, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(s))
+    c = s.clone()
+    assert c == s
+    for name in ("prompt", "tokens", "reward", "loss_mask", "rollout_log_probs", "metadata"):
+        value = getattr(c, name)
+        assert isinstance(value, str | float) or value is not getattr(s, name), name
+    c.metadata["a"][1]["b"] = 9
+    assert s.metadata["a"][1]["b"] == 2
