@@ -4,9 +4,11 @@
       partitions: per epoch the groups in a seeded shuffle, cut into optimizer steps of
                   global_batch_size samples (or n / num_steps_per_rollout)
       prepare (rollout_prep): rewards; old / ref / teacher log-probs and critic values from
-                  the pre-update models (backend.score); advantages + returns (registry)
+                  the pre-update models (backend.score); advantages + returns (registry);
+                  each step's actor rows less its zero-gradient samples (skip_zero_gradient_samples)
       per epoch, per optimizer step:
-          denominator = the step's samples (or loss tokens), this DP rank's share cut into
+          denominator = the step's samples (or loss tokens), skipped ones included; this DP
+          rank's share of the trained rows cut into
           micro-batches of at most max_tokens_per_micro_batch padded tokens
           (real tokens with pack_sequences)
           critic (ppo): clipped value loss          -> backend.optimizer_step("critic", ...)
