@@ -31,7 +31,10 @@ def torch_config(ray_address, arithmetic_data, tiny_model_dir, tmp_path):
     )
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     for k in range(2):
-        write_samples(layout.store, make_samples(8, seed=k), step_dir(k), "train.arrow")
+        samples = make_samples(8, seed=k)
+        for s in samples[4:]:  # one group of one reward: its step trains a lone stand-in, so
+            s.reward = 1.0     # rank 1 has no sample of it and must still join the collectives
+        write_samples(layout.store, samples, step_dir(k), "train.arrow")
     return cfg
 
 
@@ -71,6 +74,7 @@ def test_two_gloo_ranks_match_one_rank_and_rank0_writes(torch_config):
         assert _max_diff(w1, w2) < 1e-5
         assert _max_diff(w2, w2_rank1) == 0.0  # DDP keeps the ranks identical
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+        assert one["zero_gradient_samples"] == two["zero_gradient_samples"] == 3.0
         # rank 0 alone writes the checkpoint and LATEST
         uri = ray.get(group.save_checkpoint.remote(0))
         assert uri and RunLayout.open(cfg.storage.uri, cfg.storage.run_name).latest_checkpoint() == 0
