@@ -21,8 +21,7 @@ def with_rewards(samples: list[Sample], rewards: list[float]) -> list[Sample]:
     return samples
 
 
-# Groups of 4: all right, all wrong, mixed, all right (the last one's first sample, index 12,
-# has a mixed group in no step; it is the zero-gradient step's stand-in, see steps_without).
+# Groups of 4: all right, all wrong, mixed, all right (12 zero-gradient samples of 16).
 REWARDS = [1.0] * 4 + [0.0] * 4 + [1.0, 0.0, 0.0, 1.0] + [1.0] * 4
 
 
@@ -68,8 +67,9 @@ def test_skipped_samples_are_neither_scored_nor_trained() -> None:
 
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_the_torch_backend_learns_the_same_weights(tiny_model_dir: str, share_prompts: bool) -> None:
-    """Two epochs of one-group steps: three steps hold only zero-gradient groups (trained on
-    a zero-gradient stand-in, so AdamW still moves on its momentum) and one a mixed group."""
+    """Two epochs of four one-group steps: in each epoch three steps hold a zero-gradient
+    group (each trains a lone stand-in, so AdamW still moves on its momentum) and one the
+    mixed group."""
     results = []
     for skip in (True, False):
         backend = make_backend(tiny_model_dir, global_batch_size=4, num_epochs_per_rollout=2,
