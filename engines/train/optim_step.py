@@ -61,10 +61,9 @@ def optimizer_step(
             (loss * weight).backward()
         # every rank records the same keys (an uncounted stand-in adds 0): sum_metrics is a
         # collective, and a rank left with only a stand-in must join it too
-        counted = 1.0 if mb.counted else 0.0
-        totals[TRAINED_LOSS] += counted * float(loss.detach())
+        totals[TRAINED_LOSS] += float(loss.detach()) if mb.counted else 0.0
         for key, value in terms.items():
-            totals[prefix + key] += counted * float(value)
+            totals[prefix + key] += float(value) if mb.counted else 0.0
     params = [p for p in opt.module.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opt.clip_grad))
     lr = opt.optimizer.param_groups[0]["lr"]
