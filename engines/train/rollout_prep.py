@@ -55,7 +55,11 @@ class PreparedBatch:
     opd_reverse_kl: list[Tensor] | None
     response_lengths: list[int]
     steps: list[list[int]]
-    zero_gradient: int = 0  # samples in none of `steps` (left out of every actor pass)
+
+    @property
+    def zero_gradient(self) -> int:
+        """Samples in none of `steps`: left out of every actor pass."""
+        return len(self.response_lengths) - len({i for idx in self.steps for i in idx})
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +146,7 @@ def prepare_batch(
     advantages = [a.float() for a in result.advantages]
     skipped = zero_gradient_samples(algo, advantages, masks) if skip_zero_gradient and not eager \
         else set()
-    trained = steps_without(steps, skipped) if skipped else steps
+    trained = steps_without(steps, skipped)
     if not eager and not algo.use_rollout_logprobs:
         _score_old(old, samples, scorers, trained[0], lazy=lazy,
                    needed={i for idx in trained for i in idx})
@@ -157,7 +161,6 @@ def prepare_batch(
         opd_reverse_kl=result.opd_reverse_kl,
         response_lengths=lengths,
         steps=trained,
-        zero_gradient=len(samples) - len({i for idx in trained for i in idx}),
     )
 
 
