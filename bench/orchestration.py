@@ -3,10 +3,10 @@
 The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) runs three ways:
   plain   - the stage objects in this process, called in a loop (no Prefect, no Ray)
   ray     - the same calls on the run's detached Ray actors (no Prefect)
-  prefect - the real `train` flow: one `rollout_step` flow run per step, tasks calling actors,
-            timed between consecutive COMMITTED markers (what the flow does between steps
-            included)
-  floor   - Prefect's own floor: the same flow-run shape with no-op tasks (bench/prefect_floor.py)
+  prefect - the real `train` flow: each step's tasks calling actors (in the train flow run, or
+            with --step-flow-runs in a `rollout_step` flow run per step), timed between
+            consecutive COMMITTED markers (what the flow does between steps included)
+  floor   - Prefect's own floor: the same shape with no-op tasks (bench/prefect_floor.py)
 The differences are what Ray and Prefect cost per step; the table has the median and the
 90th percentile (a flat tail matters as much as the median). A local Ray head this starts
 is stopped at the end. Usage:
@@ -34,7 +34,9 @@ if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], True)
 
 
-def make_config(root: str, run_name: str, steps: int, address: str | None) -> Any:
+def make_config(
+    root: str, run_name: str, steps: int, address: str | None, step_flow_runs: bool = False
+) -> Any:
     from examples.arithmetic.build_model import save_tiny_model
     from examples.arithmetic.make_data import write_datasets
     from flows.config_loader import config_from_dict
@@ -49,7 +51,7 @@ def make_config(root: str, run_name: str, steps: int, address: str | None) -> An
         "engine": {"backend": "mock", "model_path": model},
         "train": {"backend": "mock", "model_path": model},
         "storage": {"uri": os.path.join(root, "runs"), "run_name": run_name},
-        "logging": {"progress": False, "plot": False},
+        "logging": {"progress": False, "plot": False, "step_flow_runs": step_flow_runs},
     })
 
 
@@ -127,7 +129,7 @@ def p90(times: list[float]) -> float:
 
 
 def summary(name: str, times: list[float]) -> str:
-    return (f"{name:8s} median {1000 * statistics.median(times):7.1f}   p90 {1000 * p90(times):7.1f}"
+    return (f"{name:18s} median {1000 * statistics.median(times):7.1f}   p90 {1000 * p90(times):7.1f}"
             f"   mean {1000 * statistics.mean(times):7.1f}   max {1000 * max(times):7.1f} ms/step"
             f"   (n={len(times)})")
 
@@ -136,6 +138,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--address", default=None, help="Ray address (default: local head)")
+    parser.add_argument("--step-flow-runs", action="store_true",
+                        help="each step a flow run of its own (logging.step_flow_runs)")
     args = parser.parse_args()
     from bench.prefect_floor import floor_times
     from engines.cluster.config import ClusterConfig
@@ -150,9 +154,9 @@ def main() -> None:
                 "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
             }
             with local_prefect_api():  # the server the CLI and the main job run with
-                results["prefect"] = bench_prefect(make_config(root, "prefect", args.steps,
-                                                               args.address))
-                results["floor"] = floor_times(args.steps)
+                results["prefect"] = bench_prefect(make_config(
+                    root, "prefect", args.steps, args.address, args.step_flow_runs))
+                results["floor"] = floor_times(args.steps, step_flow_runs=args.step_flow_runs)
         finally:
             if not head_was_up:  # leave the machine as it was: a head we started goes
                 import ray
@@ -168,8 +172,9 @@ def main() -> None:
               f"ms/step over the plain loop (median), {1000 * (p90(t) - p90(plain)):7.1f} (p90)")
     median = {name: 1000 * statistics.median(times) for name, times in results.items()}
     own = median["prefect"] - median["plain"] - median["floor"]
-    print(f"of which Prefect's floor (`floor`: a step flow run of 7 no-op tasks, "
-          f"bench/prefect_floor.py) {median['floor']:.1f}; rollflow's own above it {own:.1f} (medians)")
+    shape = "a step flow run of 7 no-op tasks" if args.step_flow_runs else "7 no-op tasks"
+    print(f"of which Prefect's floor (`floor`: {shape}, bench/prefect_floor.py) "
+          f"{median['floor']:.1f}; rollflow's own above it {own:.1f} (medians)")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,15 @@ class LoggingConfig(Section):
     plot: bool = Field(True, description="Write reward/loss curve PNGs to the run directory.")
     plot_interval: int | None = Field(
         10, ge=1,
-        description="A rollout step's flow run also shows the curves (markdown artifact, PNG "
-        "inlined) every N steps and at the last step; None: only the train flow, at the end.",
+        description="The steps also show the curves (markdown artifact, PNG inlined) every N "
+        "steps and at the last step; None: only the train flow, at the end.",
+    )
+    step_flow_runs: bool = Field(
+        False,
+        description="Run each rollout step as a child flow run of its own, "
+        "`{run}/rollout-{id}`, which groups the step's tasks in the UI (runs list, one graph "
+        "per step); costs Prefect ~0.25 s per step. Off: the step's tasks run in the train "
+        "flow run, named `rollout-{id}/<task>`.",
     )
     sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,

@@ -1,5 +1,5 @@
 """What a person looks at in the Prefect UI and the run directory: metrics tables and
-reward/loss curves, for the whole run and for each rollout step's flow run.
+reward/loss curves, for the whole run and for each rollout step.
 
 Artifact keys start with the run's name (`arithmetic-grpo-step-metrics`), so trainings that
 share a Prefect server keep their own history. The curves go to the UI as a markdown
@@ -132,8 +132,9 @@ def _publish_curves(layout: RunLayout, rows: list[dict[str, Any]], evals: Any) -
 def publish_step_report(
     layout: RunLayout, rollout_id: int, metrics: dict[str, Any], make_plot: bool = True
 ) -> None:
-    """Artifacts of one rollout step's flow run: every scalar metric of the step (table
-    `{run}-step-metrics`) and the curves up to this step (markdown `{run}-reward-curves`)."""
+    """Artifacts of one rollout step (on its flow run, or the train run): every scalar metric
+    of the step (table `{run}-step-metrics`) and the curves up to this step (markdown
+    `{run}-reward-curves`)."""
     table = [
         {"metric": k, "value": for_people(v)}
         for k, v in sorted(metrics.items())

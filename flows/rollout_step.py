@@ -1,21 +1,26 @@
-"""One rollout step = one Prefect flow run named `{run}/rollout-{rollout_id}`.
+"""One rollout step: its tasks, in the train flow run or in a flow run of its own.
 
 sample_prompts -> generate -> filter -> reward -> train -> broadcast_weights -> commit
 
-Each task waits for the one before it (`wait_for`), so the Prefect UI draws that chain.
+Each task waits for the one before it (`wait_for`), so the Prefect UI draws that chain. By
+default the tasks run in the train flow run, named `rollout-{id}/<task>`: a child flow run
+per step (`logging.step_flow_runs`, `{run}/rollout-{id}`) groups them in the UI but costs
+Prefect ~0.25 s per step on a local server (`python -m bench.prefect_floor`), as much as a
+mock step's whole orchestration otherwise. Either way a failed step resumes at the task
+that failed (each task's record in storage) and its tasks retry alike.
 
-In async mode (`rollout.off_policy_async`) gates between them let the flow runs of two
-consecutive steps overlap; see tasks/step_gates.py for the picture.
+In async mode (`rollout.off_policy_async`) gates between them let two consecutive steps
+overlap; see tasks/step_gates.py for the picture.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from prefect import State, flow
-from prefect.context import SettingsContext, get_settings_context
+from prefect.context import FlowRunContext, SettingsContext, get_settings_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.utilities.annotations import quote
 
@@ -35,23 +40,65 @@ def open_layout(cfg: RollflowConfig) -> RunLayout:
     return RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
 
 
+def run_rollout_step(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
+    """Step `rollout_id` as the train flow runs it: its tasks in the current flow run, or
+    in a child `rollout_step` flow run (without a heartbeat thread of its own) when the
+    config asks for `logging.step_flow_runs`."""
+    config = config_of(ctx)
+    if config.logging.step_flow_runs:
+        with child_flow_heartbeats_off():
+            return rollout_step(config, rollout_id)
+    return run_step_tasks(ctx, rollout_id)
+
+
+def config_of(ctx: t.StepContext) -> RollflowConfig:
+    """The whole config of a context the flows made (tasks see it as engines' `RunConfig`)."""
+    return cast(RollflowConfig, ctx.cfg)
+
+
 @flow(name="rollout_step", flow_run_name="{config.storage.run_name}/rollout-{rollout_id}",
       persist_result=False)
 def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
-    """Run (or finish) step `rollout_id`; a committed step returns its metrics untouched."""
+    """Run (or finish) step `rollout_id` as a flow run of its own."""
     connect(config.cluster)
     layout = open_layout(config)
     if layout.is_committed(rollout_id):
         return layout.step_metrics(rollout_id)
+    return run_step_tasks(t.StepContext(config, layout, attached_actors(config)), rollout_id)
+
+
+def run_step_tasks(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
+    """Run (or finish) step `rollout_id`; a committed step returns its metrics untouched.
+    A failure is marked in storage (the failure notice names the step and task) and raised."""
+    layout = ctx.layout
+    if layout.is_committed(rollout_id):
+        return layout.step_metrics(rollout_id)
     layout.clear_failure(rollout_id)
     try:
-        with untagged_tasks():  # the flow run keeps its tags; see flows/run_labels.py
-            metrics = _run_stages(t.StepContext(config, layout, attached_actors(config)), rollout_id)
+        # the flow run keeps its tags (flows/run_labels.py); links stay within the step
+        with untagged_tasks(), results_linked_within_step():
+            metrics = _run_stages(ctx, rollout_id)
     except BaseException as e:
         layout.mark_failed(rollout_id, repr(e))
         raise
-    publish_step_report(layout, rollout_id, metrics, make_plot=plots_curves(config, rollout_id))
+    publish_step_report(layout, rollout_id, metrics, make_plot=plots_curves(config_of(ctx), rollout_id))
     return metrics
+
+
+@contextmanager
+def results_linked_within_step() -> Iterator[None]:
+    """Within: Prefect links task results to the tasks they feed through a registry of this
+    step's own, dropped at its end. Prefect finds a task's upstream runs by the `id()` of
+    its inputs in a registry kept per flow run, which also holds plain values (dicts,
+    floats) that were freed long ago: in a train flow run holding every step's tasks, new
+    objects of a later step reused those ids, and the graph drew edges from earlier steps'
+    tasks into its gates (the registry also grew with every step)."""
+    current = FlowRunContext.get()
+    if current is None:
+        yield
+        return
+    with current.model_copy(update={"run_results": {}}):
+        yield
 
 
 def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:
@@ -61,12 +108,6 @@ def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:
     if not cfg.logging.plot or interval is None:
         return False
     return (rollout_id + 1) % interval == 0 or rollout_id + 1 == cfg.rollout.num_rollout
-
-
-def run_rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
-    """`rollout_step` as the train flow calls it: without a heartbeat thread of its own."""
-    with child_flow_heartbeats_off():
-        return rollout_step(config, rollout_id)
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The driver loop: one `rollout_step` flow run per rollout_id, resuming where the run left off.
+"""The driver loop: one rollout step per rollout_id, resuming where the run left off.
 
 Like slime's train.py, the loop fits on a screen; the work lives in tasks and actors.
 """
@@ -44,23 +44,24 @@ def _progress_bar(cfg: RollflowConfig, start: int) -> Any:
 StepDone = Callable[[int, dict[str, Any]], None]
 
 
-def run_sequential(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
-    for rollout_id in range(start, config.rollout.num_rollout):
-        done(rollout_id, run_rollout_step(config, rollout_id))
+def run_sequential(ctx: t.StepContext, start: int, done: StepDone) -> None:
+    for rollout_id in range(start, ctx.cfg.rollout.num_rollout):
+        done(rollout_id, run_rollout_step(ctx, rollout_id))
 
 
-def run_pipelined(config: RollflowConfig, layout: RunLayout, start: int, done: StepDone) -> None:
-    """One-step off-policy: the flow run of step k+1 starts once step k's generation is
-    committed (the data source state it draws from), so its generation overlaps step k's
-    training; gates in tasks/step_gates.py keep the order of weights. Each flow run runs in
-    its own thread, as a child of this flow."""
+def run_pipelined(ctx: t.StepContext, start: int, done: StepDone) -> None:
+    """One-step off-policy: step k+1 starts once step k's generation is committed (the data
+    source state it draws from), so its generation overlaps step k's training; gates in
+    tasks/step_gates.py keep the order of weights. Each step runs in its own thread, in
+    this flow run (or as a child flow run of it)."""
+    config, layout = ctx.cfg, ctx.layout
     total = config.rollout.num_rollout
     in_flight: dict[int, Future[dict[str, Any]]] = {}
     reported = start
     with ThreadPoolExecutor(max_workers=3 + config.rollout.max_staleness) as pool:
         for rollout_id in range(start, total):
             context = contextvars.copy_context()
-            future = pool.submit(context.run, run_rollout_step, config, rollout_id)
+            future = pool.submit(context.run, run_rollout_step, ctx, rollout_id)
             in_flight[rollout_id] = future
             rollout_done = partial(layout.task_record, rollout_id, "generate")
             while rollout_done() is None and not future.done():
@@ -172,7 +173,7 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     pipelined = config.rollout.off_policy_async
     run_steps = run_pipelined if pipelined else run_sequential
     try:
-        run_steps(config, layout, start, step_done)
+        run_steps(ctx, start, step_done)
     finally:
         sinks.close()
         bar.close()  # a failure's first line must not run on from the bar

@@ -39,6 +39,7 @@ from prefect.cache_policies import NO_CACHE
 from engines.run_config import RunConfig as RollflowConfig
 from engines.weight_schedule import pushes_weights, required_weight_version
 from storage.run_layout import RunLayout
+from tasks.step_tasks import step_run_name
 
 
 class UpstreamStepFailed(RuntimeError):
@@ -65,7 +66,7 @@ def weights_ready_step(cfg: RollflowConfig, rollout_id: int) -> int:
     return required_weight_version(cfg, rollout_id) - 1
 
 
-@task(name="wait_for_weights", task_run_name="wait_for_weights", cache_policy=NO_CACHE)
+@task(name="wait_for_weights", task_run_name=step_run_name("wait_for_weights"), cache_policy=NO_CACHE)
 def wait_for_weights(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
     step = weights_ready_step(cfg, rollout_id)
     if step < 0:
@@ -73,7 +74,7 @@ def wait_for_weights(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) ->
     return wait_until(layout, lambda: layout.is_committed(step), step, f"commit of step {step}")
 
 
-@task(name="wait_for_previous_commit", task_run_name="wait_for_previous_commit",
+@task(name="wait_for_previous_commit", task_run_name=step_run_name("wait_for_previous_commit"),
       cache_policy=NO_CACHE)
 def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
     prev = rollout_id - 1
@@ -82,7 +83,7 @@ def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
     return wait_until(layout, lambda: layout.is_committed(prev), prev, f"commit of step {prev}")
 
 
-@task(name="wait_for_next_generate", task_run_name="wait_for_next_generate", cache_policy=NO_CACHE)
+@task(name="wait_for_next_generate", task_run_name=step_run_name("wait_for_next_generate"), cache_policy=NO_CACHE)
 def wait_for_next_generate(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
     """Weights change only between generations (slime waits for the next rollout too).
     Not when the next generation needs this step's weights (`max_staleness: 0`): it waits

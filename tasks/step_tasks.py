@@ -143,6 +143,13 @@ def _log_retry(task: Any, task_run: Any, exc: BaseException, retried: bool) -> N
 
 # Transient faults (an engine or actor briefly unreachable) are retried; the record check
 # makes a retry after a partial success safe.
+def step_run_name(stage: str) -> str:
+    """A step task's run name, `rollout-{rollout_id}/<stage>` (Prefect fills it in from the
+    task's arguments): the steps' tasks share the train flow run, and the UI lists them by
+    this name instead of with a random suffix."""
+    return f"rollout-{{rollout_id}}/{stage}"
+
+
 TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "retries": 2, "retry_delay_seconds": 2,
                                 "retry_condition_fn": retry_transient}
 
@@ -163,7 +170,7 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> Genera
     return result
 
 
-@task(name="sample_prompts", task_run_name="sample_prompts", **TASK_OPTIONS)
+@task(name="sample_prompts", task_run_name=step_run_name("sample_prompts"), **TASK_OPTIONS)
 def sample_prompts(ctx: StepContext, rollout_id: int) -> SamplePromptsRecord:
     return run_once(
         ctx.layout, rollout_id, SamplePromptsRecord,
@@ -171,7 +178,7 @@ def sample_prompts(ctx: StepContext, rollout_id: int) -> SamplePromptsRecord:
     )
 
 
-@task(name="generate", task_run_name="generate", **TASK_OPTIONS)
+@task(name="generate", task_run_name=step_run_name("generate"), **TASK_OPTIONS)
 def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
     def work() -> GenerateRecord:
         actors = ctx.reattach()
@@ -188,7 +195,7 @@ def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
     return run_once(ctx.layout, rollout_id, GenerateRecord, work)
 
 
-@task(name="filter", task_run_name="filter", **TASK_OPTIONS)
+@task(name="filter", task_run_name=step_run_name("filter"), **TASK_OPTIONS)
 def filter_groups(ctx: StepContext, rollout_id: int) -> FilterRecord:
     return run_once(
         ctx.layout, rollout_id, FilterRecord,
@@ -196,7 +203,7 @@ def filter_groups(ctx: StepContext, rollout_id: int) -> FilterRecord:
     )
 
 
-@task(name="reward", task_run_name="reward", **TASK_OPTIONS)
+@task(name="reward", task_run_name=step_run_name("reward"), **TASK_OPTIONS)
 def reward(ctx: StepContext, rollout_id: int, kept_groups: Sequence[int]) -> RewardRecord:
     return run_once(
         ctx.layout, rollout_id, RewardRecord,
@@ -204,7 +211,7 @@ def reward(ctx: StepContext, rollout_id: int, kept_groups: Sequence[int]) -> Rew
     )
 
 
-@task(name="train", task_run_name="train", **TASK_OPTIONS)
+@task(name="train", task_run_name=step_run_name("train"), **TASK_OPTIONS)
 def train(ctx: StepContext, rollout_id: int) -> TrainRecord:
     """Always asks the trainer (its weight version, not the record, is the truth): a trainer
     that lost its state re-trains this step from train.arrow after replaying earlier ones."""
@@ -246,7 +253,7 @@ def sync_engine_weights(
     return BroadcastRecord(weight_version=version, engines_updated=len(stale))
 
 
-@task(name="broadcast_weights", task_run_name="broadcast_weights", **TASK_OPTIONS)
+@task(name="broadcast_weights", task_run_name=step_run_name("broadcast_weights"), **TASK_OPTIONS)
 def broadcast_weights(ctx: StepContext, rollout_id: int) -> BroadcastRecord:
     # Not recorded: it is cheap and must always leave the engines at the trainer's version.
     start = time.perf_counter()
@@ -265,7 +272,7 @@ def should_checkpoint(cfg: RollflowConfig, rollout_id: int) -> bool:
     return last or (interval is not None and (rollout_id + 1) % interval == 0)
 
 
-@task(name="commit", task_run_name="commit", **TASK_OPTIONS)
+@task(name="commit", task_run_name=step_run_name("commit"), **TASK_OPTIONS)
 def commit(
     ctx: StepContext, rollout_id: int, records: Sequence[StageRecord]
 ) -> dict[str, Any]:

@@ -171,7 +171,7 @@ def get_or_create_actors(cfg: RunConfig) -> RunActors:
 
 
 # Handles this process looked up, by (namespace, run, actor suffix). The train flow looks
-# its actors up once; each step's flow run then reuses the handles instead of ~10 Ray
+# its actors up once; each step (or step flow run) then reuses the handles instead of ~10 Ray
 # round trips (GCS lookups, placement, two actor calls: 0.05-0.5 s, most of a mock step).
 # An actor that died since fails its task, whose retry looks everything up again.
 _ATTACHED: dict[tuple[str, str, str], RunActors] = {}

@@ -12,8 +12,20 @@ import httpx
 CHAIN = ("sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit")
 
 
-def chain_edges(chain: tuple[str, ...] = CHAIN) -> set[tuple[str, str]]:
-    return set(zip(chain, chain[1:], strict=False))
+def step_labels(rollout_id: int, chain: tuple[str, ...] = CHAIN) -> tuple[str, ...]:
+    """The task run names of one step's chain: `rollout-{id}/<task>`."""
+    return tuple(f"rollout-{rollout_id}/{name}" for name in chain)
+
+
+def chain_edges(rollout_id: int, chain: tuple[str, ...] = CHAIN) -> set[tuple[str, str]]:
+    labels = step_labels(rollout_id, chain)
+    return set(zip(labels, labels[1:], strict=False))
+
+
+def step_edges(edges: set[tuple[str, str]], rollout_id: int) -> set[tuple[str, str]]:
+    """The edges of a flow run's graph between tasks of step `rollout_id`."""
+    prefix = f"rollout-{rollout_id}/"
+    return {(a, b) for a, b in edges if a.startswith(prefix) or b.startswith(prefix)}
 
 
 def post(api_url: str, path: str, body: dict[str, Any]) -> Any:

@@ -1,7 +1,7 @@
-"""A driver looks its run's actors up once; each step's flow run reuses the handles, and an
-actor that died between steps is replaced by the retry of the first task that finds it dead.
-A step's flow run carries the run's tags, its task runs none (a tagged task run costs two
-API calls for tag concurrency limits)."""
+"""A driver looks its run's actors up once; each step's flow run (`logging.step_flow_runs`)
+reuses the handles, and an actor that died between steps is replaced by the retry of the
+first task that finds it dead. A step's flow run carries the run's tags, its task runs none
+(a tagged task run costs two API calls for tag concurrency limits)."""
 
 from __future__ import annotations
 
@@ -36,25 +36,27 @@ def step_run_tags(name: str) -> tuple[list[str], list[list[str]]]:
 def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
     prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
 ):
-    from flows.rollout_step import run_rollout_step
+    from flows.rollout_step import open_layout, run_rollout_step
+    from tasks.step_tasks import StepContext
 
     cfg = arithmetic_config(
         run_name=f"reuse-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
         data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        overrides=["rollout.num_rollout=2"],
+        overrides=["rollout.num_rollout=2", "logging.step_flow_runs=true"],
     )
     connect(cfg.cluster)
     try:
         actors = get_or_create_actors(cfg)
         assert attached_actors(cfg) is actors
+        ctx = StepContext(cfg, open_layout(cfg), actors)
         with labelled(cfg) as labels:
-            run_rollout_step(cfg, 0)
+            run_rollout_step(ctx, 0)
         assert attached_actors(cfg) is actors  # the step looked nothing up
         flow_tags, task_tags = step_run_tags(f"{cfg.storage.run_name}/rollout-0")
         assert set(labels) <= set(flow_tags) and len(task_tags) == 7 and not any(task_tags)
 
         ray.kill(actors.rollout)  # dies between steps: step 1's first task finds it dead
-        run_rollout_step(cfg, 1)
+        run_rollout_step(ctx, 1)
         layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
         assert layout.committed_steps() == [0, 1]
         replaced = attached_actors(cfg)

@@ -44,8 +44,8 @@ def _train_samples(layout: RunLayout, k: int):
 def test_async_overlaps_generation_with_training(make_config, sync_layout):
     from flows.train import train
 
-    # Training long enough that the next step's flow run (which takes ~2 s to start on this
-    # 2-core machine while another flow run is busy) reaches generation before it ends.
+    # Training long enough that the next step (which took ~2 s to start on this 2-core
+    # machine as a flow run while another was busy) reaches generation before it ends.
     cfg = make_config("async", "rollout.off_policy_async=true", "rollout.max_staleness=1",
                       "train.num_epochs_per_rollout=48")
     train(cfg)

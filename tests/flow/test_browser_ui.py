@@ -1,6 +1,7 @@
 """The Prefect UI as a person sees it, in a real browser (Chromium from Debian, driven by
 Playwright): a real Prefect server on a free loopback port, two short trainings with the
-mock backend reported to it through the CLI, then the train run's and a step run's pages.
+mock backend reported to it through the CLI, then the train run's and a step run's pages
+(the trainings run with `logging.step_flow_runs`, so each step has a page of its own).
 
 Checked in the browser: the tags and names that tell the two trainings apart (runs list,
 run pages), the step's logs (a retried task's line included), the curves image decoded
@@ -104,9 +105,10 @@ def trainings(server, ray_address, arithmetic_data, tiny_model_dir,
                       tmp_path_factory.mktemp("user-dir"))
     tag = uuid.uuid4().hex[:4]
     alpha, beta = f"alpha-{tag}", f"beta-{tag}"
-    for name, extra in ((alpha, ["rollout.rm_type=null",
+    for name, extra in ((alpha, ["logging.step_flow_runs=true", "rollout.rm_type=null",
                                  "rollout.custom_rm_path=tests.flow.faults:reward_failing_once"]),
-                        (beta, ["algorithm.advantage_estimator=rloo"])):
+                        (beta, ["logging.step_flow_runs=true",
+                                "algorithm.advantage_estimator=rloo"])):
         done = trainer.run(name, *extra)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return trainer, alpha, beta
@@ -156,9 +158,9 @@ def test_train_and_step_pages_tell_the_story(server, trainings, page, shots):
     page.get_by_text("Finished in state Completed()").first.wait_for(timeout=WAIT_MS)
     page.wait_for_timeout(2000)  # the canvas draws the graph after the data arrives
     page.screenshot(path=str(shots / "2-step-run.png"))
-    assert graph_edges(api, step["id"]) == chain_edges()
+    assert graph_edges(api, step["id"]) == chain_edges(1)
     beta_step = runs[f"{beta}/rollout-1"]
-    assert graph_edges(api, beta_step["id"]) == chain_edges()
+    assert graph_edges(api, beta_step["id"]) == chain_edges(1)
     assert f"run:{alpha}" in step["tags"] and f"run:{beta}" in beta_step["tags"]
 
     # The train run: tags, its artifacts, the curves image decoded by the browser.

@@ -1,5 +1,5 @@
 """A real Prefect server on loopback (`flows.server.start_server`), a two-step train driver
-reporting to it through PREFECT_API_URL, and the flow runs, task runs and artifacts read back
+reporting to it through PREFECT_API_URL, and the flow run, task runs and artifacts read back
 through its REST API."""
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ def api(server: PrefectServer, path: str, body: dict[str, Any]) -> Any:
     return response.json()
 
 
-def completed_task_runs(server: PrefectServer, flow_run_id: str) -> Any:
-    """The flow run's task runs once all are COMPLETED: the server records task states from
-    events in batches (flows.prefect_env.SERVER_SETTINGS), up to a flush interval late."""
+def completed_task_runs(server: PrefectServer, flow_run_id: str, count: int) -> Any:
+    """The flow run's task runs once `count` or more are there and all are COMPLETED: the
+    server records task states from events in batches (flows.prefect_env.SERVER_SETTINGS),
+    up to a flush interval late."""
     deadline = time.monotonic() + 30
     while True:
         task_runs = api(server, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-        done = len(task_runs) == len(TASKS) and all(
+        done = len(task_runs) >= count and all(
             t["state_type"] == "COMPLETED" for t in task_runs)
         if done or time.monotonic() > deadline:
             return task_runs
@@ -73,21 +74,17 @@ def test_two_steps_show_up_in_the_prefect_server(
     )
     assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-4000:]
 
-    steps = (f"{run}/rollout-0", f"{run}/rollout-1")
     flow_runs = api(prefect_server, "/flow_runs/filter", {
-        "flow_runs": {"name": {"any_": [f"train-{run}", *steps]}}})
-    by_name = {r["name"]: r for r in flow_runs}
-    assert sorted(by_name) == sorted([f"train-{run}", *steps])
-    assert {r["state_type"] for r in flow_runs} == {"COMPLETED"}
-    train_run = by_name[f"train-{run}"]
+        "flow_runs": {"name": {"any_": [f"train-{run}", f"{run}/rollout-0"]}}})
+    assert [r["name"] for r in flow_runs] == [f"train-{run}"]  # the steps are its tasks
+    (train_run,) = flow_runs
+    assert train_run["state_type"] == "COMPLETED"
     assert train_run["parameters"]["config"]["storage"]["run_name"] == run  # config shown
-    assert by_name[steps[1]]["parameters"]["rollout_id"] == 1
 
-    for step in steps:
-        task_runs = completed_task_runs(prefect_server, by_name[step]["id"])
-        names = {t["name"] for t in task_runs}
-        assert names == TASKS, names
-        assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
+    task_runs = completed_task_runs(prefect_server, train_run["id"], 2 * len(TASKS))
+    names = {t["name"] for t in task_runs}
+    assert names >= {f"rollout-{k}/{name}" for k in (0, 1) for name in TASKS}, names
+    assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
 
     artifacts = api(prefect_server, "/artifacts/filter", {
         "artifacts": {"flow_run_id": {"any_": [train_run["id"]]}}})
@@ -101,14 +98,10 @@ def test_two_steps_show_up_in_the_prefect_server(
     progress = kinds[f"{run}-steps"]
     assert progress["type"] == "progress" and float(progress["data"]) == 100.0
 
-    # Each step's flow run: its metrics table and generation progress; the last one, curves.
-    for step in steps:
-        step_artifacts = api(prefect_server, "/artifacts/filter", {
-            "artifacts": {"flow_run_id": {"any_": [by_name[step]["id"]]}}})
-        step_kinds = {a["key"]: a["type"] for a in step_artifacts if a["key"]}
-        assert step_kinds[f"{run}-step-metrics"] == "table"
-        assert step_kinds[f"{run}-generation"] == "progress"
-        assert (f"{run}-reward-curves" in step_kinds) == (step == steps[1]), step_kinds
+    # Each step's metrics table (a version per step) and generation progress, on the train run.
+    step_tables = sorted(a["description"] for a in artifacts if a["key"] == f"{run}-step-metrics")
+    assert [d.split(" of ")[0] for d in step_tables] == ["step 0", "step 1"], step_tables
+    assert kinds[f"{run}-generation"]["type"] == "progress"
 
 
 def test_prefect_yaml_deploys_to_the_server(prefect_server):

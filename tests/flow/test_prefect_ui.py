@@ -1,7 +1,9 @@
 """What the Prefect UI shows of a training, read back through the API the UI uses (the
-browser itself: tests/flow/test_browser_ui.py): step runs named and tagged after their
-training, the step's tasks drawn as a chain, per-run artifact keys, rounded tables, the
-inlined curves, held-out accuracy, a retried task's log line and the failure notice."""
+browser itself: tests/flow/test_browser_ui.py): the train run tagged after its training,
+each step's tasks named after the step and drawn as a chain (in the train run, or in a
+step run of their own with `logging.step_flow_runs`), per-run artifact keys, rounded
+tables, the inlined curves, held-out accuracy, a retried task's log line and the failure
+notice."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ import uuid
 import pytest
 
 from tests.flow.configs import arithmetic_config
-from tests.flow.prefect_ui import CHAIN, artifacts, chain_edges, flow_runs, graph_edges, logs
+from tests.flow.prefect_ui import (
+    CHAIN,
+    artifacts,
+    chain_edges,
+    flow_runs,
+    graph_edges,
+    logs,
+    step_edges,
+    step_labels,
+)
 
 
 @pytest.fixture
@@ -42,6 +53,13 @@ def significant_digits(x: float) -> int:
     return len(re.sub(r"^0+", "", re.sub(r"e.*$|[-.]", "", repr(x))).rstrip("0"))
 
 
+def task_run_names(url: str, flow_run_id: str) -> list[str]:
+    from tests.flow.prefect_ui import post
+
+    runs = post(url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    return sorted(r["name"] for r in runs)
+
+
 def test_steps_are_named_tagged_chained_and_report_per_run(make_cfg, arithmetic_data):
     from flows.train import train
 
@@ -51,23 +69,25 @@ def test_steps_are_named_tagged_chained_and_report_per_run(make_cfg, arithmetic_
     train(cfg)
     url = api_url()
     runs = flow_runs(url, [f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1"])
-    assert len(runs) == 3, sorted(runs)
+    assert sorted(runs) == [f"train-{run}"]  # the steps are tasks of the train run
+    train_run = runs[f"train-{run}"]
     labels = {"rollflow", f"run:{run}", "algo:grpo", "engine:mock", "train:mock"}
-    assert all(labels <= set(r["tags"]) for r in runs.values()), [r["tags"] for r in runs.values()]
+    assert labels <= set(train_run["tags"]), train_run["tags"]
 
-    step = runs[f"{run}/rollout-1"]
-    assert graph_edges(url, step["id"]) == chain_edges()
+    names = task_run_names(url, train_run["id"])
+    assert set(step_labels(0) + step_labels(1)) <= set(names), names
+    edges = graph_edges(url, train_run["id"])
+    assert step_edges(edges, 0) == chain_edges(0) and step_edges(edges, 1) == chain_edges(1)
 
-    step_art = artifacts(url, step["id"])
-    table = step_art[f"{run}-step-metrics"]["data"]
+    train_art = artifacts(url, train_run["id"])
+    table = train_art[f"{run}-step-metrics"]["data"]
     assert {row["metric"] for row in table} >= {"reward/mean", "time/generate"}
-    curves = step_art[f"{run}-reward-curves"]
+    curves = train_art[f"{run}-reward-curves"]
     assert curves["type"] == "markdown"
     png = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)",
                                      curves["data"]).group(1))
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(curves["data"]) < 60_000
 
-    train_art = artifacts(url, runs[f"train-{run}"]["id"])
     rows = train_art[f"{run}-run-metrics"]["data"]
     assert [r["rollout_id"] for r in rows] == [0, 1]
     floats = [v for r in rows for v in r.values() if isinstance(v, float)]
@@ -79,17 +99,37 @@ def test_steps_are_named_tagged_chained_and_report_per_run(make_cfg, arithmetic_
     assert {(r["weight_version"], r["metric"]) for r in evals} >= {(2, "eval/test")}
 
 
+def test_step_flow_runs_group_each_steps_tasks(make_cfg):
+    from flows.train import train
+
+    cfg = make_cfg("ui-steps", "logging.step_flow_runs=true", "logging.plot_interval=1")
+    run = cfg.storage.run_name
+    train(cfg)
+    url = api_url()
+    runs = flow_runs(url, [f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1"])
+    assert len(runs) == 3, sorted(runs)
+    labels = {"rollflow", f"run:{run}", "algo:grpo", "engine:mock", "train:mock"}
+    assert all(labels <= set(r["tags"]) for r in runs.values()), [r["tags"] for r in runs.values()]
+    step = runs[f"{run}/rollout-1"]
+    assert task_run_names(url, step["id"]) == sorted(step_labels(1))
+    assert graph_edges(url, step["id"]) == chain_edges(1)
+    in_train = task_run_names(url, runs[f"train-{run}"]["id"])  # a subflow's stand-ins
+    assert not any(name.startswith("rollout-") for name in in_train), in_train
+    step_art = artifacts(url, step["id"])
+    assert {f"{run}-step-metrics", f"{run}-reward-curves"} <= set(step_art)
+
+
 def test_async_steps_draw_the_gates_in_the_chain(make_cfg):
     from flows.train import train
 
     cfg = make_cfg("ui-async", "rollout.off_policy_async=true", "rollout.num_rollout=3")
     run = cfg.storage.run_name
     train(cfg)
-    step = flow_runs(api_url(), [f"{run}/rollout-1"])[f"{run}/rollout-1"]
+    train_run = flow_runs(api_url(), [f"train-{run}"])[f"train-{run}"]
     chain = ("sample_prompts", "wait_for_weights", "generate", "filter", "reward",
              "wait_for_previous_commit", "train", "wait_for_next_generate",
              "broadcast_weights", "commit")
-    assert graph_edges(api_url(), step["id"]) == chain_edges(chain)
+    assert step_edges(graph_edges(api_url(), train_run["id"]), 1) == chain_edges(1, chain)
 
 
 def test_a_retried_task_says_what_failed(make_cfg):
@@ -100,8 +140,8 @@ def test_a_retried_task_says_what_failed(make_cfg):
     run = cfg.storage.run_name
     train(cfg)
     flush_logs()
-    step = flow_runs(api_url(), [f"{run}/rollout-1"])[f"{run}/rollout-1"]
-    messages = [entry["message"] for entry in logs(api_url(), step["id"])]
+    train_run = flow_runs(api_url(), [f"train-{run}"])[f"train-{run}"]
+    messages = [entry["message"] for entry in logs(api_url(), train_run["id"])]
     assert any("generate attempt 1 failed with ConnectionError: injected transient fault; "
                "retrying (attempt 2 of 3)" in m for m in messages), messages
 
@@ -130,4 +170,5 @@ def test_chain_is_the_tasks_of_a_step():
     names = [t.sample_prompts, t.generate, t.filter_groups, t.reward, t.train,
              t.broadcast_weights, t.commit]
     assert tuple(task.name for task in names) == CHAIN
-    assert all(task.task_run_name == task.name for task in names)  # no random suffixes
+    # no random suffixes: the step and the task
+    assert [task.task_run_name.format(rollout_id=1) for task in names] == list(step_labels(1))

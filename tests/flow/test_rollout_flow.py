@@ -80,12 +80,13 @@ def test_two_rollout_steps_with_mock_engines(mock_config):
     assert ray.get(actor(cfg, "trainer").trained_indices.remote()) == list(range(2 * per_step))
 
     run = cfg.storage.run_name
-    mine, tasks = read_flow_runs([f"{run}/rollout-0", f"{run}/rollout-1"])
-    assert sorted(r.name for r in mine) == [f"{run}/rollout-0", f"{run}/rollout-1"]
-    assert all(r.state.is_completed() for r in mine)
-    assert all({f"run:{run}", "algo:grpo", "engine:mock", "train:mock"} <= set(r.tags) for r in mine)
-    for r in mine:
-        assert tasks[r.id] == sorted(TASKS)  # named as the stages, no random suffix
+    mine, tasks = read_flow_runs([f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1"])
+    assert [r.name for r in mine] == [f"train-{run}"]  # the steps ran as its tasks
+    (train_run,) = mine
+    assert train_run.state.is_completed()
+    assert {f"run:{run}", "algo:grpo", "engine:mock", "train:mock"} <= set(train_run.tags)
+    # named after the step and the stage, no random suffix
+    assert tasks[train_run.id] == sorted(f"rollout-{k}/{name}" for k in (0, 1) for name in TASKS)
     assert layout.store.read_json("steps/000001", "generate.progress.json") == {
         "kept": cfg.rollout.rollout_batch_size, "target": cfg.rollout.rollout_batch_size}
     progress = read_artifacts(artifact_key(cfg.storage.run_name, "generation"))

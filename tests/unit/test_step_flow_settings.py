@@ -1,4 +1,5 @@
-"""How the train flow runs each rollout_step flow run: no heartbeat thread, curves on schedule."""
+"""How the train flow runs each rollout step: its tasks in the train flow run by default, a
+child flow run without a heartbeat thread with `logging.step_flow_runs`; curves on schedule."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from prefect.settings import get_current_settings
 
 import flows.rollout_step as rs
 from flows.config_loader import config_from_dict
+from tasks.step_tasks import StepContext
 
 
 def cfg(**logging):
@@ -16,15 +18,41 @@ def cfg(**logging):
     })
 
 
-def test_step_flow_runs_without_a_heartbeat_thread(monkeypatch):
-    seen = []
+def record_step_paths(monkeypatch) -> list[tuple[str, int, object]]:
+    """Which way each step ran: ("flow", id, heartbeat setting) or ("tasks", id, None)."""
+    seen: list[tuple[str, int, object]] = []
     monkeypatch.setattr(rs, "rollout_step", lambda config, rollout_id: seen.append(
-        get_current_settings().flows.heartbeat_frequency) or {})
+        ("flow", rollout_id, get_current_settings().flows.heartbeat_frequency)) or {})
+    monkeypatch.setattr(rs, "run_step_tasks", lambda ctx, rollout_id: seen.append(
+        ("tasks", rollout_id, None)) or {})
+    return seen
+
+
+def test_steps_run_as_tasks_of_the_train_flow_run_by_default(monkeypatch):
+    seen = record_step_paths(monkeypatch)
+    rs.run_rollout_step(StepContext(cfg(), None, None), 0)
+    assert seen == [("tasks", 0, None)]
+
+
+def test_step_flow_runs_without_a_heartbeat_thread(monkeypatch):
+    seen = record_step_paths(monkeypatch)
     before = get_current_settings().flows.heartbeat_frequency
-    rs.run_rollout_step(cfg(), 0)
-    rs.run_rollout_step(cfg(), 1)
-    assert before is not None and seen == [None, None]
+    ctx = StepContext(cfg(step_flow_runs=True), None, None)
+    rs.run_rollout_step(ctx, 0)
+    rs.run_rollout_step(ctx, 1)
+    assert before is not None and seen == [("flow", 0, None), ("flow", 1, None)]
     assert get_current_settings().flows.heartbeat_frequency == before  # restored afterwards
+
+
+def test_step_task_runs_are_named_after_their_step():
+    from tasks import step_gates as gates
+    from tasks import step_tasks as t
+
+    names = [t.sample_prompts, gates.wait_for_weights, t.generate, t.filter_groups, t.reward,
+             gates.wait_for_previous_commit, t.train, gates.wait_for_next_generate,
+             t.broadcast_weights, t.commit]
+    assert [task.task_run_name.format(rollout_id=3) for task in names] == [
+        f"rollout-3/{task.name}" for task in names]
 
 
 def test_curves_every_plot_interval_and_at_the_last_step():
