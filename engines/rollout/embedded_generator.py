@@ -49,7 +49,7 @@ def engine_device(choice: str) -> torch.device:
         raise ValueError("engine.device is 'cuda' but this engine's process sees no GPU")
     return torch.device("cuda", torch.cuda.current_device())
 _ABORT = {"type": "abort", "message": "Abort before decoding finished."}
-_PARALLEL_ELEMENTS = 16_384  # tokens x hidden size of a forward below which it uses one thread
+_PARALLEL_ELEMENTS = 4_096  # tokens x hidden size of a forward below which it uses one thread
 
 
 class EmbeddedGenerator(GeneratorIdentity):
@@ -255,10 +255,11 @@ class EmbeddedGenerator(GeneratorIdentity):
         """One intra-op thread for a forward whose activations (tokens x hidden size) are
         under `_PARALLEL_ELEMENTS`, the configured count otherwise. A small step's ops are
         too short to split: each op's fork/join (a wake-up of sleeping OpenMP workers) costs
-        more than it saves. On the example model (hidden 128) that holds up to batch 64 at
-        least: batches 4-16 ~25% less time per token on one thread than on two, batch 64
-        17% less CPU per token (median of 8 alternating runs; wall no worse on the shared
-        2-core box). It applies to the calling thread only: the scheduler's."""
+        more than it saves. On the example model (hidden 128): batches 4-16 ~25% less time
+        per token on one thread than on two; at batch 64, since attention is two batched
+        matmuls, two threads take 7-30% less time per token for 10-20% more CPU (three
+        alternating pairs on the 2-core box). It applies to the calling thread only: the
+        scheduler's."""
         work = tokens * self._hidden
         want = self._threads if work >= _PARALLEL_ELEMENTS or self.device.type != "cpu" else 1
         if torch.get_num_threads() != want:

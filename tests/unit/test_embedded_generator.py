@@ -115,6 +115,34 @@ def test_fallback_decoder_matches_the_fast_path(gen: EmbeddedGenerator) -> None:
         assert res.output_logprobs == pytest.approx(slow[rid].output_logprobs, abs=1e-5)
 
 
+@pytest.fixture(scope="module")
+def gqa_model_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model's layout with 2 kv heads for its 4 query heads (grouped-query
+    attention, as Llama 3 and Qwen 2), saved and loaded the way users' models are."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_key_value_heads = 2
+    torch.manual_seed(1)
+    out = str(tmp_path_factory.mktemp("gqa") / "tiny-gqa")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+def test_grouped_query_attention_matches_hf_and_a_full_forward(gqa_model_dir: str) -> None:
+    """The fast path's attention serves each kv head's group of query heads as HF's
+    `repeat_kv` does: greedy tokens equal HF generate's, sampled log-probs a full forward's."""
+    gqa = EmbeddedGenerator(gqa_model_dir, num_threads=1, device="cpu")
+    assert isinstance(gqa._decoder, LlamaDecoder) and gqa.model.config.num_key_value_heads == 2
+    test_greedy_equals_hf_generate(gqa)
+    reqs = requests(gqa, PROMPTS, temperature=1.0, max_new_tokens=24, ignore_eos=True,
+                    sampling_seed=5)
+    for req, res in zip(reqs, gqa.generate(reqs), strict=True):
+        expected = full_forward_logprobs(gqa, req, res, 1.0)
+        assert (expected - torch.tensor(res.output_logprobs)).abs().max().item() < 1e-5
+
+
 def test_greedy_is_deterministic_and_batch_independent(gen: EmbeddedGenerator) -> None:
     batch = gen.generate(requests(gen, PROMPTS, temperature=0.0, max_new_tokens=10))
     again = gen.generate(requests(gen, PROMPTS, temperature=0.0, max_new_tokens=10))
