@@ -33,7 +33,7 @@ def test_async_mode_evaluates_every_interval_on_the_version_it_names(
     for version, metrics in evals.items():
         assert metrics["eval/asked_version"] == version and metrics["eval/test/samples"] == 8
         assert metrics["eval/engines_min_version"] == metrics["eval/engines_max_version"] == version
-    # steps 1..3 evaluated inside their own flow run, between broadcast and commit
+    # steps 1..3 evaluated inside the step, between broadcast and commit
     for k in range(3):
         committed = layout.store.read_json(f"steps/{k:06d}", "COMMITTED")["committed_at"]
         evaluated = layout.store.fs.info(layout.store.path("eval", f"{k + 1:06d}.json"))
