@@ -5,7 +5,7 @@ sample_prompts -> generate -> filter -> reward -> train -> broadcast_weights -> 
 Each task waits for the one before it (`wait_for`), so the Prefect UI draws that chain. By
 default the tasks run in the train flow run, named `rollout-{id}/<task>`: a child flow run
 per step (`logging.step_flow_runs`, `{run}/rollout-{id}`) groups them in the UI but costs
-Prefect ~0.25 s per step on a local server (`python -m bench.prefect_floor`), as much as a
+Prefect ~0.3 s per step on a local server (`python -m bench.prefect_floor`), as much as a
 mock step's whole orchestration otherwise. Either way a failed step resumes at the task
 that failed (each task's record in storage) and its tasks retry alike.
 
