@@ -292,7 +292,7 @@ class LlamaDecoder:
         embed, norm, eps, lm_head, lm_bias = self._head
         cos, sin = self._rope(positions, col)
         cache.mask[:, col] = True
-        bias = None  # SDPA would turn a bool mask into this bias in every layer
+        bias = None  # the padding mask as an additive bias, once per step (not per layer)
         if cache.padded:
             bias = torch.where(cache.mask[:, None, None, : col + 1], self._zero, self._neg_inf)
         x = F.embedding(tokens, embed)

@@ -39,6 +39,12 @@ def flow_runs(api_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in runs}
 
 
+def task_run_names(api_url: str, flow_run_id: str) -> list[str]:
+    """The names of the flow run's task runs, sorted."""
+    runs = post(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    return sorted(r["name"] for r in runs)
+
+
 def graph_edges(api_url: str, flow_run_id: str) -> set[tuple[str, str]]:
     """(upstream label, downstream label) of the flow run's graph (`/graph-v2`, what the
     UI's canvas draws; its nodes are not DOM elements)."""

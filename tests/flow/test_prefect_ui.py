@@ -23,6 +23,7 @@ from tests.flow.prefect_ui import (
     logs,
     step_edges,
     step_labels,
+    task_run_names,
 )
 
 
@@ -51,13 +52,6 @@ def flush_logs() -> None:
 
 def significant_digits(x: float) -> int:
     return len(re.sub(r"^0+", "", re.sub(r"e.*$|[-.]", "", repr(x))).rstrip("0"))
-
-
-def task_run_names(url: str, flow_run_id: str) -> list[str]:
-    from tests.flow.prefect_ui import post
-
-    runs = post(url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-    return sorted(r["name"] for r in runs)
 
 
 def test_steps_are_named_tagged_chained_and_report_per_run(make_cfg, arithmetic_data):
