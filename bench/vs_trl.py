@@ -36,16 +36,15 @@ writes `curves.png` and `results.json` under `{runs}/vs_trl/`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cpu_meter import CpuMeter
 from bench.trl_baseline import TrlRun, evaluate_states, read_rows, run_trl
 from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft
 from flows.prefect_env import prefect_env_defaults
@@ -70,89 +69,6 @@ class Curve:
     seconds: float
     cpu: float
     cpu_by_process: dict[str, float] | None = None
-
-
-class CpuMeter:
-    """Polls the CPU seconds (user + system) of this process tree and of processes whose
-    title starts with `prefix`: a run's Ray actors carry `ray::<run>:<role>@...` while their
-    `__init__` runs (seconds: they import torch and load models), then only their class
-    name, so a process is followed from the first time its title matches. A process that
-    exits keeps its last reading, so the sum never goes down."""
-
-    def __init__(self, prefix: str | None = None, period: float = 0.1) -> None:
-        import psutil
-
-        self._psutil, self.prefix, self.period = psutil, prefix, period
-        self.seen: dict[int, float] = {}
-        self.own = 0.0
-        self.followed: dict[int, Any] = {}
-        self.roles: dict[int, str] = {}
-        self.per_pid: dict[int, list[tuple[float, float]]] = {}
-        self.series: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _procs(self) -> list[Any]:
-        me = self._psutil.Process()
-        if self.prefix:
-            for p in self._psutil.process_iter(["cmdline"]):
-                title = " ".join(p.info["cmdline"] or [])
-                if p.pid not in self.followed and title.startswith(self.prefix):
-                    self.followed[p.pid] = p
-                    self.roles[p.pid] = title[len(self.prefix):].split("@")[0]
-        children = me.children(recursive=True)
-        self.roles.setdefault(me.pid, "driver")
-        for c in children:
-            if c.pid not in self.roles:
-                with contextlib.suppress(self._psutil.Error):
-                    cmd = " ".join(c.cmdline())
-                    self.roles[c.pid] = "prefect server" if "prefect" in cmd else c.name()
-        return [me, *children, *self.followed.values()]
-
-    def sample(self) -> None:
-        start = time.thread_time()
-        now = time.time()
-        for p in self._procs():
-            try:
-                t = p.cpu_times()
-                self.seen[p.pid] = t.user + t.system
-                self.per_pid.setdefault(p.pid, []).append((now, self.seen[p.pid]))
-            except self._psutil.Error:
-                pass
-        self.own += time.thread_time() - start  # the meter's own polling is not the run's
-        self.series.append((now, sum(self.seen.values()) - self.own))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.sample()
-
-    def __enter__(self) -> CpuMeter:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def by_role(self, start: float, end: float) -> dict[str, float]:
-        """CPU seconds of each process (by role) between wall times `start` and `end`."""
-        out: dict[str, float] = {}
-        for pid, series in self.per_pid.items():
-            def at(when: float, series: list[tuple[float, float]] = series) -> float:
-                before = [c for t, c in series if t <= when]
-                return before[-1] if before else 0.0
-            role = self.roles.get(pid, str(pid))
-            out[role] = out.get(role, 0.0) + at(end) - at(start)
-        if "driver" in out:
-            out["driver"] -= self.own  # most of the meter's polling ran in this process
-        return out
-
-    def at(self, when: float) -> float:
-        """CPU seconds at wall time `when` (the latest reading before it)."""
-        before = [c for t, c in self.series if t <= when]
-        return before[-1] if before else self.series[0][1]
 
 
 def trl_curve(run: TrlRun, accuracies: list[float], startup: float) -> Curve:

@@ -1,0 +1,33 @@
+"""bench.cpu_meter: the run's CPU seconds from cheap polls, interpolated between them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from bench.cpu_meter import CpuMeter
+
+
+def test_reading_is_linear_between_polls_and_holds_after_the_last() -> None:
+    series = [(10.0, 1.0), (12.0, 3.0), (14.0, 3.5)]
+    assert CpuMeter._reading(series, 9.0) == 0.0
+    assert CpuMeter._reading(series, 11.0) == 2.0
+    assert CpuMeter._reading(series, 13.0) == 3.25
+    assert CpuMeter._reading(series, 20.0) == 3.5
+
+
+def test_a_child_burning_cpu_is_counted_under_its_role() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    with CpuMeter(period=0.05, discover_every=0.05) as meter:
+        start = time.time()
+        child = subprocess.Popen([sys.executable, "-c", burn])
+        # the meter follows the child from its first discovery, a poll after it starts
+        while child.poll() is None:
+            time.sleep(0.01)
+        end = time.time()
+    roles = meter.by_role(start, end)
+    child_role = next(r for pid, r in meter.roles.items() if pid == child.pid)
+    assert roles[child_role] >= 0.3, roles  # most of its 0.6 s (its first poll may be late)
+    assert meter.at(end) - meter.at(start) >= roles[child_role] - 1e-9
+    assert meter.own > 0.0
