@@ -2,7 +2,7 @@
 
     HTTP handlers --submit--> queue --(admitted between steps)--> generator.step(batch, admit)
          ^                                                               |
-         +---------------- futures resolved per finished request <-------+
+         +------ a submit's future, resolved when its last request ends <-+
     abort / pause / release take the step lock, so they act between two decode steps.
 
 While a batch runs, queued requests join it at the next step (a new prefill merged into
@@ -24,6 +24,29 @@ from engines.rollout.gen_types import Generator, GenRequest, GenResult, aborted_
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+class _Submission:
+    """The requests of one `submit` call: one future for all of their results, in order.
+    A batched `/generate` of 1,024 requests used to get a future per request, each wrapped
+    for the server's event loop: ~60 ms of the engine's CPU a call, a fifth of the decode."""
+
+    __slots__ = ("future", "results", "pending")
+
+    def __init__(self, size: int) -> None:
+        self.future: Future[list[GenResult]] = Future()
+        self.results: list[GenResult | None] = [None] * size
+        self.pending = size
+
+    def set(self, index: int, result: GenResult) -> None:
+        self.results[index] = result
+        self.pending -= 1
+        if self.pending == 0 and not self.future.done():  # done: failed by an earlier step
+            self.future.set_result(list[GenResult](r for r in self.results if r is not None))
+
+    def fail(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
+
+
 class ContinuousScheduler:
     """One thread stepping one running batch of `generator`."""
 
@@ -40,7 +63,7 @@ class ContinuousScheduler:
         self.max_wait_s = max_wait_s
         self._batch = generator.new_batch()
         self._queue: deque[GenRequest] = deque()
-        self._futures: dict[str, Future[GenResult]] = {}
+        self._waiting: dict[str, tuple[_Submission, int]] = {}  # rid -> its submit, index
         self._cond = threading.Condition()
         self._step_lock = threading.RLock()
         self._paused: str | None = None
@@ -78,19 +101,22 @@ class ContinuousScheduler:
             held = self._paused is not None or bool(self._released)
             return self._batch.num_running == 0 and (held or not self._queue)
 
-    def submit(self, requests: list[GenRequest]) -> list[Future[GenResult]]:
-        """Queue requests; raises ValueError on a request id already in flight."""
+    def submit(self, requests: list[GenRequest]) -> Future[list[GenResult]]:
+        """Queue requests; the future gets their results in order once the last one ends.
+        Raises ValueError on a request id already in flight."""
         with self._cond:
             rids = [r.rid for r in requests]
-            dup = next((r for r in rids if r in self._futures), None)
+            dup = next((r for r in rids if r in self._waiting), None)
             if dup is not None or len(set(rids)) != len(rids):
                 raise ValueError(f"Duplicate request ID: {dup or rids}")
-            futures: list[Future[GenResult]] = [Future() for _ in requests]
-            self._futures.update(zip(rids, futures, strict=True))
+            submission = _Submission(len(requests))
+            self._waiting.update((rid, (submission, i)) for i, rid in enumerate(rids))
             self._queue.extend(requests)
             self._last_arrival = time.monotonic()
             self._cond.notify_all()
-        return futures
+        if not requests:
+            submission.future.set_result([])
+        return submission.future
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """End queued and running requests now (partial output); unknown rids are ignored."""
@@ -178,16 +204,15 @@ class ContinuousScheduler:
         """A step raised: every request in the batch gets the error; the batch is reset."""
         with self._cond:
             queued = {r.rid for r in self._queue}
-            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
-            for rid in failed:
-                del self._futures[rid]
+            failed = [rid for rid in self._waiting if rid not in queued]
+            submissions = {id(sub): sub for sub, _ in map(self._waiting.pop, failed)}
             self._batch = self.generator.new_batch()
-        for future in failed.values():
-            future.set_exception(err)
+        for submission in submissions.values():
+            submission.fail(err)
 
     def _resolve(self, results: list[GenResult]) -> None:
         with self._cond:
-            futures = [(self._futures.pop(r.rid, None), r) for r in results]
-        for future, result in futures:
-            if future is not None:
-                future.set_result(result)
+            waiting = [(self._waiting.pop(r.rid, None), r) for r in results]
+        for entry, result in waiting:
+            if entry is not None:
+                entry[0].set(entry[1], result)

@@ -7,7 +7,8 @@ code. Retries belong to the caller (the generation loop knows what is safe to re
 The transport is aiohttp: a GRPO step sends one request per group all at once (128 at a
 time in the main job), and httpx's async client spent 0.6-0.8 s of the rollout actor's CPU
 on 128 such requests against aiohttp's 0.06-0.09 s (same engine, same bodies), which was most
-of the step's generation time for short responses.
+of the step's generation time for short responses. Bodies go through orjson: for a
+1,024-sample batch, the stdlib's dumps and loads took ~20 ms of it against ~3 ms.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import orjson
 
 
 class SGLangError(RuntimeError):
@@ -159,7 +161,9 @@ class SGLangClient:
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         """(status, body) of one call; transport failures raise `TransportError`s."""
-        async with self._http().request(method, self.base_url + path, json=body) as response:
+        kwargs: dict[str, Any] = {} if body is None else {
+            "data": orjson.dumps(body), "headers": {"Content-Type": "application/json"}}
+        async with self._http().request(method, self.base_url + path, **kwargs) as response:
             return response.status, await response.read()
 
     async def _request(self, method: str, path: str, body: Any = None) -> Any:
@@ -167,7 +171,7 @@ class SGLangClient:
         status, raw = await self._call(method, path, body)
         if status >= 400:
             raise SGLangError(status, _error_message(raw), path)
-        return json.loads(raw) if raw else None
+        return orjson.loads(raw) if raw else None
 
     async def _answers(self, path: str) -> bool:
         try:

@@ -17,12 +17,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engines.rollout.control_routes import add_control_routes
 from engines.rollout.gen_types import Generator, GenRequest, GenResult, SamplingParams
 from engines.rollout.scheduler import ContinuousScheduler
-from engines.rollout.sglang_protocol import error_response, json_body, parse_generate, to_response
+from engines.rollout.sglang_protocol import (
+    error_response,
+    json_body,
+    json_response,
+    parse_generate,
+    to_response,
+)
 
 _HEALTH_TIMEOUT_S = 20.0
 
@@ -39,8 +45,7 @@ def create_app(generator: Generator, scheduler: ContinuousScheduler) -> FastAPI:
     app = FastAPI(lifespan=lifespan)
 
     async def run(requests: list[GenRequest]) -> list[GenResult]:
-        futures = scheduler.submit(requests)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        return await asyncio.wrap_future(scheduler.submit(requests))
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
@@ -52,7 +57,7 @@ def create_app(generator: Generator, scheduler: ContinuousScheduler) -> FastAPI:
             return error_response(str(err))
         latency = time.perf_counter() - start
         out = [to_response(r, lp, latency) for r, lp in zip(results, logprob, strict=True)]
-        return JSONResponse(out if is_batch else out[0])
+        return json_response(out if is_batch else out[0])
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

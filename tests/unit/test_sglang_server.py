@@ -232,14 +232,40 @@ def test_scheduler_batches_concurrent_requests() -> None:
     scheduler.start()
     try:
         reqs = [GenRequest(f"q{i}", [1, 2, i], SamplingParams(max_new_tokens=3)) for i in range(40)]
-        futures = [f for r in reqs for f in scheduler.submit([r])]
-        results = [f.result(timeout=10) for f in futures]
+        futures = [scheduler.submit([r]) for r in reqs[:20]] + [scheduler.submit(reqs[20:])]
+        results = [r for f in futures for r in f.result(timeout=10)]
         with pytest.raises(ValueError, match="Duplicate"):
             scheduler.submit([reqs[0], reqs[0]])
+        assert scheduler.submit([]).result(timeout=1) == []
     finally:
         scheduler.stop()
-    assert [r.rid for r in results] == [r.rid for r in reqs]
+    assert [r.rid for r in results] == [r.rid for r in reqs]  # in order, within a submit too
     assert sum(gen.batch_sizes) == 40 and max(gen.batch_sizes) == 16 and len(gen.batch_sizes) <= 4
+
+
+class FailingOnceGenerator(MockGenerator):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=32, eos_token_id=0)
+        self.failed = False
+
+    def step(self, batch: Any, admit: Sequence[GenRequest]) -> list[GenResult]:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("decode step blew up")
+        return super().step(batch, admit)
+
+
+def test_a_failed_step_fails_its_submit_and_the_scheduler_goes_on() -> None:
+    scheduler = ContinuousScheduler(FailingOnceGenerator(), batch_wait_s=0.01)
+    scheduler.start()
+    try:
+        reqs = [GenRequest(f"f{i}", [1, 2, i], SamplingParams(max_new_tokens=2)) for i in range(3)]
+        with pytest.raises(RuntimeError, match="blew up"):
+            scheduler.submit(reqs).result(timeout=10)
+        again = scheduler.submit(reqs).result(timeout=10)  # the failed rids are free again
+    finally:
+        scheduler.stop()
+    assert [r.rid for r in again] == ["f0", "f1", "f2"]
 
 
 SEEDED = {"max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 3}
