@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import uvicorn
 
+from engines.heap import freeze_actor_heap
 from engines.rollout.config import EngineConfig
 from engines.rollout.embedded_generator import EmbeddedGenerator
 from engines.rollout.gen_types import Generator
@@ -103,6 +104,7 @@ class EngineActor:
         )
         self._thread.start()
         self._wait_healthy(startup_timeout_s)
+        freeze_actor_heap()
 
     def _wait_healthy(self, timeout_s: float) -> None:
         wait_for_health(self.url(), self._thread.is_alive, timeout_s, poll_s=0.02,

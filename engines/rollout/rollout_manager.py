@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
+from engines.heap import freeze_actor_heap
 from engines.hooks import load_hook, load_user_hook, returned_groups
 from engines.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
@@ -166,6 +167,7 @@ class RolloutManager:
         )
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
+        freeze_actor_heap()
 
     def _load_tokenizer(self) -> Any:
         path = tokenizer_path(self.cfg)

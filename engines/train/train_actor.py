@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engines.heap import freeze_actor_heap
 from engines.torch_threads import actor_threads
 from engines.train.config import TrainActorConfig
 from storage.batch_io import read_samples
@@ -79,6 +80,7 @@ class TrainActor:
         self._last_trained: int | None = None
         self._sender: Any = None
         self._sender_urls: list[str] = []
+        freeze_actor_heap()
 
     @property
     def backend(self) -> Any:
@@ -107,6 +109,7 @@ class TrainActor:
         if self._backend is None:
             init_data_parallel(master_addr, master_port, self.rank, self.world_size)
             self._backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
+            freeze_actor_heap()
         return self.rank
 
     def version(self) -> int:
