@@ -27,7 +27,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class _Submission:
     """The requests of one `submit` call: one future for all of their results, in order.
     A batched `/generate` of 1,024 requests used to get a future per request, each wrapped
-    for the server's event loop: ~60 ms of the engine's CPU a call, a fifth of the decode."""
+    for the server's event loop: ~60 ms of the engine's CPU a call, a fifth of the decode.
+    `record` runs under the scheduler's lock (aborts resolve from other threads)."""
 
     __slots__ = ("future", "results", "pending")
 
@@ -36,11 +37,15 @@ class _Submission:
         self.results: list[GenResult | None] = [None] * size
         self.pending = size
 
-    def set(self, index: int, result: GenResult) -> None:
+    def record(self, index: int, result: GenResult) -> bool:
+        """Store one result; True when it was the last one."""
         self.results[index] = result
         self.pending -= 1
-        if self.pending == 0 and not self.future.done():  # done: failed by an earlier step
-            self.future.set_result(list[GenResult](r for r in self.results if r is not None))
+        return self.pending == 0
+
+    def finish(self) -> None:
+        if not self.future.done():  # done: failed by an earlier step
+            self.future.set_result([r for r in self.results if r is not None])
 
     def fail(self, err: BaseException) -> None:
         if not self.future.done():
@@ -211,8 +216,11 @@ class ContinuousScheduler:
             submission.fail(err)
 
     def _resolve(self, results: list[GenResult]) -> None:
+        complete: list[_Submission] = []
         with self._cond:
-            waiting = [(self._waiting.pop(r.rid, None), r) for r in results]
-        for entry, result in waiting:
-            if entry is not None:
-                entry[0].set(entry[1], result)
+            for result in results:
+                entry = self._waiting.pop(result.rid, None)
+                if entry is not None and entry[0].record(entry[1], result):
+                    complete.append(entry[0])
+        for submission in complete:  # outside the lock: the future runs its callbacks
+            submission.finish()
