@@ -39,7 +39,11 @@ def freeze_actor_heap() -> None:
 @contextmanager
 def long_lived_frozen() -> Iterator[None]:
     """The driver's version: what exists on entry is frozen until exit, when it goes back
-    to the collector (so a process that runs several flows does not keep their cycles)."""
+    to the collector (so a process that runs several flows does not keep their cycles). A
+    process that froze its heap itself keeps doing so: nothing is frozen or unfrozen here."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:

@@ -16,6 +16,17 @@ def test_the_driver_freezes_for_the_run_and_gives_it_back() -> None:
     assert gc.get_freeze_count() == 0
 
 
+def test_a_heap_frozen_by_its_owner_stays_frozen() -> None:
+    gc.freeze()
+    try:
+        owned = gc.get_freeze_count()
+        with long_lived_frozen():
+            pass
+        assert gc.get_freeze_count() == owned
+    finally:
+        gc.unfreeze()
+
+
 def test_only_a_ray_actors_process_is_frozen(ray_address: str) -> None:
     freeze_actor_heap()  # in this (test) process: not an actor's, so nothing
     assert gc.get_freeze_count() == 0
