@@ -63,12 +63,21 @@ def parse_weight_version(value: Any) -> int:
 
 
 def parse_output(item: dict[str, Any]) -> GenerateOutput:
+    """One `/generate` answer; a null log-prob (how orjson, which the embedded engine
+    answers with, writes NaN or inf) is an error naming the request and token."""
     meta = item["meta_info"]
     logprobs = meta.get("output_token_logprobs") or []
+    values = [t[0] for t in logprobs]
+    if None in values:
+        i = values.index(None)
+        raise ValueError(
+            f"/generate answer for rid {meta.get('id')!r}: meta_info.output_token_logprobs[{i}] "
+            f"is null, i.e. the engine's log-prob of token {logprobs[i][1]} is NaN or infinite"
+        )
     return GenerateOutput(
         output_ids=list(item.get("output_ids") or [t[1] for t in logprobs]),
         text=item.get("text", ""),
-        log_probs=[float(t[0]) for t in logprobs],
+        log_probs=[float(v) for v in values],
         finish_reason=dict(meta.get("finish_reason") or {}),
         weight_version=parse_weight_version(meta.get("weight_version")),
     )

@@ -17,7 +17,7 @@ from engines.rollout.engine_actor import EngineActor, build_generator
 from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
 from engines.rollout.mock_generator import MockGenerator
 from engines.rollout.scheduler import ContinuousScheduler
-from engines.rollout.sglang_client import SGLangClient, SGLangError, tls_verify
+from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output, tls_verify
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig
 
@@ -241,6 +241,17 @@ def test_scheduler_batches_concurrent_requests() -> None:
         scheduler.stop()
     assert [r.rid for r in results] == [r.rid for r in reqs]  # in order, within a submit too
     assert sum(gen.batch_sizes) == 40 and max(gen.batch_sizes) == 16 and len(gen.batch_sizes) <= 4
+
+
+def test_a_null_log_prob_is_an_error_naming_the_request_and_token() -> None:
+    item = {"text": "ab", "output_ids": [5, 6], "meta_info": {
+        "id": "r7", "finish_reason": {"type": "length"}, "weight_version": "3",
+        "output_token_logprobs": [[-0.25, 5, None], [None, 6, None]]}}
+    with pytest.raises(ValueError, match=r"'r7'.*output_token_logprobs\[1\].*token 6"):
+        parse_output(item)
+    item["meta_info"]["output_token_logprobs"][1][0] = -1.5
+    out = parse_output(item)
+    assert out.log_probs == [-0.25, -1.5] and out.output_ids == [5, 6] and out.weight_version == 3
 
 
 class FailingOnceGenerator(MockGenerator):
