@@ -36,7 +36,6 @@ class CpuMeter:
         self._own_series: list[tuple[float, float]] = []
         self.followed: dict[int, Any] = {}
         self.roles: dict[int, str] = {}
-        self.seen: dict[int, float] = {}
         self.per_pid: dict[int, list[tuple[float, float]]] = {}
         self._last_discovery = float("-inf")
         self._stop = threading.Event()
@@ -71,8 +70,7 @@ class CpuMeter:
                 t = p.cpu_times()
             except self._psutil.Error:
                 continue  # exited: its last reading stands
-            self.seen[pid] = t.user + t.system
-            self.per_pid.setdefault(pid, []).append((now, self.seen[pid]))
+            self.per_pid.setdefault(pid, []).append((now, t.user + t.system))
         self.own += time.thread_time() - start
         self._own_series.append((now, self.own))
 
