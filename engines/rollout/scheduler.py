@@ -210,9 +210,9 @@ class ContinuousScheduler:
         with self._cond:
             queued = {r.rid for r in self._queue}
             failed = [rid for rid in self._waiting if rid not in queued]
-            submissions = {id(sub): sub for sub, _ in map(self._waiting.pop, failed)}
+            submissions = {sub for sub, _ in map(self._waiting.pop, failed)}  # by identity
             self._batch = self.generator.new_batch()
-        for submission in submissions.values():
+        for submission in submissions:
             submission.fail(err)
 
     def _resolve(self, results: list[GenResult]) -> None:

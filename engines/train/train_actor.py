@@ -75,12 +75,12 @@ class TrainActor:
         self._rendezvous: tuple[str, int] | None = None
         if world_size == 1:
             self._backend = TRAIN_BACKENDS[cfg.train.backend](cfg)
+            freeze_actor_heap()  # (a group rank builds its backend, and freezes, on joining)
         self.replayed_steps: list[int] = []
         self._trained_indices: list[int] = []
         self._last_trained: int | None = None
         self._sender: Any = None
         self._sender_urls: list[str] = []
-        freeze_actor_heap()
 
     @property
     def backend(self) -> Any:
