@@ -22,7 +22,9 @@ def test_a_heap_frozen_by_its_owner_stays_frozen() -> None:
         owned = gc.get_freeze_count()
         with long_lived_frozen():
             pass
-        assert gc.get_freeze_count() == owned
+        # Frozen objects can still die by reference counting (the count then drops by a
+        # few), but an unfreeze would have emptied the permanent generation.
+        assert gc.get_freeze_count() > owned // 2
     finally:
         gc.unfreeze()
 
