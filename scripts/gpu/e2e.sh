@@ -28,8 +28,8 @@
 # no TE/apex): one SFT checkpoint, then GRPO twice from it. torch: 20 steps 40.1 s (0.51 s a step,
 # train 0.25-0.43 s); megatron: 80.7 s (1.14 s a step, train 0.40-0.60 s; step 0 7.5 s of set-up,
 # the last commit 7.8 s: its distributed checkpoint). Both: held-out 43.8% -> 80.0%, the same
-# reward means at every step, engine log-probs == trainer's. megatron_checks.sh
-# (backend, parity, group, parallel, nccl) passed on the same machine, zero-gradient skip included.
+# reward means at every step, engine log-probs == trainer's (train.skip_zero_gradient_samples on,
+# its default). megatron_checks.sh (backend, parity, group, parallel, nccl) passed there too.
 # Packages the image lacks travel as .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh:
 # Ray, Prefect and their dependencies) plus any .gpu_wheels/*/megatron_core*.whl; E2E_WHEELS
 # points elsewhere (e.g. when this runs from a snapshot of the repo). E2E_ARGS go to every
