@@ -27,7 +27,8 @@
 # Part (a) with the megatron trainer, on nvidia-h100-x2 (023a2dc; megatron-core 0.19.2, local spec,
 # no TE/apex): one SFT checkpoint, then GRPO twice from it. torch: 20 steps 40.1 s (0.51 s a step,
 # train 0.25-0.43 s); megatron: 80.7 s (1.14 s a step, train 0.40-0.60 s; step 0 7.5 s of set-up,
-# the last commit 7.8 s: its distributed checkpoint). Both: held-out 43.8% -> 80.0%, the same
+# the last commit 7.8 s: its first distributed checkpoint, since cut to 0.22 s; then on 2 H200s:
+# torch 37.1 s, megatron 57.9 s, 0.65 s a step). Both: held-out 43.8% -> 80.0%, the same
 # reward means at every step, engine log-probs == trainer's (train.skip_zero_gradient_samples on,
 # its default). megatron_checks.sh (backend, parity, group, parallel, nccl) passed there too.
 # Packages the image lacks travel as .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh:

@@ -126,6 +126,25 @@ def test_checkpoint_round_trip(qwen2_tiny_dir: str, tmp_path: pytest.TempPathFac
         assert torch.allclose(restored[name].float(), value.float()), name
 
 
+def test_a_save_starts_no_process(qwen2_tiny_dir: str, tmp_path: pytest.TempPathFactory) -> None:
+    """megatron's writer would start a spawn-context Manager process (a fresh interpreter)
+    on a rank's first save; `checkpoint._write_results_in_process` keeps its results in
+    this process, and the checkpoint still loads."""
+    import multiprocessing
+
+    from engines.train.megatron import MegatronTrainBackend
+
+    train, algo_cfg = _cfgs(qwen2_tiny_dir)
+    a = MegatronTrainBackend(train, algo_cfg)
+    a.train(_samples(seed=5), 0)
+    a.save_checkpoint(str(tmp_path))
+    assert not [p.name for p in multiprocessing.active_children() if "Manager" in p.name]
+    b = MegatronTrainBackend(train, algo_cfg)
+    b.load_checkpoint(str(tmp_path))
+    saved, restored = a.export_weights(), b.export_weights()
+    assert all(torch.equal(restored[k], saved[k]) for k in saved)
+
+
 def test_offload_onload_keeps_training_exact(qwen2_tiny_dir: str) -> None:
     """Colocated runs: offload frees the GPU memory of weights, grads and Adam state (and
     the frozen reference), onload brings back exactly what was there."""

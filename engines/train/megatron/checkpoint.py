@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 from typing import Any
 
 import torch
@@ -35,6 +36,21 @@ def _sharded_state(model: Any, optimizer: Any, loading: bool) -> dict[str, Any]:
                                                       metadata=_OPTIM_META)}
 
 
+def _write_results_in_process() -> None:
+    """megatron's file writer hands back its write results through a queue it makes once
+    per process: a `multiprocessing` Manager of the spawn context, i.e. a new interpreter
+    that re-imports the process's main module (in a Ray actor, Ray's worker) and then serves
+    the queue for the rank's lifetime. On an H100 machine that made a rank's first save take
+    6.8 s instead of 0.1 s (the main job's final checkpoint: 7.8 s of a 81 s GRPO run).
+    `dist_checkpointing.save` writes synchronously, in this process, so a thread queue
+    carries the same results; megatron's async save (a separate writer process), which
+    needs the Manager, is not used here. A queue megatron already made is kept."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_part(model: Any, optimizer: Any, path: str) -> None:
     """Collective: every rank writes its shards of `model` (DDP) and `optimizer`."""
     import torch.distributed as dist
@@ -43,6 +59,7 @@ def save_part(model: Any, optimizer: Any, path: str) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
+    _write_results_in_process()
     dist_checkpointing.save(_sharded_state(model, optimizer, loading=False), path)
 
 
