@@ -221,18 +221,36 @@ def stop_local_head() -> bool:
 
 
 def _stop_processes_of(temp_dir: str, wait_s: float = 10.0) -> None:
-    """Terminate the head's processes (GCS, raylet, monitors: each names its session dir
-    under `temp_dir` on its command line); its workers exit with the raylet."""
+    """Terminate the head's processes; its workers exit with the raylet. GCS, raylet and
+    the monitors name their session dir under `temp_dir` on the command line. The dashboard
+    and runtime-env agents (which rename their process) and Ray's client server do not, and
+    they outlived the raylet: after `cluster down` they kept listening on the machine's
+    address (client server on :10001, the agents on four more ports). Each writes its logs
+    under `temp_dir`, so a process holding a file there is the head's too."""
     import psutil
 
     procs = []
     for proc in psutil.process_iter(["cmdline"]):
-        if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+        if any(temp_dir in arg for arg in proc.info["cmdline"] or []) or _writes_under(
+            proc, temp_dir
+        ):
             procs.append(proc)
             proc.terminate()
     _, alive = psutil.wait_procs(procs, timeout=wait_s)
     for proc in alive:
         proc.kill()
+
+
+def _writes_under(proc: Any, temp_dir: str) -> bool:
+    """Whether `proc` (a psutil.Process) has a file open below `temp_dir`; False where its
+    files cannot be read (another user's process, or one that just exited)."""
+    import psutil
+
+    prefix = temp_dir.rstrip(os.sep) + os.sep
+    try:
+        return any(f.path.startswith(prefix) for f in proc.open_files())
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
 
 
 def status(cfg: ClusterConfig) -> dict[str, Any]:

@@ -68,6 +68,18 @@ def test_local_head_has_the_machines_gpus_and_a_dashboard_with_the_state_api():
         assert "Authentication" in denied_err
     finally:
         cli(env, "cluster", "down")
-    leftovers = [p.pid for p in psutil.process_iter(["cmdline"])
-                 if any(str(home) in a for a in p.info["cmdline"] or [])]
-    assert leftovers == []
+    assert head_processes(home) == []
+
+
+def head_processes(home: Path) -> list[str]:
+    """Processes naming `home` on their command line or holding a file under it (Ray's
+    agents rename their process; its client server's logs are its only trace of `home`)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        try:
+            files = [f.path for f in proc.open_files()]
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            files = []
+        if any(str(home) in a for a in [*(proc.info["cmdline"] or []), *files]):
+            found.append(f"{proc.pid} {proc.info['name']}")
+    return found
