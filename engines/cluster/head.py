@@ -226,12 +226,16 @@ def _stop_processes_of(temp_dir: str, wait_s: float = 10.0) -> None:
     and runtime-env agents (which rename their process) and Ray's client server do not, and
     they outlived the raylet: after `cluster down` they kept listening on the machine's
     address (client server on :10001, the agents on four more ports). Each writes its logs
-    under `temp_dir`, so a process holding a file there is the head's too."""
+    under `temp_dir`, so a process holding a file there is the head's too, unless it is a
+    driver: drivers (this process included) keep their logs there even after
+    `ray.shutdown()`, and they are the user's processes, not the head's."""
     import psutil
 
     procs = []
     for proc in psutil.process_iter(["cmdline"]):
-        if any(temp_dir in arg for arg in proc.info["cmdline"] or []) or _writes_under(
+        if proc.pid == os.getpid():
+            continue
+        if any(temp_dir in arg for arg in proc.info["cmdline"] or []) or _ray_process_logging_under(
             proc, temp_dir
         ):
             procs.append(proc)
@@ -241,16 +245,21 @@ def _stop_processes_of(temp_dir: str, wait_s: float = 10.0) -> None:
         proc.kill()
 
 
-def _writes_under(proc: Any, temp_dir: str) -> bool:
-    """Whether `proc` (a psutil.Process) has a file open below `temp_dir`; False where its
-    files cannot be read (another user's process, or one that just exited)."""
+DRIVER_LOG_PREFIX = "python-core-driver-"  # a Ray driver's core-worker log
+
+
+def _ray_process_logging_under(proc: Any, temp_dir: str) -> bool:
+    """Whether `proc` (a psutil.Process) has a file open below `temp_dir` and is not a
+    driver (no driver log among them); False where its files cannot be read (another
+    user's process, or one that just exited)."""
     import psutil
 
     prefix = temp_dir.rstrip(os.sep) + os.sep
     try:
-        return any(f.path.startswith(prefix) for f in proc.open_files())
+        names = [os.path.basename(f.path) for f in proc.open_files() if f.path.startswith(prefix)]
     except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
+    return bool(names) and not any(n.startswith(DRIVER_LOG_PREFIX) for n in names)
 
 
 def status(cfg: ClusterConfig) -> dict[str, Any]:

@@ -83,3 +83,33 @@ def head_processes(home: Path) -> list[str]:
         if any(str(home) in a for a in [*(proc.info["cmdline"] or []), *files]):
             found.append(f"{proc.pid} {proc.info['name']}")
     return found
+
+
+CONNECT = ("from engines.cluster.config import ClusterConfig; "
+           "from engines.cluster.head import connect, stop_local_head; import ray, sys; "
+           "connect(ClusterConfig(num_cpus=1, namespace='rf-down-test')); ")
+# a driver left connected while the head goes down (a notebook, another run)
+WAITER = CONNECT + "print('ready', flush=True); sys.stdin.read()"
+# a driver that stops the head it used (bench.orchestration does)
+STOPPER = CONNECT + "ray.shutdown(); print(stop_local_head(), 'and still running')"
+
+
+def test_down_stops_the_heads_processes_but_no_driver():
+    """Drivers keep their logs under the head's temp dir, as its agents do: `cluster down`
+    must not take them (or the process calling it) for the head's."""
+    home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))
+    env = rollflow_env(home)
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "ready"
+        stopper = python(STOPPER, env)
+        out, err = stopper.communicate(timeout=180)
+        assert stopper.returncode == 0 and "True and still running" in out, err
+        assert waiter.poll() is None  # the other driver is still alive
+    finally:
+        waiter.kill()
+        waiter.wait(timeout=30)
+        cli(env, "cluster", "down")
+    assert head_processes(home) == []
