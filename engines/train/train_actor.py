@@ -7,7 +7,8 @@ its state: load the last checkpoint, then replay the committed batches after it.
 In a train group (`train_group.py`) there is one TrainActor per rank: each is built with its
 rank and the world size, joins the process group in `join_group` (only then is its backend
 built, since DDP wraps the model at construction), and trains on the same step as the others.
-Rank 0 alone writes to storage (checkpoints, LATEST) and sends weights to the engines; where
+Every rank saves a checkpoint into one staging path, stored once per disk
+(`checkpoint_staging`); rank 0 alone moves LATEST and sends weights to the engines; where
 exporting them is a collective (megatron gathers TP shards and PP stages), the other ranks
 join that export and return nothing.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from engines.heap import freeze_actor_heap
 from engines.torch_threads import actor_threads
+from engines.train.checkpoint_staging import save_and_store
 from engines.train.config import TrainActorConfig
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
@@ -173,11 +175,10 @@ class TrainActor:
     def save_checkpoint(self, rollout_id: int) -> str:
         """Checkpoint of the weights after step `rollout_id`; LATEST is moved last."""
         parts = self.layout.checkpoint_parts(rollout_id)
-        with tempfile.TemporaryDirectory() as tmp:
-            self.backend.save_checkpoint(tmp)  # every rank: a backend may save collectively
-            if self.rank != 0:
-                return ""
-            uri = self.layout.store.put_dir(tmp, *parts)
+        # every rank saves (a backend may save collectively) into one path, stored per disk
+        uri = save_and_store(self.backend.save_checkpoint, self.layout.store, parts)
+        if self.rank != 0:
+            return ""
         self.layout.set_latest_checkpoint(rollout_id)
         return uri
 

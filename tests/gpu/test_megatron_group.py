@@ -1,7 +1,8 @@
 """Megatron TP=2 behind the train group (issue 12, 2 GPUs): every rank joins the weight
 export (a collective over the TP ranks), rank 0's HF-named weights equal the HF model's
-exactly, a train step moves them, and `push_weights` (distributed sync, here over gloo to an
-embedded engine on the CPU) leaves the engine holding exactly the trainer's weights.
+exactly, a train step moves them, `push_weights` (distributed sync, here over gloo to an
+embedded engine on the CPU) leaves the engine holding exactly the trainer's weights, and
+(torchrun) a checkpoint of both ranks' shards loads into fresh ranks bit for bit.
 
 Two drivers of the same `TrainActor`s: a Ray `TrainGroup` (one GPU actor per rank, as a run
 creates it) when Ray is importable, and torchrun (one process per rank, no Ray).
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from storage.run_layout import RunLayout
 from tests.gpu.group_worker import group_config, write_step
 from tests.gpu.test_megatron_parallel import NCCL_SAFE_ENV, REPO, needs_two
 
@@ -98,8 +100,14 @@ def test_tp2_group_through_torchrun(qwen2_tiny_dir: str, engine_url: str, tmp_pa
     if proc.returncode:
         pytest.fail(f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     result = json.loads((out / "result.json").read_text())
-    w0, w1 = (torch.load(out / f"weights_{k}.pt", weights_only=True) for k in (0, 1))
+    w0, w1, restored = (torch.load(out / f"weights_{k}.pt", weights_only=True)
+                        for k in (0, 1, "restored"))
     _check(qwen2_tiny_dir, w0, w1, result["versions"], engine_url)
+    # the TP=2 checkpoint holds both ranks' shards: fresh ranks load it, bit for bit
+    assert result["checkpoint"] and result["rebuilt"]["replayed"] == []
+    assert result["rebuilt"]["version"] == 1
+    assert all(torch.equal(restored[k], w1[k]) for k in w1), "restored TP=2 weights differ"
+    print("TP=2 checkpoint: stored, loaded by fresh ranks, weights equal")
 
 
 @pytest.mark.timeout(300)
@@ -132,6 +140,12 @@ def test_tp2_group_through_ray(qwen2_tiny_dir: str, engine_url: str, tmp_path: P
             ray.get(group.close_weight_sender.remote())
             assert torch.isfinite(torch.tensor(loss))
             _check(qwen2_tiny_dir, w0, w1, versions, engine_url)
+            assert ray.get(group.save_checkpoint.remote(0))  # every rank's shards, stored
+            layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+            assert layout.latest_checkpoint() == 0
+            shards = {p.name.split("_")[2] for p in
+                      Path(layout.store.path("checkpoints", "000000", "dist_ckpt")).glob("__*.distcp")}
+            assert shards == {"0", "1"}, f"stored shards of ranks {shards}"
         finally:
             group.kill()
     finally:

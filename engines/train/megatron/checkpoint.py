@@ -52,12 +52,12 @@ def _write_results_in_process() -> None:
 
 
 def save_part(model: Any, optimizer: Any, path: str) -> None:
-    """Collective: every rank writes its shards of `model` (DDP) and `optimizer`."""
+    """Collective: every rank writes its shards of `model` (DDP) and `optimizer` into `path`,
+    the same path on every rank (`checkpoint_staging`), made on each rank's own disk."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
+    os.makedirs(path, exist_ok=True)
     dist.barrier()
     _write_results_in_process()
     dist_checkpointing.save(_sharded_state(model, optimizer, loading=False), path)
