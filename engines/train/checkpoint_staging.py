@@ -11,7 +11,8 @@ loaded. Now:
   so ranks on one node (or on a shared file system) upload once, through their lowest rank,
   and each node's files reach storage (no two nodes wrote the same file);
 * the manifest covers the files of every node, so a stored copy counts as complete only once
-  all of them are in (`storage/run_layout.py` scans by manifest).
+  all of them are in (`storage/run_layout.py` scans by manifest);
+* loading from an object store downloads a checkpoint once per disk, not once per rank.
 
 Without a process group (one rank), it is a plain temporary directory, as before.
 """
@@ -123,3 +124,21 @@ def save_and_store(
         if dist is not None:
             dist.barrier()
     return uri
+
+
+def fetch_and_load(
+    load: Callable[[str], None], store: ObjectStore, parts: tuple[str, ...],
+    root: str | None = None,
+) -> None:
+    """`load(path)` on every rank with the stored checkpoint at `parts` on local disk: a local
+    store's own directory, else one download per disk into a shared staging path."""
+    if store.protocol == "file":
+        load(store.path(*parts))
+        return
+    with staging_dir(root) as staged:
+        if staged.uploads:
+            store.get_dir(staged.path, *parts)
+        dist = _dist()
+        if dist is not None:
+            dist.barrier()  # the disk's copy is whole before any rank of it reads
+        load(staged.path)

@@ -15,14 +15,13 @@ join that export and return nothing.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 from engines.heap import freeze_actor_heap
 from engines.torch_threads import actor_threads
-from engines.train.checkpoint_staging import save_and_store
+from engines.train.checkpoint_staging import fetch_and_load, save_and_store
 from engines.train.config import TrainActorConfig
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
@@ -184,8 +183,7 @@ class TrainActor:
 
     def _load_checkpoint(self, rollout_id: int) -> None:
         parts = self.layout.checkpoint_parts(rollout_id)
-        with tempfile.TemporaryDirectory() as tmp:
-            self.backend.load_checkpoint(self.layout.store.get_dir(tmp, *parts))
+        fetch_and_load(self.backend.load_checkpoint, self.layout.store, parts)
 
     def train_step(self, rollout_id: int) -> dict[str, float]:
         """The train stage of step `rollout_id`, idempotent by weight version: trains only if

@@ -46,9 +46,10 @@ def _rank(rank: int, port: int, store_dir: str, workdirs: list[str], out: str) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        root = "." if len(set(workdirs)) > 1 else None  # "." names a different disk per rank
+        root = "."  # the rank's working directory: one per simulated disk
         uri = save_and_store(_collective_save, ObjectStore(store_dir), ("checkpoints", "000000"),
                              root)
+        dist.barrier()  # every rank has returned (the disk's uploader removes the staging)
         left = sorted(p.name for p in Path(".").glob("rollflow-ckpt-*"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"uri": uri, "left": left}, f)
