@@ -91,18 +91,26 @@ def staging_dir(root: str | None = None) -> Iterator[StagingDir]:
 
 
 def merge_manifests(staged: StagingDir) -> None:
-    """Collective in a group: rank 0's manifest becomes that of every disk's files (each
-    uploading rank digests its own); the backend wrote rank 0's disk's alone."""
+    """Collective in a group: on several disks, rank 0's manifest (the backend wrote that of
+    rank 0's disk) becomes that of every disk's files, each uploading rank digesting its own.
+    On one disk nothing is read again (digesting a large checkpoint takes minutes)."""
     dist = _dist()
     if dist is None:
         return
+    uploaders: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(uploaders, staged.uploads)
+    if sum(map(bool, uploaders)) < 2:
+        return
     store = ObjectStore(staged.path)
-    mine = (integrity.dir_manifest(store, skip=(integrity.MANIFEST_FILE,))
-            if staged.uploads else None)
+    mine = None
+    if dist.get_rank() == 0:
+        mine = integrity.read_manifest(store)
+    if mine is None and staged.uploads:
+        mine = integrity.dir_manifest(store, skip=(integrity.MANIFEST_FILE,))
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     disks = [m for m in every if m is not None]
-    if dist.get_rank() == 0 and len(disks) > 1:
+    if dist.get_rank() == 0:
         merged: integrity.Manifest = {}
         for manifest in disks:
             merged.update(manifest)
