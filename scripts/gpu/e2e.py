@@ -136,6 +136,7 @@ def arithmetic(args: argparse.Namespace) -> None:
     summary = print_table(f"arithmetic GRPO ({args.backend} trainer)", rows, model, args.peak_tflops)
     print(f"held-out exact match ({args.backend}): before RL {before:.1f}%, after RL {after:.1f}% "
           f"({after - before:+.1f} points); GRPO {seconds:.1f} s, {grpo.rollout.num_rollout} steps")
+    print(f"resumed at step {res['resumed_at']}, trainer: {res['restored']}")
     print("result " + json.dumps({**summary, "acc_before": before, "acc_after": after,
                                   "grpo_s": round(seconds, 1)}))
 

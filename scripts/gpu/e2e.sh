@@ -11,6 +11,14 @@
 #   (b) GRPO on a Qwen2-0.5B-shaped random model, 4 steps: per-task time table
 #   (c) the same colocated on one GPU (cluster.colocate; weights through Ray's object store,
 #       since NCCL refuses two ranks on one GPU)
+#   (d) the arithmetic GRPO with a megatron TP=2 train group on both GPUs, the engine colocated:
+#       6 steps with a checkpoint every 3, the run's actors stopped, then the same run resumed
+#       to 8 steps, its fresh group loading the TP=2 checkpoint (not run by default).
+#       Measured on nvidia-h200-x2 (d8604f0): 6 steps 54.1 s (step 0: train 8.2 s, first weight
+#       sync 13.3 s; then 0.73-1.0 s a step), held-out 43.8% -> 68.8%; resumed from checkpoint 5
+#       to 8 steps, 70.0%, reward means continuing (0.506 -> 0.502, 0.539), engine log-probs ==
+#       trainer's at every step. Before d8604f0's parent ba3cd3c, a TP=2 checkpoint held rank 0's
+#       shards only and such a resume failed to load.
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU.
 #
@@ -87,6 +95,11 @@ for part in $PARTS; do
        fi ;;
     b) run b_qwen "${T_B:-240}" qwen2-grpo qwen ;;
     c) run c_colocate "${T_C:-240}" qwen2-grpo-colocate qwen --colocate ;;
+    d) TP2=(--backend megatron --set train.tensor_parallel=2 --set cluster.actor_num_gpus_per_node=2
+            --set cluster.colocate=true --set train.weight_sync=tensor --set train.save_interval=3)
+       run d_tp2 "${T_D:-300}" arithmetic-grpo-megatron arithmetic "${TP2[@]}" --set rollout.num_rollout=6
+       run d_tp2_resume "${T_D:-300}" arithmetic-grpo-megatron arithmetic "${TP2[@]}" --set rollout.num_rollout=8
+       grep -hE "rebuilt|replayed|restored|checkpoint" "$LOG"/d_tp2_resume.log | head -n 5 ;;
   esac
 done
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1
