@@ -3,7 +3,12 @@ of set-up on the GPU against ~0.5 s for later steps): times the backend's constr
 steps 0-2 on the arithmetic model, with torch.compile's own compile times and the top
 functions of step 0 by cumulative time.
 
-    python scripts/gpu/first_step.py [--no-compile-stats] [--steps 3]
+    python scripts/gpu/first_step.py [--steps 3] [--top 25]
+
+Measured on an H100 (megatron-core 0.19.2, fp32): backend init 4.6 s; step 0 with cold
+caches compiles four graphs (token_stats' stats and grad, megatron's swiglu forward and
+backward), 8.7 s of torch.compile; with the Inductor/Triton caches a previous process left
+on the machine, step 0 takes 2.8 s; later steps 0.03 s.
 """
 
 from __future__ import annotations
