@@ -17,8 +17,10 @@
 #       Measured on nvidia-h200-x2 (d8604f0): 6 steps 54.1 s (step 0: train 8.2 s, first weight
 #       sync 13.3 s; then 0.73-1.0 s a step), held-out 43.8% -> 68.8%; resumed from checkpoint 5
 #       to 8 steps, 70.0%, reward means continuing (0.506 -> 0.502, 0.539), engine log-probs ==
-#       trainer's at every step. Before ba3cd3c, a TP=2 checkpoint held rank 0's
-#       shards only and such a resume failed to load.
+#       trainer's at every step; the resumed run's trainer: rebuilt, version 6, nothing replayed
+#       (a second invocation: the same figures). The first weight sync, 13.3 s, is 10.3 s of the
+#       group's first collective export and 3.5 s of the engine's first update. Before ba3cd3c,
+#       a TP=2 checkpoint held rank 0's shards only and such a resume failed to load.
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU.
 #
