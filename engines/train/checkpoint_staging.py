@@ -39,7 +39,6 @@ class StagingDir:
 
     path: str
     uploads: bool
-    grouped: bool
 
 
 def _dist() -> Any | None:
@@ -49,6 +48,13 @@ def _dist() -> Any | None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None
+
+
+def _barrier() -> None:
+    """Wait for every rank of the group (nothing to wait for without one)."""
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
 
 
 def _shared_name(dist: Any, root: str) -> str:
@@ -77,11 +83,11 @@ def staging_dir(root: str | None = None) -> Iterator[StagingDir]:
     dist = _dist()
     if dist is None:
         with tempfile.TemporaryDirectory(prefix="rollflow-ckpt-", dir=root) as tmp:
-            yield StagingDir(tmp, uploads=True, grouped=False)
+            yield StagingDir(tmp, uploads=True)
         return
     path = _shared_name(dist, root or tempfile.gettempdir())
     os.makedirs(path, exist_ok=True)
-    staged = StagingDir(path, uploads=_uploads(dist, path), grouped=True)
+    staged = StagingDir(path, uploads=_uploads(dist, path))
     try:
         yield staged
     finally:
@@ -128,9 +134,7 @@ def save_and_store(
         save(staged.path)
         merge_manifests(staged)
         uri = store.put_dir(staged.path, *parts) if staged.uploads else ""
-        dist = _dist()
-        if dist is not None:
-            dist.barrier()
+        _barrier()  # every disk's files are stored before any rank returns
     return uri
 
 
@@ -146,7 +150,5 @@ def fetch_and_load(
     with staging_dir(root) as staged:
         if staged.uploads:
             store.get_dir(staged.path, *parts)
-        dist = _dist()
-        if dist is not None:
-            dist.barrier()  # the disk's copy is whole before any rank of it reads
+        _barrier()  # the disk's copy is whole before any rank of it reads
         load(staged.path)

@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engines.cluster.head import free_port
 from engines.train.checkpoint_staging import fetch_and_load
 from storage.object_store import ObjectStore, open_store
-from tests.unit.test_checkpoint_staging import _free_port
 
 PARTS = ("checkpoints", "000003")
 FILES = {"meta.json": "{}", "dist_ckpt/__0_0.distcp": "shard 0", "dist_ckpt/__1_0.distcp": "shard 1"}
@@ -67,7 +67,7 @@ def _run(s3_server: Any, tmp_path: Path, bucket: str, disks: int) -> tuple[list[
     workdirs = [tmp_path / f"node{i % disks}" for i in range(2)]
     for d in (out, *workdirs):
         d.mkdir(exist_ok=True)
-    mp.spawn(_rank, args=(_free_port(), uri, store.storage_options,
+    mp.spawn(_rank, args=(free_port(), uri, store.storage_options,
                           [str(w) for w in workdirs], str(out)), nprocs=2, join=True)
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return seen, sorted(p.name for p in out.glob("download-*"))

@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engines.cluster.head import free_port
 from engines.train.checkpoint_io import write_manifest
 from engines.train.checkpoint_staging import save_and_store
 from storage import integrity
 from storage.object_store import ObjectStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _collective_save(path: str) -> None:
@@ -62,7 +56,7 @@ def _run(tmp_path: Path, disks: int) -> tuple[ObjectStore, list[dict]]:
     workdirs = [tmp_path / f"node{i % disks}" for i in range(2)]
     for d in (store_dir, out, *workdirs):
         d.mkdir(exist_ok=True)
-    mp.spawn(_rank, args=(_free_port(), str(store_dir), [str(w) for w in workdirs], str(out)),
+    mp.spawn(_rank, args=(free_port(), str(store_dir), [str(w) for w in workdirs], str(out)),
              nprocs=2, join=True)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return ObjectStore(str(store_dir)), results
