@@ -24,6 +24,7 @@ FILE_FIELDS: dict[str, tuple[str, ...]] = {
     "storage": ("uri",),
     "rollout": ("debug_rollout_data",),
     "logging": ("tensorboard_dir", "wandb_dir"),
+    "train": ("checkpoint_staging_dir",),
 }
 # section -> fields naming a model: a local directory, or else a hub id
 MODEL_FIELDS: dict[str, tuple[str, ...]] = {
@@ -69,8 +70,9 @@ def resolve_paths(cfg: RollflowConfig, base: str | Path | None = None) -> Rollfl
     update: dict[str, Any] = {}
     for name, fields in FILE_FIELDS.items():
         update[name] = _resolve_section(getattr(cfg, name), fields, absolute_file, root)
-    for name, fields in MODEL_FIELDS.items():
-        update[name] = _resolve_section(getattr(cfg, name), fields, absolute_model, root)
+    for name, fields in MODEL_FIELDS.items():  # a section may be in both
+        section = update.get(name, getattr(cfg, name))
+        update[name] = _resolve_section(section, fields, absolute_model, root)
     datasets = [d.model_copy(update={"path": absolute_file(d.path, root)})
                 for d in cfg.eval.datasets]
     update["eval"] = cfg.eval.model_copy(update={"datasets": datasets})

@@ -12,7 +12,11 @@ loaded. Now:
   and each node's files reach storage (no two nodes wrote the same file);
 * the manifest covers the files of every node, so a stored copy counts as complete only once
   all of them are in (`storage/run_layout.py` scans by manifest);
-* loading from an object store downloads a checkpoint once per disk, not once per rank.
+* loading from an object store downloads a checkpoint once per disk, not once per rank;
+* a step that fails on some ranks only (a full disk, an upload error) fails on every rank,
+  at the same point (`_agreed`): a rank that raised alone used to leave the others in the
+  next barrier forever, or pair that barrier with a later one, so they moved LATEST over a
+  checkpoint some of whose files were never stored.
 
 Without a process group (one rank), it is a plain temporary directory, as before.
 """
@@ -25,12 +29,17 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from storage import integrity
 from storage.object_store import ObjectStore
 
 _MARKER = ".rollflow-rank-"
+T = TypeVar("T")
+
+
+class GroupCheckpointError(RuntimeError):
+    """A step of a group's checkpoint save or load failed on some rank; raised on every rank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,25 +59,50 @@ def _dist() -> Any | None:
     return None
 
 
-def _barrier() -> None:
-    """Wait for every rank of the group (nothing to wait for without one)."""
+def _agreed(what: str, step: Callable[[], T]) -> T:
+    """`step()` on this rank; in a group, then every rank learns whether any rank failed, and
+    if one did, all raise (naming the failed ranks and their errors) at this same point."""
     dist = _dist()
-    if dist is not None:
-        dist.barrier()
+    if dist is None:
+        return step()
+    error: Exception | None = None
+    try:
+        result = step()
+    except Exception as exc:  # reported to every rank below, then raised
+        error = exc
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise GroupCheckpointError(f"{what} failed on {'; '.join(failed)}") from error
+    return result
+
+
+def _mkdtemp(root: str) -> str:
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix="rollflow-ckpt-", dir=root)
 
 
 def _shared_name(dist: Any, root: str) -> str:
-    name = [tempfile.mkdtemp(prefix="rollflow-ckpt-", dir=root) if dist.get_rank() == 0 else ""]
+    mine = _agreed(f"making a staging dir under {root}",
+                   lambda: _mkdtemp(root) if dist.get_rank() == 0 else "")
+    name = [mine]
     dist.broadcast_object_list(name, src=0)
     return str(name[0])
+
+
+def _write_marker(path: str, rank: int) -> str:
+    os.makedirs(path, exist_ok=True)
+    marker = os.path.join(path, f"{_MARKER}{rank}")
+    with open(marker, "w"):
+        pass
+    return marker
 
 
 def _uploads(dist: Any, path: str) -> bool:
     """True on the lowest rank among those that see this rank's marker file (its disk)."""
     rank = dist.get_rank()
-    marker = os.path.join(path, f"{_MARKER}{rank}")
-    with open(marker, "w"):
-        pass
+    marker = _agreed(f"writing into the staging dir {path}", lambda: _write_marker(path, rank))
     dist.barrier()
     seen = sorted(int(n[len(_MARKER):]) for n in os.listdir(path) if n.startswith(_MARKER))
     dist.barrier()  # every rank has looked before any marker goes
@@ -82,11 +116,12 @@ def staging_dir(root: str | None = None) -> Iterator[StagingDir]:
     """A directory to save a checkpoint into (collectively, in a group); removed on exit."""
     dist = _dist()
     if dist is None:
+        if root:
+            os.makedirs(root, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="rollflow-ckpt-", dir=root) as tmp:
             yield StagingDir(tmp, uploads=True)
         return
     path = _shared_name(dist, root or tempfile.gettempdir())
-    os.makedirs(path, exist_ok=True)
     staged = StagingDir(path, uploads=_uploads(dist, path))
     try:
         yield staged
@@ -108,19 +143,25 @@ def merge_manifests(staged: StagingDir) -> None:
     if sum(map(bool, uploaders)) < 2:
         return
     store = ObjectStore(staged.path)
-    mine = None
-    if dist.get_rank() == 0:
-        mine = integrity.read_manifest(store)
-    if mine is None and staged.uploads:
-        mine = integrity.dir_manifest(store, skip=(integrity.MANIFEST_FILE,))
+
+    def own_manifest() -> integrity.Manifest | None:
+        mine = integrity.read_manifest(store) if dist.get_rank() == 0 else None
+        if mine is None and staged.uploads:
+            mine = integrity.dir_manifest(store, skip=(integrity.MANIFEST_FILE,))
+        return mine
+
+    mine = _agreed("digesting the staged checkpoint", own_manifest)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    disks = [m for m in every if m is not None]
-    if dist.get_rank() == 0:
-        merged: integrity.Manifest = {}
-        for manifest in disks:
-            merged.update(manifest)
-        integrity.write_manifest(store, merged)
+
+    def write_merged() -> None:
+        if dist.get_rank() == 0:
+            merged: integrity.Manifest = {}
+            for manifest in every:
+                merged.update(manifest or {})
+            integrity.write_manifest(store, merged)
+
+    _agreed("writing the merged manifest", write_merged)
 
 
 def save_and_store(
@@ -131,11 +172,11 @@ def save_and_store(
     under `parts` of `store`; returns the stored URI where this rank uploaded, else ''. All
     of it is stored when it returns, on any rank (a group's ranks wait for each other)."""
     with staging_dir(root) as staged:
-        save(staged.path)
+        _agreed("saving the checkpoint", lambda: save(staged.path))
         merge_manifests(staged)
-        uri = store.put_dir(staged.path, *parts) if staged.uploads else ""
-        _barrier()  # every disk's files are stored before any rank returns
-    return uri
+        # every disk's files are stored before any rank returns (or all raise)
+        return _agreed(f"storing the checkpoint at {store.uri(*parts)}",
+                       lambda: store.put_dir(staged.path, *parts) if staged.uploads else "")
 
 
 def fetch_and_load(
@@ -148,7 +189,7 @@ def fetch_and_load(
         load(store.path(*parts))
         return
     with staging_dir(root) as staged:
-        if staged.uploads:
-            store.get_dir(staged.path, *parts)
-        _barrier()  # the disk's copy is whole before any rank of it reads
-        load(staged.path)
+        # the disk's copy is whole before any rank of it reads
+        _agreed(f"downloading the checkpoint at {store.uri(*parts)}",
+                lambda: store.get_dir(staged.path, *parts) if staged.uploads else None)
+        _agreed("loading the checkpoint", lambda: load(staged.path))

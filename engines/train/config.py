@@ -126,6 +126,13 @@ class TrainConfig(Section):
     save_interval: int | None = Field(
         None, ge=1, description="Checkpoint every N steps (None: only the last step)."
     )
+    checkpoint_staging_dir: str | None = Field(
+        None,
+        description="Local directory where the train ranks write a checkpoint before it goes to "
+        "storage.uri (and where an object-store checkpoint is downloaded to load it); made if "
+        "missing, the same path on every node. Default: the system temp dir (TMPDIR), which "
+        "may be too small for a large model.",
+    )
     seed: int = 1234
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype; bfloat16 autocasts over float32 master weights."

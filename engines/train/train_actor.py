@@ -119,12 +119,13 @@ class TrainActor:
     def train(self, rollout_id: int) -> dict[str, float]:
         """Train on step `rollout_id`'s batch; a no-op if the policy is already past it."""
         samples = read_samples(self.layout.store, step_dir(rollout_id), "train.arrow")
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         metrics = dict(self.backend.train(samples, rollout_id))
         if not metrics.get("skipped"):
             self._trained_indices.extend(s.index for s in samples)
             self._last_trained = rollout_id
         metrics["train/seconds"] = time.perf_counter() - start
+        metrics["train/cpu_seconds"] = time.process_time() - cpu_start  # all of its threads
         return metrics
 
     def trained_indices(self) -> list[int]:
@@ -175,7 +176,8 @@ class TrainActor:
         """Checkpoint of the weights after step `rollout_id`; LATEST is moved last."""
         parts = self.layout.checkpoint_parts(rollout_id)
         # every rank saves (a backend may save collectively) into one path, stored per disk
-        uri = save_and_store(self.backend.save_checkpoint, self.layout.store, parts)
+        uri = save_and_store(self.backend.save_checkpoint, self.layout.store, parts,
+                             self.cfg.train.checkpoint_staging_dir)
         if self.rank != 0:
             return ""
         self.layout.set_latest_checkpoint(rollout_id)
@@ -183,7 +185,8 @@ class TrainActor:
 
     def _load_checkpoint(self, rollout_id: int) -> None:
         parts = self.layout.checkpoint_parts(rollout_id)
-        fetch_and_load(self.backend.load_checkpoint, self.layout.store, parts)
+        fetch_and_load(self.backend.load_checkpoint, self.layout.store, parts,
+                       self.cfg.train.checkpoint_staging_dir)
 
     def train_step(self, rollout_id: int) -> dict[str, float]:
         """The train stage of step `rollout_id`, idempotent by weight version: trains only if

@@ -2,7 +2,8 @@
 two gloo ranks each write a shard file, as megatron's collective save does, into one staging
 path. Sharing a disk, the ranks store it once; on two disks (two working directories behind
 one relative path), each disk's files are stored and the manifest lists both shards, so the
-stored copy counts as complete only with every rank's files."""
+stored copy counts as complete only with every rank's files. A step that fails on one rank
+fails on both, at once, and leaves the group in step for the next save."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.multiprocessing as mp
 
 from engines.cluster.head import free_port
 from engines.train.checkpoint_io import write_manifest
-from engines.train.checkpoint_staging import save_and_store
+from engines.train.checkpoint_staging import GroupCheckpointError, save_and_store
 from storage import integrity
 from storage.object_store import ObjectStore
 
@@ -35,29 +36,49 @@ def _collective_save(path: str) -> None:
         write_manifest(path)
 
 
-def _rank(rank: int, port: int, store_dir: str, workdirs: list[str], out: str) -> None:
+class _FullDiskStore(ObjectStore):
+    """Its first upload fails, as on a full disk or a dropped connection."""
+
+    failed = False
+
+    def put_dir(self, local_dir: str, *parts: str) -> str:
+        if not self.failed:
+            self.failed = True
+            raise OSError(28, "No space left on device")
+        return super().put_dir(local_dir, *parts)
+
+
+def _rank(
+    rank: int, port: int, store_dir: str, workdirs: list[str], out: str, failing_rank: int
+) -> None:
     os.chdir(workdirs[rank])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        root = "."  # the rank's working directory: one per simulated disk
-        uri = save_and_store(_collective_save, ObjectStore(store_dir), ("checkpoints", "000000"),
-                             root)
+        root = "staging"  # under the rank's working directory: one per simulated disk
+        store = (_FullDiskStore if rank == failing_rank else ObjectStore)(store_dir)
+        error = ""
+        if failing_rank >= 0:  # the first save fails on that rank, on every rank
+            try:
+                save_and_store(_collective_save, store, ("checkpoints", "000000"), root)
+            except GroupCheckpointError as exc:
+                error = str(exc)
+        uri = save_and_store(_collective_save, store, ("checkpoints", "000000"), root)
         dist.barrier()  # every rank has returned (the disk's uploader removes the staging)
-        left = sorted(p.name for p in Path(".").glob("rollflow-ckpt-*"))
+        left = sorted(p.name for p in Path(root).glob("rollflow-ckpt-*"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"uri": uri, "left": left}, f)
+            json.dump({"uri": uri, "left": left, "error": error}, f)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, disks: int) -> tuple[ObjectStore, list[dict]]:
+def _run(tmp_path: Path, disks: int, failing_rank: int = -1) -> tuple[ObjectStore, list[dict]]:
     store_dir, out = tmp_path / "store", tmp_path / "out"
     workdirs = [tmp_path / f"node{i % disks}" for i in range(2)]
     for d in (store_dir, out, *workdirs):
         d.mkdir(exist_ok=True)
-    mp.spawn(_rank, args=(free_port(), str(store_dir), [str(w) for w in workdirs], str(out)),
-             nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), str(store_dir), [str(w) for w in workdirs], str(out),
+                          failing_rank), nprocs=2, join=True)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return ObjectStore(str(store_dir)), results
 
@@ -88,3 +109,22 @@ def test_ranks_on_two_disks_store_both_and_the_manifest_lists_both(tmp_path: Pat
     assert files == listed | {integrity.MANIFEST_FILE}
     assert results[0]["uri"] and results[1]["uri"]  # each disk stored its own files
     assert results[0]["left"] == results[1]["left"] == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("disks, failing_rank", [(1, 0), (2, 1)])
+def test_an_upload_failing_on_one_rank_fails_on_every_rank_and_the_next_save_works(
+    tmp_path: Path, disks: int, failing_rank: int
+) -> None:
+    """One disk: rank 0, its only uploader, fails. Two disks: rank 1's disk fails, while rank
+    0's upload succeeds (rank 0 used to return, and then move LATEST, without rank 1's
+    shard stored). Both ranks raise, naming the rank and its error, instead of one waiting
+    forever; the retried save stores every shard and leaves no staging behind."""
+    store, results = _run(tmp_path, disks, failing_rank)
+    for result in results:
+        assert f"rank {failing_rank}: OSError" in result["error"]
+        assert "No space left on device" in result["error"]
+        assert result["left"] == []
+    listed, files = _stored(store)
+    assert listed == {"__0_0.distcp", "__1_0.distcp", "meta.json"}
+    assert files == listed | {integrity.MANIFEST_FILE}

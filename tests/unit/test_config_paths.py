@@ -27,7 +27,7 @@ def test_relative_paths_are_anchored_at_the_working_directory(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     cfg = config_from_dict(_raw(
         storage={"uri": "./runs"},
-        train={"model_path": "model", "load": "./ckpt"},
+        train={"model_path": "model", "load": "./ckpt", "checkpoint_staging_dir": "scratch"},
         eval={"datasets": [{"name": "t", "path": "../held/test.jsonl"}]},
         logging={"tensorboard_dir": "~/tb"},
     ))
@@ -36,6 +36,7 @@ def test_relative_paths_are_anchored_at_the_working_directory(tmp_path, monkeypa
     assert cfg.train.model_path == str(tmp_path / "model")  # exists: a local directory
     assert cfg.engine.model_path == str(tmp_path / "model")  # copied from train, resolved too
     assert cfg.train.load == str(tmp_path / "ckpt")  # explicit ./ : local even if missing
+    assert cfg.train.checkpoint_staging_dir == str(tmp_path / "scratch")  # with model_path's
     assert cfg.eval.datasets[0].path == str(tmp_path.parent / "held" / "test.jsonl")
     assert cfg.logging.tensorboard_dir == os.path.expanduser("~/tb")
 
