@@ -19,6 +19,7 @@ from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
 from flows.config import ConfigError, RollflowConfig
 from flows.rollout_step import open_layout
+from flows.storage_credentials import with_block_credentials
 from tasks import step_tasks as t
 
 
@@ -33,6 +34,7 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
     if not config.eval.enabled:
         raise ConfigError("eval.datasets is empty and eval.eval_function_path unset: nothing "
                           "to evaluate")
+    config = with_block_credentials(config)
     connect(config.cluster)
     layout = open_layout(config)
     newest = layout.next_rollout_id()

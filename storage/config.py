@@ -46,8 +46,15 @@ class StorageConfig(Section):
         description="fsspec/s3fs options, e.g. {key, secret} or {profile}. They travel with "
         "the config to every actor; config.yaml, the Prefect UI and logs show every string "
         "value except harmless settings (profile, region_name, ...) as REDACTED, so a replay or "
-        "a UI retry needs them again (prefer AWS_* env vars or instance credentials on every "
-        "Ray node).",
+        "a UI retry needs them again (prefer credentials_block, AWS_* env vars or instance "
+        "credentials on every Ray node).",
+    )
+    credentials_block: str | None = Field(
+        None,
+        description="Name of a Prefect Secret block holding a JSON object of storage options "
+        "(e.g. {key, secret}), read by each flow when it starts and merged under "
+        "storage_options (whose own keys win). Only the name is in config.yaml and the UI, so "
+        "a replay, a resume or a UI retry finds the credentials again.",
     )
     compression: Literal["zstd", "lz4"] | None = "zstd"
 

@@ -122,8 +122,9 @@ class ObjectStore:
             self.fs.rm(p, recursive=True)
 
 
-def open_store(uri: str, endpoint_url: str | None = None, **options: Any) -> ObjectStore:
-    """Build a store; `endpoint_url` points s3fs at MinIO/moto/any S3-compatible service.
+def open_store(uri: str, endpoint: str | None = None, /, **options: Any) -> ObjectStore:
+    """Build a store; `endpoint` (storage.endpoint_url) points s3fs at MinIO/moto/any
+    S3-compatible service, as does an `endpoint_url` among the options (s3fs's own).
 
     s3fs caches directory listings per process by default. Several processes (the driver and
     each actor) write to the same run directory, so a cached listing would hide their files;
@@ -132,8 +133,12 @@ def open_store(uri: str, endpoint_url: str | None = None, **options: Any) -> Obj
     storage_options = dict(options)
     if uri.startswith("s3://"):
         storage_options.setdefault("use_listings_cache", False)
-        if endpoint_url:
+        own = storage_options.get("endpoint_url")
+        if endpoint and own and own != endpoint:
+            raise ValueError(f"storage.endpoint_url {endpoint} and storage_options.endpoint_url "
+                             f"{own} name two endpoints: set one of them")
+        if endpoint and not own:
             client_kwargs = dict(storage_options.get("client_kwargs", {}))
-            client_kwargs["endpoint_url"] = endpoint_url
+            client_kwargs["endpoint_url"] = endpoint
             storage_options["client_kwargs"] = client_kwargs
     return ObjectStore(uri, storage_options)

@@ -162,3 +162,15 @@ def test_clone_copies_every_field_and_shares_nothing_mutable(prompt, reward) -> 
         assert isinstance(value, str | float) or value is not getattr(s, name), name
     c.metadata["a"][1]["b"] = 9
     assert s.metadata["a"][1]["b"] == 2
+
+
+def test_an_s3_endpoint_comes_from_the_config_or_the_options_but_not_two():
+    from storage.object_store import open_store
+
+    by_config = open_store("s3://b/runs", "http://127.0.0.1:9")
+    by_options = open_store("s3://b/runs", None, endpoint_url="http://127.0.0.1:9")
+    assert by_config.fs.client_kwargs["endpoint_url"] == "http://127.0.0.1:9"
+    assert by_options.fs.endpoint_url == "http://127.0.0.1:9"
+    assert open_store("s3://b/runs", "http://127.0.0.1:9", endpoint_url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="name two endpoints"):
+        open_store("s3://b/runs", "http://127.0.0.1:9", endpoint_url="http://127.0.0.1:8")
