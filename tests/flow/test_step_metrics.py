@@ -24,8 +24,8 @@ ROLLOUT_KEYS = {
     "rollout/samples", "rollout/seconds", "rollout/tokens_per_s", "rollout/truncated_ratio",
 }
 TRAIN_KEYS = {f"train/{k}" for k in (
-    "adv_mean", "approx_kl", "clipfrac", "entropy", "grad_norm", "index_checksum", "kl_loss",
-    "loss", "num_optimizer_steps", "num_samples", "pg_loss", "response_len_mean",
+    "adv_mean", "approx_kl", "clipfrac", "cpu_seconds", "entropy", "grad_norm", "index_checksum",
+    "kl_loss", "loss", "num_optimizer_steps", "num_samples", "pg_loss", "response_len_mean",
     "reward_mean", "reward_std", "rollout_logprob_abs_diff", "seconds", "skipped",
     "skipped_steps", "train_tokens_per_s", "weight_version",
 )}
