@@ -122,7 +122,11 @@ def staging_dir(root: str | None = None) -> Iterator[StagingDir]:
             yield StagingDir(tmp, uploads=True)
         return
     path = _shared_name(dist, root or tempfile.gettempdir())
-    staged = StagingDir(path, uploads=_uploads(dist, path))
+    try:
+        staged = StagingDir(path, uploads=_uploads(dist, path))
+    except GroupCheckpointError:
+        shutil.rmtree(path, ignore_errors=True)  # the empty dir some rank could not write to
+        raise
     try:
         yield staged
     finally:
