@@ -30,13 +30,14 @@ class LoggingConfig(Section):
         description="The steps also show the curves (markdown artifact, PNG inlined) every N "
         "steps and at the last step; None: only the train flow, at the end.",
     )
-    step_flow_runs: bool = Field(
-        False,
+    step_flow_runs: bool | None = Field(
+        None,
         description="Run each rollout step as a child flow run of its own, "
         "`{run}/rollout-{id}`, which groups the step's tasks in the UI (runs list, one graph "
         "per step); costs Prefect ~0.3 s per step. Off: the step's tasks run in the train "
         "flow run, named `rollout-{id}/<task>`, whose graph the UI stops drawing past the "
-        "server's 10,000 nodes (~1,400 steps).",
+        "server's 10,000 nodes (~1,400 steps, ~1,000 in async mode). Default (null): on for "
+        "runs of more than 900 rollouts, off otherwise.",
     )
     sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,

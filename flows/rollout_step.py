@@ -40,12 +40,24 @@ def open_layout(cfg: RollflowConfig) -> RunLayout:
     return RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
 
 
+# The Prefect server draws a flow run's graph up to 10,000 nodes (its task and child flow
+# runs); a step adds 7 tasks to the train run, 10 in async mode, plus any evaluation.
+MAX_STEPS_IN_ONE_GRAPH = 900
+
+
+def steps_are_flow_runs(config: RollflowConfig) -> bool:
+    """`logging.step_flow_runs`, or when unset, whether the run has too many steps for the
+    UI to draw the train run's graph with their tasks in it."""
+    chosen = config.logging.step_flow_runs
+    return chosen if chosen is not None else config.rollout.num_rollout > MAX_STEPS_IN_ONE_GRAPH
+
+
 def run_rollout_step(ctx: t.StepContext, rollout_id: int) -> dict[str, Any]:
     """Step `rollout_id` as the train flow runs it: its tasks in the current flow run, or
-    in a child `rollout_step` flow run (without a heartbeat thread of its own) when the
-    config asks for `logging.step_flow_runs`."""
+    in a child `rollout_step` flow run (without a heartbeat thread of its own) for
+    `steps_are_flow_runs`."""
     config = config_of(ctx)
-    if config.logging.step_flow_runs:
+    if steps_are_flow_runs(config):
         with child_flow_heartbeats_off():
             return rollout_step(config, rollout_id)
     return run_step_tasks(ctx, rollout_id)

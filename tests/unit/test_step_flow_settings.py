@@ -71,3 +71,17 @@ def test_deterministic_failures_are_not_retried():
     flaky = Failed(data=ConnectionError("engine briefly unreachable"))
     assert retry_transient(None, None, bad_row) is False
     assert retry_transient(None, None, flaky) is True
+
+
+def test_long_runs_make_each_step_a_flow_run_unless_told():
+    """Past ~1,000 steps the train run's graph would pass the Prefect server's 10,000 nodes
+    (the UI stops drawing it): unset, `step_flow_runs` follows the run's length."""
+    def long(steps, **logging):
+        c = cfg(**logging)
+        c.rollout.num_rollout = steps
+        return c
+
+    assert not rs.steps_are_flow_runs(long(rs.MAX_STEPS_IN_ONE_GRAPH))
+    assert rs.steps_are_flow_runs(long(rs.MAX_STEPS_IN_ONE_GRAPH + 1))
+    assert not rs.steps_are_flow_runs(long(5000, step_flow_runs=False))
+    assert rs.steps_are_flow_runs(long(2, step_flow_runs=True))
