@@ -4,6 +4,14 @@ steps 0-2 on the arithmetic model, with torch.compile's own compile times and th
 functions of step 0 by cumulative time.
 
     python scripts/gpu/first_step.py [--steps 3] [--top 25]
+    torchrun --nproc-per-node 2 scripts/gpu/first_step.py --exports 3   # TP=2, rank 0 prints
+
+`--exports N` also times N weight exports (`export_weights`, the engines' copy: TP shards
+gathered) before step 0 and after the last step, the first of them profiled. On 2 H200s at
+TP=2: the first export 0.18 s (0.15 s of it the first NCCL all_gather of the TP group), then
+0.02 s; backend init 4.0 s; step 0 3.4 s with the Inductor cache warm (10.9 s cold). So the
+13.3 s first weight sync of `e2e.sh` part (d) is not the export's own work: most of it is
+the export waiting, inside its collective, for the group's slower rank to finish starting.
 
 Measured on an H100 (megatron-core 0.19.2, fp32): backend init 4.6 s; step 0 with cold
 caches compiles four graphs (token_stats' stats and grad, megatron's swiglu forward and
@@ -21,6 +29,7 @@ import pstats
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.getcwd())
 
@@ -29,8 +38,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--exports", type=int, default=0)
     args = ap.parse_args()
     import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    show = int(os.environ.get("RANK", "0")) == 0
 
     from engines.algorithms.config import AlgorithmConfig
     from engines.train.config import TrainConfig
@@ -38,35 +55,50 @@ def main() -> None:
     from tests.gpu._data import grpo_samples
 
     t0 = time.perf_counter()
-    model_dir = save_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny-llama"))
+    model_dir = os.path.join(tempfile.gettempdir(), "first-step-tiny-llama")
+    if show:
+        save_tiny_model(model_dir)
+    if world > 1:
+        dist.barrier()
     from engines.train.megatron import MegatronTrainBackend
 
     t1 = time.perf_counter()
     cfg = TrainConfig(model_path=model_dir, lr=1e-4, dtype="float32", seed=1,
                       max_tokens_per_micro_batch=8192)
-    backend = MegatronTrainBackend(cfg, AlgorithmConfig())
+    backend = MegatronTrainBackend(cfg, AlgorithmConfig(), tensor_parallel=world)
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    print(f"model {t1 - t0:.2f} s (incl. megatron import), backend init {t2 - t1:.2f} s",
-          flush=True)
-    samples = grpo_samples(n_groups=16, group=8, vocab=64)
-    for step in range(args.steps):
-        prof = cProfile.Profile() if step == 0 else None
+    say = print if show else (lambda *a, **k: None)
+    say(f"model {t1 - t0:.2f} s (incl. megatron import), backend init {t2 - t1:.2f} s (TP={world})",
+        flush=True)
+
+    def timed(what: str, call: Any, profile: bool) -> None:
+        prof = cProfile.Profile() if profile else None
         start = time.perf_counter()
         if prof:
             prof.enable()
-        backend.train(samples, step)
+        call()
         torch.cuda.synchronize()
         if prof:
             prof.disable()
-        print(f"step {step}: {time.perf_counter() - start:.2f} s", flush=True)
-        if prof:
+        say(f"{what}: {time.perf_counter() - start:.2f} s", flush=True)
+        if prof and show:
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
             print(out.getvalue()[-6000:], flush=True)
+
+    for i in range(args.exports):
+        timed(f"export {i} (before step 0)", backend.export_weights, i == 0)
+    samples = grpo_samples(n_groups=16, group=8, vocab=64)
+    for step in range(args.steps):
+        timed(f"step {step}", lambda s=step: backend.train(samples, s), step == 0)
+    for i in range(args.exports):
+        timed(f"export {i} (after step {args.steps - 1})", backend.export_weights, False)
     from torch._dynamo.utils import compile_times
 
-    print(compile_times(repr="str"), flush=True)
+    say(compile_times(repr="str"), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
