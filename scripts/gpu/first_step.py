@@ -10,8 +10,8 @@ functions of step 0 by cumulative time.
 gathered) before step 0 and after the last step, the first of them profiled. On 2 H200s at
 TP=2: the first export 0.18 s (0.15 s of it the first NCCL all_gather of the TP group), then
 0.02 s; backend init 4.0 s; step 0 3.4 s with the Inductor cache warm (10.9 s cold). So the
-13.3 s first weight sync of `e2e.sh` part (d) is not the export's own work: most of it is
-the export waiting, inside its collective, for the group's slower rank to finish starting.
+13.3 s first weight sync of `e2e.sh` part (d) is not the export's own work; likely (not
+measured) it is rank 0 waiting inside the collective for the other rank to finish starting.
 
 Measured on an H100 (megatron-core 0.19.2, fp32): backend init 4.6 s; step 0 with cold
 caches compiles four graphs (token_stats' stats and grad, megatron's swiglu forward and
