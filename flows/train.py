@@ -155,7 +155,9 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     ctx, start, restored = start_run(config, layout)
 
     evaluate_now = config.eval.enabled
-    if evaluate_now and config.eval.before_train:
+    # A trainer already past `start` (it trained that step, the driver died before recording
+    # it) put its newer weights on the engines: they are not version `start`'s to evaluate.
+    if evaluate_now and config.eval.before_train and restored["version"] <= start:
         t.evaluate(ctx, start)
     total = config.rollout.num_rollout
     progress = ProgressArtifact(artifact_key(config.storage.run_name, "steps"),

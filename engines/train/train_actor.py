@@ -80,6 +80,7 @@ class TrainActor:
         self.replayed_steps: list[int] = []
         self._trained_indices: list[int] = []
         self._last_trained: int | None = None
+        self._last_metrics: dict[str, float] = {}  # of the step `_last_trained`
         self._sender: Any = None
         self._sender_urls: list[str] = []
 
@@ -121,11 +122,11 @@ class TrainActor:
         samples = read_samples(self.layout.store, step_dir(rollout_id), "train.arrow")
         start, cpu_start = time.perf_counter(), time.process_time()
         metrics = dict(self.backend.train(samples, rollout_id))
-        if not metrics.get("skipped"):
-            self._trained_indices.extend(s.index for s in samples)
-            self._last_trained = rollout_id
         metrics["train/seconds"] = time.perf_counter() - start
         metrics["train/cpu_seconds"] = time.process_time() - cpu_start  # all of its threads
+        if not metrics.get("skipped"):
+            self._trained_indices.extend(s.index for s in samples)
+            self._last_trained, self._last_metrics = rollout_id, dict(metrics)
         return metrics
 
     def trained_indices(self) -> list[int]:
@@ -190,10 +191,13 @@ class TrainActor:
 
     def train_step(self, rollout_id: int) -> dict[str, float]:
         """The train stage of step `rollout_id`, idempotent by weight version: trains only if
-        the policy is not already past this step, after restoring the version before it."""
+        the policy is not already past this step, after restoring the version before it.
+        Past it (a retried task, or a driver that died before recording the step), it
+        returns the metrics of the training it did, which the step records."""
         self.ensure_version(rollout_id)
         if self.version() == rollout_id + 1:
-            return {"skipped": 1.0}
+            done = self._last_trained == rollout_id and self._last_metrics
+            return dict(self._last_metrics) if done else {"skipped": 1.0}
         return self.train(rollout_id)
 
     def ensure_version(self, target: int) -> dict[str, Any]:

@@ -75,3 +75,48 @@ def test_a_nan_gradient_skips_one_optimizer_step(make, fault_matrix):
     assert same
     fault_matrix.add("NaN gradient norm (one optimizer step)", "that step, before stepping",
                      "step skipped, counted in train/skipped_steps; run goes on", same)
+
+
+def test_a_driver_lost_after_the_trainer_trained_a_step_records_that_training(
+    make, arithmetic_data, fault_matrix
+):
+    """The driver dies while the train task runs: the (kept) trainer finished step 2, so it
+    is at version 3, but the step recorded nothing. The rerun resumes at step 2 and keeps
+    the trainer (no rebuild). Its train task used to record `{"skipped": 1.0}` instead of
+    the step's losses, and its before-training evaluation ran the engines, which now hold
+    version 3, and stored the scores as version 2's."""
+    from engines.cluster.actors import kill_run_actors
+    from flows.train import train
+
+    test_set = f"eval.datasets=[{{name: test, path: {arithmetic_data['test']}, temperature: 0.0}}]"
+    reference = make("lost-ref", [test_set])
+    train(reference)
+    cfg = make("lost", [test_set, "cluster.keep_actors=true"])
+    try:
+        train(cfg)
+        layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+        for name in ("COMMITTED", "metrics.json", "tasks/train.json"):  # step 2 as it was
+            layout.store.delete("steps/000002", name)
+        layout.store.delete("checkpoints")  # the last step's, written after its train task
+        layout.store.delete("eval", "000003.json")
+        result = train(cfg)
+        assert result["resumed_at"] == 2
+        assert result["restored"] == {"rebuilt": False, "version": 3, "replayed": []}
+    finally:
+        kill_run_actors(cfg)
+    ref = RunLayout.open(reference.storage.uri, reference.storage.run_name)
+    train_keys = [k for k in ref.step_metrics(2) if k.startswith("train/")
+                  and not k.endswith(("seconds", "tokens_per_s"))]
+    recorded = {k: layout.step_metrics(2).get(k) for k in train_keys}
+    same = recorded == {k: ref.step_metrics(2)[k] for k in train_keys} and "train/loss" in recorded
+    assert same, recorded
+    assert layout.eval_of(2) is None  # version 2 is gone from every actor: not evaluated
+    def scores(version, of):
+        return {k: v for k, v in (of.eval_of(version) or {}).items() if not k.endswith("seconds")}
+
+    assert scores(3, layout) == scores(3, ref) != {}
+    assert trained(cfg) == trained(reference)
+    fault_matrix.add("driver lost during the train task (trainer kept, step 2)",
+                     "step 2 train, after the trainer trained it",
+                     "rerun keeps the trainer at v3; step 2 records its training's metrics; no "
+                     "evaluation of v2 under v3's weights", same)
