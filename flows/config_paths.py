@@ -45,14 +45,22 @@ def absolute_file(path: str, base: Path) -> str:
     return os.path.normpath(base / Path(path).expanduser())
 
 
+def looks_like_hub_id(path: str, base: Path) -> bool:
+    """`org/name`: one slash, not starting like a path, and `org` is not a local directory.
+    Anything else that is not on disk is a local path with a typo (reported as missing at
+    once) rather than a hub lookup that retries for a minute on an offline machine:
+    `name`, `runs/x/checkpoints/3`, and `runs/x` where `./runs` exists."""
+    org = path.split("/", 1)[0]
+    return (path.count("/") == 1 and not path.startswith((".", "~", os.sep))
+            and all(path.split("/")) and not (base / org).is_dir())
+
+
 def absolute_model(path: str, base: Path) -> str:
-    """A local model directory made absolute; a hub id (`org/name`, not on disk) unchanged.
-    A name without a slash that is not on disk is taken as a local path with a typo (and
-    reported as missing at once) rather than looked up on the hub for a minute."""
+    """A local model directory made absolute; a hub id (`org/name`, not on disk) unchanged."""
     if is_uri(path):
         return path
     local = base / Path(path).expanduser()
-    hub_id = "/" in path and not path.startswith((".", "~", os.sep))
+    hub_id = looks_like_hub_id(path, base)
     return path if hub_id and not local.exists() else os.path.normpath(local)
 
 

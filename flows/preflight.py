@@ -56,6 +56,8 @@ def model_dir(cfg: RollflowConfig) -> tuple[str, str] | None:
     for key, path in (("engine.model_path", cfg.engine.model_path),
                       ("train.model_path", cfg.train.model_path), ("train.load", cfg.train.load)):
         if path:
+            if key == "engine.model_path" and path == cfg.train.model_path:
+                key = "train.model_path"  # the key the user set (the engine's defaults to it)
             return key, path
     return None
 

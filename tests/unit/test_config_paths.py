@@ -76,3 +76,18 @@ def test_a_model_name_without_a_slash_is_a_local_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config_from_dict(_raw(train={"model_path": "modle"}))  # a typo of ./model
     assert cfg.train.model_path == str(tmp_path / "modle")  # preflight: no such directory
+
+
+def test_a_path_with_slashes_that_is_not_on_disk_is_local_unless_it_reads_org_slash_name(
+    tmp_path, monkeypatch
+):
+    """A typo in a checkpoint path used to go to the Hugging Face hub (a minute of retries
+    offline, then an error about repo ids): only `org/name` whose `org` is not a local
+    directory is taken as a hub id."""
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    typo = "runs/sft/checkpoint/000003"  # checkpoints/
+    assert config_from_dict(_raw(train={"model_path": typo})).train.model_path == str(tmp_path / typo)
+    beside = "runs/sft"  # ./runs exists: a local path
+    assert config_from_dict(_raw(train={"model_path": beside})).train.model_path == str(tmp_path / beside)
+    assert config_from_dict(_raw(train={"model_path": "Qwen/Qwen2-0.5B"})).train.model_path == "Qwen/Qwen2-0.5B"

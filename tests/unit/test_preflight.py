@@ -87,8 +87,11 @@ def test_a_model_that_does_not_load_names_its_key(make, tmp_path):
     build, _ = make
     (tmp_path / "empty-model").mkdir()
     (tmp_path / "empty-model" / "model.safetensors").write_bytes(b"")  # weights, no tokenizer
-    with pytest.raises(ConfigError, match=r"engine.model_path: cannot load a tokenizer"):
+    # the key the user set, not engine.model_path (which defaults to it)
+    with pytest.raises(ConfigError, match=r"^train.model_path: cannot load a tokenizer"):
         preflight(build(train={"model_path": str(tmp_path / "empty-model")}))
+    with pytest.raises(ConfigError, match=r"^engine.model_path: cannot load a tokenizer"):
+        preflight(build(engine={"model_path": str(tmp_path / "empty-model")}))
 
 
 def test_an_unwritable_storage_root_is_named(make, tmp_path):
