@@ -39,20 +39,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from flows.config_loader import cli_storage
     from flows.replay import parse_steps, replay, replay_config
     from flows.server import local_prefect_api
+    from flows.storage_credentials import storage_options
     from storage.object_store import open_store
 
     prefect_env_defaults()
     _user_code_importable()
     steps = parse_steps(args.steps)
-    source = open_store(args.root, args.endpoint_url).child(args.run)
-    if not source.exists("config.yaml"):
-        print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
-        return 1
-    cfg = replay_config(source.read_text("config.yaml"), args.root, args.run, steps, args.set,
-                        args.endpoint_url)
-    with local_prefect_api():
+    with local_prefect_api():  # (a credentials block is read from it)
+        # the source run's store, with the credentials of `--set storage.*`, a block, AWS_*
+        options = storage_options(cli_storage(args.root, args.endpoint_url, args.set))
+        source = open_store(args.root, args.endpoint_url, **options).child(args.run)
+        if not source.exists("config.yaml"):
+            print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
+            return 1
+        cfg = replay_config(source.read_text("config.yaml"), args.root, args.run, steps,
+                            args.set, args.endpoint_url)
         result = replay(cfg, args.run, *steps)
     _print_result(result, args.result_out)
     return 0

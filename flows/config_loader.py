@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from flows.config import ConfigError, RollflowConfig, format_validation_error
 from flows.config_paths import resolve_paths
+from storage.config import StorageConfig
 from storage.secrets import register
 
 
@@ -77,3 +78,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def dump_config(config: RollflowConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def cli_storage(root: str, endpoint_url: str | None, overrides: list[str]) -> StorageConfig:
+    """The storage section a command on an existing run (`replay`) reads it with, before
+    that run's config is known: `--root`, `--endpoint-url`, and the `--set storage.*`
+    overrides (credentials: `storage_options`, `credentials_block`)."""
+    section = dict(apply_overrides({}, overrides).get("storage") or {})
+    section.update(uri=root, **({"endpoint_url": endpoint_url} if endpoint_url else {}))
+    section.pop("run_name", None)
+    try:
+        return StorageConfig(**section)
+    except ValidationError as e:
+        raise ConfigError(f"--set storage.*:\n{format_validation_error(e)}") from None

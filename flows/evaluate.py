@@ -18,8 +18,9 @@ from prefect import flow
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
 from flows.config import ConfigError, RollflowConfig
+from flows.config_paths import resolve_paths
 from flows.rollout_step import open_layout
-from flows.storage_credentials import with_block_credentials
+from flows.storage_credentials import with_storage_credentials
 from tasks import step_tasks as t
 
 
@@ -34,7 +35,7 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
     if not config.eval.enabled:
         raise ConfigError("eval.datasets is empty and eval.eval_function_path unset: nothing "
                           "to evaluate")
-    config = with_block_credentials(config)
+    config = with_storage_credentials(resolve_paths(config))
     connect(config.cluster)
     layout = open_layout(config)
     newest = layout.next_rollout_id()
@@ -46,7 +47,7 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
     config = eval_config(config)
     actors = get_or_create_actors(config)
     restored = ray.get(actors.trainer.ensure_version.remote(version))
-    t.sync_engine_weights(actors)
+    t.sync_engine_weights(actors, weight_sync=config.train.weight_sync)
     metrics = t.evaluate(t.StepContext(config, layout, actors), version)
     if not config.cluster.keep_actors:
         kill_run_actors(config)

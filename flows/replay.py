@@ -31,7 +31,7 @@ from flows.config_loader import dump_config
 from flows.logging_sinks import open_sinks
 from flows.reporting import publish_run_report, publish_step_table
 from flows.rollout_step import open_layout
-from flows.storage_credentials import with_block_credentials
+from flows.storage_credentials import with_storage_credentials
 from storage.batch_io import read_table
 from storage.integrity import MANIFEST_FILE
 from storage.object_store import ObjectStore
@@ -167,7 +167,7 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     into the run `config.storage.run_name`, with the train/algorithm sections of `config`."""
     if source_run == config.storage.run_name:
         raise ConfigError("storage.run_name of a replay must differ from the source run")
-    config = with_block_credentials(config)
+    config = with_storage_credentials(config)
     connect(config.cluster)
     layout = open_layout(config)
     s = config.storage

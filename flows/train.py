@@ -28,7 +28,7 @@ from flows.preflight import PreflightReport, preflight_once
 from flows.reporting import artifact_key, publish_run_report
 from flows.rollout_step import open_layout, run_rollout_step
 from flows.run_labels import labelled
-from flows.storage_credentials import with_block_credentials
+from flows.storage_credentials import with_storage_credentials
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from storage.secrets import register
 from tasks import step_tasks as t
@@ -109,7 +109,7 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
       on_failure=[notify_failure])
 def train(config: RollflowConfig) -> dict[str, Any]:
     register(config.secret_values())  # deployments pass the config without the CLI
-    config = with_block_credentials(resolve_paths(config))
+    config = with_storage_credentials(resolve_paths(config))  # (registers the merged ones)
     # tags run/algo/backends on this run and all it starts; artifacts sent off the steps' path
     with labelled(config), artifacts_in_background():
         return _train(config)

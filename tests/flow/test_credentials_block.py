@@ -11,7 +11,8 @@ import pytest
 
 from flows.cli import main
 from flows.config import ConfigError
-from flows.storage_credentials import with_block_credentials
+from flows.config_loader import dump_config
+from flows.storage_credentials import with_storage_credentials
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
 from tests.flow.configs import arithmetic_config
@@ -64,7 +65,7 @@ def test_options_in_the_config_win_over_the_block(prefect_api, arithmetic_data, 
         ray_address="", overrides=[f"storage.credentials_block={block}",
                                    "storage.storage_options={key: from-config}"],
     )
-    merged = with_block_credentials(cfg)
+    merged = with_storage_credentials(cfg)
     assert merged.storage.storage_options == {"key": "from-config", "secret": "s3cr3t-from-block"}
     assert "s3cr3t-from-block" in merged.secret_values()
     assert cfg.storage.storage_options == {"key": "from-config"}  # the input is unchanged
@@ -83,4 +84,26 @@ def test_a_missing_or_malformed_block_is_a_config_error(
         ray_address="", overrides=[f"storage.credentials_block={block}"],
     )
     with pytest.raises(ConfigError, match=f"storage.credentials_block={block!r}: {expected}"):
-        with_block_credentials(cfg)
+        with_storage_credentials(cfg)
+
+
+def test_the_drivers_aws_keys_travel_with_the_config_to_the_actors(
+    arithmetic_data, tmp_path, monkeypatch
+):
+    """Exported after the Ray head started, AWS_* never reached the actors: the run failed in
+    the first actor to read the bucket. They now ride in storage_options (redacted in every
+    dump), unless the config or a block names credentials itself."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFROMENV")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-from-env")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+
+    def config(root: str, *overrides: str):
+        return arithmetic_config(run_name="r", runs_root=root, data=arithmetic_data,
+                                 model_dir=str(tmp_path), ray_address="", overrides=list(overrides))
+
+    on_s3 = with_storage_credentials(config("s3://bucket/runs"))
+    assert on_s3.storage.storage_options == {"key": "AKIAFROMENV", "secret": "s3cr3t-from-env"}
+    assert "s3cr3t-from-env" not in dump_config(on_s3)
+    assert with_storage_credentials(config(str(tmp_path))).storage.storage_options == {}
+    own = config("s3://bucket/runs", "storage.storage_options={profile: research}")
+    assert with_storage_credentials(own).storage.storage_options == {"profile": "research"}

@@ -114,3 +114,25 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
     assert layout.step_metrics(2)["train/weight_version"] == 3.0
     with pytest.raises(ValueError):  # released after the successful rerun
         get_run_actor(cfg.cluster.namespace, run, "trainer")
+
+
+def test_replay_reads_an_s3_run_with_the_credentials_given_by_set(s3_config, s3_server,
+                                                                  monkeypatch):
+    """Without AWS_* in the environment, `--set storage.storage_options=...` reaches the
+    command's own read of the source run (it used to open the store before any `--set`:
+    NoCredentialsError), then the replay flow's actors with the config."""
+    from flows.train import train
+
+    run = f"s3-replay-{uuid.uuid4().hex[:6]}"
+    cfg = s3_config(run, [])
+    train(cfg)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-credential lookup
+    keys = "storage.storage_options={key: testing, secret: testing}"
+    assert main(["replay", run, "--steps", "1:2", "--root", cfg.storage.uri,
+                 "--endpoint-url", s3_server.endpoint_url, "--set", keys]) == 0
+    layout = RunLayout(s3_store(s3_server, cfg.storage.uri).child(run))
+    replayed = RunLayout(s3_store(s3_server, cfg.storage.uri).child(f"{run}-replay-1-2"))
+    assert replayed.committed_steps() == [1]
+    assert replayed.step_metrics(1)["train/loss"] == layout.step_metrics(1)["train/loss"]
