@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
         try:
             return int(args.func(args))
+        except KeyboardInterrupt:
+            where = run_dir_of(args)
+            print(f"interrupted{f' ({where})' if where else ''}: committed steps are kept; run "
+                  "the same command again to resume", file=sys.stderr)
+            return 130
         except Exception as e:
             return report_failure(e, run_dir=run_dir_of(args), verbose=args.verbose, held=held,
                                   command=argv)

@@ -123,3 +123,17 @@ def test_the_prefect_server_gets_the_server_settings_under_the_users_own(monkeyp
     assert "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL" not in env
     assert "PREFECT_API_URL" not in env and env["PREFECT_HOME"] == str(tmp_path)
     assert os.environ[batch] == "7" and "PREFECT_SERVER_ANALYTICS_ENABLED" not in os.environ
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch, capsys, tmp_path):
+    """Ctrl-C used to end the command in an 85-line KeyboardInterrupt traceback."""
+    import flows.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_runs", interrupted)
+    assert cli.main(["runs", "list", "--root", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == ("interrupted: committed steps are kept; run the same command again "
+                           "to resume")
