@@ -251,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             quiet_prefect_failures() if args.runs_flows else nullcontext() as held:
         try:
             return int(args.func(args))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM once attached to Ray
+            from engines.cluster.head import Terminated
+
+            what, code = ("terminated", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
             where = run_dir_of(args)
-            print(f"interrupted{f' ({where})' if where else ''}: committed steps are kept; run "
-                  "the same command again to resume", file=sys.stderr)
-            return 130
+            print(f"{what}{f' ({where})' if where else ''}: committed steps are kept; run the "
+                  "same command again to resume", file=sys.stderr)
+            return code
         except Exception as e:
             return report_failure(e, run_dir=run_dir_of(args), verbose=args.verbose, held=held,
                                   command=argv)

@@ -20,9 +20,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -203,7 +205,24 @@ def connect(cfg: ClusterConfig) -> str:
     if not ray.is_initialized():
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
+        _stop_gracefully_on_sigterm()
     return address or ""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to a driver (a scheduler stopping it): unwinds like Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(f"signal {signum}")
+
+
+def _stop_gracefully_on_sigterm() -> None:
+    """`ray.init` leaves SIGTERM to Ray's core worker, which aborted the driver (exit 134,
+    a C++ stack dump) before Prefect could mark its flow run Crashed; a driver stopped by
+    SIGTERM now unwinds as on Ctrl-C. Only the main thread may set a handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def stop_local_head() -> bool:
