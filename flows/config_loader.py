@@ -7,6 +7,7 @@ Override values are parsed as YAML scalars/lists (`8`, `1e-4`, `true`, `[1, 2]`,
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,30 @@ from flows.config_paths import resolve_paths
 from storage.config import StorageConfig
 from storage.secrets import register
 
+_SEGMENT = re.compile(r"^([^.\[\]]+)((?:\[\d+\])*)$")
 
-def parse_override(item: str) -> tuple[list[str], Any]:
+
+def _key_parts(item: str, key: str) -> list[str | int]:
+    """`eval.datasets[0].path` -> ['eval', 'datasets', 0, 'path'] (the form errors name)."""
+    parts: list[str | int] = []
+    for segment in key.strip().split("."):
+        if not segment:
+            continue
+        match = _SEGMENT.match(segment)
+        if match is None:
+            raise ConfigError(f"override {item!r}: cannot read the key part {segment!r}")
+        parts.append(match.group(1))
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
+    if not parts:
+        raise ConfigError(f"override {item!r} has an empty key")
+    return parts
+
+
+def parse_override(item: str) -> tuple[list[str | int], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value")
     key, raw = item.split("=", 1)
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
-        raise ConfigError(f"override {item!r} has an empty key")
+    parts = _key_parts(item, key)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
@@ -33,18 +50,37 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _dotted(parts: list[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+def _child(node: Any, part: str | int, path: list[str | int]) -> Any:
+    """`node[part]`, made (a section) if missing; a list index must exist or come next."""
+    if isinstance(part, int):
+        if not isinstance(node, list):
+            raise ConfigError(f"{_dotted(path[:-1])} is not a list")
+        if part > len(node):
+            raise ConfigError(f"{_dotted(path)}: the list has {len(node)} item(s)")
+        if part == len(node):
+            node.append({})
+        return node[part]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{_dotted(path[:-1])} is not a section")
+    return node.setdefault(part, {})
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A copy of `data` with each `a.b.c=value` applied (the input is left untouched)."""
+    """A copy of `data` with each `a.b.c=value` applied (the input is left untouched); a key
+    may index a list, `eval.datasets[0].path=x` (the next index appends an item)."""
     data = copy.deepcopy(data)
     for item in overrides:
         parts, value = parse_override(item)
-        node = data
+        node: Any = data
         for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])} is not a section")
-            node = child
-        node[parts[-1]] = value
+            node = _child(node, part, parts[: i + 1])
+        last = parts[-1]
+        _child(node, last, parts)  # checks the container (and makes room in a list)
+        node[last] = value
     return data
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from flows.config import ConfigError
@@ -125,3 +127,22 @@ def test_lr_decay_spans_the_whole_run_unless_given():
     assert config_from_dict({**base, "train": given}).train.lr_decay_steps == 7
     assert config_from_dict({**base, "train": {**train, "lr_decay_style": "constant"}}
                             ).train.lr_decay_steps is None
+
+
+def test_overrides_index_lists_as_errors_name_them(tmp_path):
+    """`eval.datasets[0].path` is how errors name a key; --set takes the same form (it
+    failed with `eval.datasets[0]: Extra inputs are not permitted`)."""
+    text = BASE + "eval: {datasets: [{name: a, path: a.jsonl}, {name: b, path: b.jsonl}]}\n"
+    cfg = load_config(write(tmp_path, text), [
+        "eval.datasets[1].path=other.jsonl", "eval.datasets[2]={name: c, path: c.jsonl}",
+        "eval.datasets[0].temperature=0.5",
+    ])
+    assert [(d.name, os.path.basename(d.path)) for d in cfg.eval.datasets] == [
+        ("a", "a.jsonl"), ("b", "other.jsonl"), ("c", "c.jsonl")]
+    assert cfg.eval.datasets[0].temperature == 0.5
+    with pytest.raises(ConfigError, match=r"eval\.datasets\[5\]: the list has 2 item"):
+        load_config(write(tmp_path, text), ["eval.datasets[5].path=x.jsonl"])
+    with pytest.raises(ConfigError, match=r"rollout\.num_rollout is not a list"):
+        load_config(write(tmp_path, text), ["rollout.num_rollout[0]=1"])
+    with pytest.raises(ConfigError, match=r"cannot read the key part 'datasets\[x\]'"):
+        load_config(write(tmp_path, text), ["eval.datasets[x].path=a"])
