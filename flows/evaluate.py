@@ -18,6 +18,7 @@ from prefect import flow
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
 from flows.config import ConfigError, RollflowConfig
+from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_paths import resolve_paths
 from flows.rollout_step import open_layout
 from flows.storage_credentials import with_storage_credentials
@@ -47,6 +48,7 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
     config = eval_config(config)
     actors = get_or_create_actors(config)
     restored = ray.get(actors.trainer.ensure_version.remote(version))
+    warn_if_replayed_under_changed_config(restored, layout, config)
     t.sync_engine_weights(actors, weight_sync=config.train.weight_sync)
     metrics = t.evaluate(t.StepContext(config, layout, actors), version)
     if not config.cluster.keep_actors:

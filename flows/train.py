@@ -20,6 +20,7 @@ from engines.cluster.head import cluster_address, connect
 from engines.heap import long_lived_frozen
 from engines.weight_schedule import evaluates_after
 from flows.config import RollflowConfig
+from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
 from flows.failure_notice import notify_failure
@@ -153,6 +154,7 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
         return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
     connect(config.cluster)
     ctx, start, restored = start_run(config, layout)
+    warn_if_replayed_under_changed_config(restored, layout, config)
 
     evaluate_now = config.eval.enabled
     # A trainer already past `start` (it trained that step, the driver died before recording

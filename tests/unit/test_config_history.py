@@ -1,0 +1,40 @@
+"""A trainer rebuilt by replay under a config that changed since the replayed steps trained
+is warned about, naming the keys; changes that do not touch training are not."""
+
+from __future__ import annotations
+
+import logging
+
+from flows.config_history import changed_training_keys, warn_if_replayed_under_changed_config
+from flows.config_loader import config_from_dict, dump_config
+from storage.run_layout import RunLayout
+
+
+def cfg(num_rollout: int = 4, lr: float = 1e-4, plot: bool = True):
+    return config_from_dict({
+        "data": {"prompt_data": "x.jsonl"},
+        "rollout": {"num_rollout": num_rollout, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
+        "train": {"backend": "mock", "lr": lr}, "engine": {"backend": "mock"},
+        "logging": {"plot": plot},
+    })
+
+
+def test_a_replay_under_a_longer_run_or_new_lr_is_warned_about(tmp_path, caplog):
+    layout = RunLayout.open(str(tmp_path), "run")
+    layout.store.write_text(dump_config(cfg()), "configs", "000.yaml")
+    layout.store.write_text(dump_config(cfg(plot=False)), "configs", "001.yaml")
+    now = cfg(num_rollout=6, lr=2e-4, plot=False)
+    assert changed_training_keys(layout, now) == [
+        "train.lr: 0.0001 -> 0.0002", "rollout.num_rollout: 4 -> 6"]
+    with caplog.at_level(logging.WARNING, logger="flows.config_history"):
+        assert warn_if_replayed_under_changed_config({"replayed": []}, layout, now) == []
+        assert not caplog.records  # nothing replayed: nothing to warn about
+        warn_if_replayed_under_changed_config({"replayed": [0, 1]}, layout, now)
+    assert "replaying steps [0, 1]" in caplog.text and "rollout.num_rollout: 4 -> 6" in caplog.text
+
+
+def test_changes_that_do_not_touch_training_are_not_named(tmp_path):
+    layout = RunLayout.open(str(tmp_path), "run")
+    layout.store.write_text(dump_config(cfg()), "configs", "000.yaml")
+    assert changed_training_keys(layout, cfg(plot=False)) == []
+    assert changed_training_keys(RunLayout.open(str(tmp_path), "fresh"), cfg()) == []
