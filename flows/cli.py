@@ -38,20 +38,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
+def _runs_root(args: argparse.Namespace) -> Any:
+    """The store at `--root`, with the credentials of `--set storage.*` (options or a
+    credentials block) or else the shell's `AWS_*`."""
     from flows.config_loader import cli_storage
-    from flows.replay import parse_steps, replay, replay_config
-    from flows.server import local_prefect_api
     from flows.storage_credentials import storage_options
     from storage.object_store import open_store
+
+    options = storage_options(cli_storage(args.root, args.endpoint_url, args.set))
+    return open_store(args.root, args.endpoint_url, **options)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from flows.replay import parse_steps, replay, replay_config
+    from flows.server import local_prefect_api
 
     prefect_env_defaults()
     _user_code_importable()
     steps = parse_steps(args.steps)
     with local_prefect_api():  # (a credentials block is read from it)
-        # the source run's store, with the credentials of `--set storage.*`, a block, AWS_*
-        options = storage_options(cli_storage(args.root, args.endpoint_url, args.set))
-        source = open_store(args.root, args.endpoint_url, **options).child(args.run)
+        source = _runs_root(args).child(args.run)
         if not source.exists("config.yaml"):
             print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
             return 1
@@ -130,7 +136,6 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
     from engines.cluster import head as cluster
     from engines.cluster.registry import stop_run
     from flows.config import ClusterConfig
-    from storage.object_store import open_store
     from storage.run_layout import ACTORS_KEPT
 
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
@@ -141,7 +146,7 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
         cluster.connect(cfg)
         print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)",
               file=args.result_out)
-    open_store(args.root, args.endpoint_url).child(args.run).delete(ACTORS_KEPT)  # if there
+    _runs_root(args).child(args.run).delete(ACTORS_KEPT)  # if there
     return 0
 
 
@@ -153,12 +158,11 @@ RUN_COLUMNS = ("rollout_id", "reward/mean", "train/loss", "time/generate", "time
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from storage.object_store import open_store
     from storage.run_layout import RunLayout
 
     if args.action == "stop":
         return cmd_stop_run(args)
-    root, out = open_store(args.root, args.endpoint_url), args.result_out
+    root, out = _runs_root(args), args.result_out
     if args.action == "list":
         for name in root.list():
             layout = RunLayout(root.child(name))
@@ -227,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", default=None)
     p.add_argument("--address", default=None, help="stop: Ray address (default: local head)")
     p.add_argument("--namespace", default="rollflow", help="stop: Ray namespace of the run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="storage credentials, e.g. storage.storage_options={key: K, secret: S} "
+                   "or storage.credentials_block=NAME (default: AWS_* of the shell)")
     p.set_defaults(func=cmd_runs)
 
     # --verbose after the subcommand too; SUPPRESS keeps one given before it.

@@ -117,10 +117,11 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
 
 
 def test_replay_reads_an_s3_run_with_the_credentials_given_by_set(s3_config, s3_server,
-                                                                  monkeypatch):
+                                                                  monkeypatch, capsys):
     """Without AWS_* in the environment, `--set storage.storage_options=...` reaches the
     command's own read of the source run (it used to open the store before any `--set`:
-    NoCredentialsError), then the replay flow's actors with the config."""
+    NoCredentialsError), then the replay flow's actors with the config; `runs list` takes
+    the same `--set`."""
     from flows.train import train
 
     run = f"s3-replay-{uuid.uuid4().hex[:6]}"
@@ -136,3 +137,8 @@ def test_replay_reads_an_s3_run_with_the_credentials_given_by_set(s3_config, s3_
     replayed = RunLayout(s3_store(s3_server, cfg.storage.uri).child(f"{run}-replay-1-2"))
     assert replayed.committed_steps() == [1]
     assert replayed.step_metrics(1)["train/loss"] == layout.step_metrics(1)["train/loss"]
+    capsys.readouterr()
+    assert main(["runs", "list", "--root", cfg.storage.uri,
+                 "--endpoint-url", s3_server.endpoint_url, "--set", keys]) == 0
+    listed = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == [run, f"{run}-replay-1-2"]
