@@ -117,8 +117,8 @@ def dump_config(config: RollflowConfig) -> str:
 
 
 def cli_storage(root: str, endpoint_url: str | None, overrides: list[str]) -> StorageConfig:
-    """The storage section a command on an existing run (`replay`) reads it with, before
-    that run's config is known: `--root`, `--endpoint-url`, and the `--set storage.*`
+    """The storage section a command on existing runs (`replay`, `runs`) reads them with,
+    before a run's config is known: `--root`, `--endpoint-url`, and the `--set storage.*`
     overrides (credentials: `storage_options`, `credentials_block`)."""
     section = dict(apply_overrides({}, overrides).get("storage") or {})
     section.update(uri=root, **({"endpoint_url": endpoint_url} if endpoint_url else {}))
