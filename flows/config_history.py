@@ -1,13 +1,15 @@
 """Say so when a trainer rebuilt by replay may not reproduce the weights the run trained.
 
 A lost or restarted trainer is rebuilt from the last checkpoint plus a replay of the saved
-train batches after it, with the config the run goes on with. When a rerun changed the
-config (the old one is kept as `configs/<n>.yaml`), steps trained under the old one replay
-under the new one: a longer `rollout.num_rollout` stretches the default LR schedule, a new
-`train.lr` or loss changes the updates, so the rebuilt weights differ from the ones the run
-had (an extended 4-rollout run evaluated at version 2 scored 0.672 against 0.66). Replaying
-each step under its own config needs the run to record which config trained which step; it
-does not yet, so this warns, naming the keys.
+train batches after it, each step under the settings its train record names
+(`engines/train/step_settings.py`), so a rerun that changed the config (the old one is kept
+as `configs/<n>.yaml`) still rebuilds the weights the run had. Two cases cannot be exact,
+and are warned about here, naming the keys:
+- steps of runs from before settings were recorded replay under the current config: when an
+  earlier config of the run differs in training keys (a longer `rollout.num_rollout`
+  stretches the default LR schedule, a new `train.lr` changes the updates; an extended
+  4-rollout run evaluated at version 2 scored 0.672 against 0.66), the weights may differ;
+- settings a backend fixes when it is built (model, seed, parts) cannot be switched back.
 """
 
 from __future__ import annotations
@@ -50,17 +52,23 @@ def changed_training_keys(layout: RunLayout, config: RollflowConfig) -> list[str
 def warn_if_replayed_under_changed_config(
     restored: dict[str, Any], layout: RunLayout, config: RollflowConfig
 ) -> list[str]:
-    """Log a warning when the trainer replayed steps and the run's config changed; returns
-    the changed keys (empty when nothing was replayed or nothing changed)."""
-    replayed = list(restored.get("replayed") or [])
-    if not replayed:
-        return []
-    changes = changed_training_keys(layout, config)
+    """Log a warning for each way the trainer's replay (`restored`, from `ensure_version`)
+    may not have reproduced the run's weights; returns the lines warned about."""
+    lines = list(restored.get("inexact") or [])
+    if lines:
+        log.warning(
+            "the trainer was rebuilt by replaying steps %s, but could not switch to some of "
+            "the settings they were trained under, so the rebuilt weights may differ from "
+            "the ones the run had: %s", restored.get("replayed"), "; ".join(lines),
+        )
+    unrecorded = list(restored.get("unrecorded") or [])
+    changes = changed_training_keys(layout, config) if unrecorded else []
     if changes:
         log.warning(
-            "the trainer was rebuilt by replaying steps %s with the current config, which "
+            "the trainer was rebuilt by replaying steps %s, which recorded no settings (they "
+            "were trained before rollflow recorded them), with the current config, which "
             "differs from an earlier config of this run in %s: if those steps were trained "
             "under the earlier one, the rebuilt weights differ from the ones the run had",
-            replayed, "; ".join(changes),
+            unrecorded, "; ".join(changes),
         )
-    return changes
+    return lines + changes

@@ -97,6 +97,7 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext,
     they would hold the machine's memory until `rollflow cluster down`."""
     try:
         ctx = t.StepContext(config, layout, get_or_create_actors(config))
+        ctx.save_settings()
         start = layout.next_rollout_id()
         restored = ray.get(ctx.actors.trainer.ensure_version.remote(start))
         t.sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)

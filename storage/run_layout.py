@@ -8,6 +8,7 @@
 {run}/datasource/{rollout_id:06d}.json + {rollout_id:06d}.{stage}.buffer.arrow
 {run}/checkpoints/{rollout_id:06d}/... MANIFEST.json  and  {run}/checkpoints/LATEST
 {run}/eval/{rollout_id:06d}.json
+{run}/settings/{digest}.json      (train settings, named by each step's tasks/train.json)
 ```
 A step is done only when its COMMITTED marker exists; the marker is written last and
 records each file's size and sha256, which every batch read checks (`integrity.py`).
@@ -115,6 +116,25 @@ class RunLayout:
 
     def save_task_record(self, rollout_id: int, task: str, record: dict[str, Any]) -> None:
         self.store.write_json(record, step_dir(rollout_id), "tasks", f"{task}.json")
+
+    def save_train_settings(self, settings: dict[str, Any], digest: str) -> None:
+        """Store the settings steps train under, once per distinct settings (`digest` is
+        their content hash); a step's train record names them as `settings`."""
+        if not self.store.exists("settings", f"{digest}.json"):
+            self.store.write_json(settings, "settings", f"{digest}.json")
+
+    def train_settings_of(self, rollout_id: int) -> dict[str, Any] | None:
+        """The settings step `rollout_id` was trained under, if its train record names them
+        (runs from before settings were recorded do not)."""
+        record = self.task_record(rollout_id, "train") or {}
+        digest = record.get("settings")
+        if not isinstance(digest, str):
+            return None
+        parts = ("settings", f"{digest}.json")
+        if not self.store.exists(*parts):
+            raise CorruptFileError(self.store.uri(*parts),
+                                   f"missing (step {rollout_id} was trained under it)")
+        return dict(self.store.read_json(*parts))
 
     def step_metrics(self, rollout_id: int) -> dict[str, Any]:
         parts = (step_dir(rollout_id), "metrics.json")

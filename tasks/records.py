@@ -21,14 +21,19 @@ class TrainRecord(StageRecord):
     STAGE: ClassVar[str] = "train"
 
     metrics: dict[str, float] = field(default_factory=dict)
+    settings: str | None = None
+    """The digest of the settings the step trained under (`RunLayout.save_train_settings`):
+    what a rebuilt trainer replays the step under."""
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.metrics, **self.timing_json()}
+        named = {} if self.settings is None else {"settings": self.settings}
+        return {**self.metrics, **named, **self.timing_json()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
-        own = {k: v for k, v in data.items() if k not in (*TIMING_KEYS, "from_storage")}
-        return cls(metrics=own, **timing_of(data))
+        own = {k: v for k, v in data.items()
+               if k not in (*TIMING_KEYS, "from_storage", "settings")}
+        return cls(metrics=own, settings=data.get("settings"), **timing_of(data))
 
     def to_metrics(self) -> Metrics:
         """A bare backend name goes under `train/`, a namespaced one stays as it is. The task's

@@ -35,6 +35,7 @@ from engines.rollout.rewards.hub import RewardConfigError
 from engines.run_config import RunConfig as RollflowConfig
 from engines.train.finite import NonFiniteError
 from engines.train.lora import LoraResumeError
+from engines.train.step_settings import StepSettings
 from engines.weight_schedule import pushes_weights, required_weight_version
 from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
@@ -51,12 +52,17 @@ class StepContext:
     field by field, the whole config included, looking for futures to resolve and upstream
     runs to draw, twice per task (~170 objects each time, ~2 ms of a task's start)."""
 
-    __slots__ = ("actors", "cfg", "layout")
+    __slots__ = ("actors", "cfg", "layout", "settings")
 
     def __init__(self, cfg: RollflowConfig, layout: RunLayout, actors: RunActors) -> None:
         self.cfg = cfg
         self.layout = layout
         self.actors = actors
+        self.settings = StepSettings.of(cfg).digest()  # what each step's train record names
+
+    def save_settings(self) -> None:
+        """Store the settings this run's steps train under (once per distinct settings)."""
+        self.layout.save_train_settings(StepSettings.of(self.cfg).to_json(), self.settings)
 
     def reattach(self) -> RunActors:
         """Handles for this task attempt. A retry gets fresh ones (recreating any actor that
@@ -223,7 +229,7 @@ def train(ctx: StepContext, rollout_id: int) -> TrainRecord:
     saved = ctx.layout.task_record(rollout_id, TrainRecord.STAGE)
     if saved is not None:
         return TrainRecord.from_json(saved).stored()
-    record = TrainRecord(metrics=metrics).timed(
+    record = TrainRecord(metrics=metrics, settings=ctx.settings).timed(
         time.perf_counter() - start, started_at, time.time())
     ctx.layout.save_task_record(rollout_id, TrainRecord.STAGE, record.to_json())
     return record

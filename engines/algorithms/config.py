@@ -84,6 +84,11 @@ class AlgorithmConfig(Section):
         return self.advantage_estimator == "ppo"
 
     @property
+    def uses_reference(self) -> bool:
+        """A frozen reference is scored for the KL loss and for KL reward shaping."""
+        return self.use_kl_loss or self.kl_coef != 0
+
+    @property
     def needs_groups(self) -> bool:
         """Whether the policy learns only from differences within a prompt's group: a
         group-relative estimator, not replaced by a custom one, with no distillation signal

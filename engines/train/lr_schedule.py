@@ -4,12 +4,13 @@
 at step `warmup - 1` ((step + 1) / warmup, so the first step never runs at lr 0); decay then
 runs over steps [warmup, decay_steps) and holds `min_lr` afterwards, as Megatron's
 `lr_decay_iters` does. The scheduler is a `LambdaLR`, so its state (the step count) is saved
-and restored with the checkpoint.
+and restored with the checkpoint; `retarget` then points it at the settings in force.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -46,12 +47,30 @@ def scheduled_lr(cfg: TrainConfig, base_lr: float, step: int) -> float:
     return lr_at(step, base_lr, cfg.lr_warmup_steps, cfg.lr_decay_style, cfg.lr_decay_steps, min_lr)
 
 
+def _factor(cfg: TrainConfig, base_lr: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        return scheduled_lr(cfg, base_lr, step) / base_lr
+
+    return factor
+
+
 def make_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, base_lr: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR whose factor is `scheduled_lr(step) / base_lr`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _factor(cfg, base_lr))
 
-    def factor(step: int) -> float:
-        return scheduled_lr(cfg, base_lr, step) / base_lr
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def retarget(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig, base_lr: float) -> None:
+    """Make `scheduler` follow `cfg`'s schedule peaking at `base_lr` from the step it is at,
+    and set its optimizer's rate for that step. A restored scheduler state brings back the
+    base rate it was saved with; this makes a changed `train.lr` (or schedule) count, as
+    it does on a fresh trainer, and lets a replay switch to the settings a step had."""
+    groups = scheduler.optimizer.param_groups
+    factor = _factor(cfg, base_lr)
+    scheduler.base_lrs = [base_lr] * len(groups)
+    scheduler.lr_lambdas = [factor] * len(groups)
+    for group in groups:
+        group["initial_lr"] = base_lr
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports

@@ -19,6 +19,7 @@ from torch import Tensor
 from engines.algorithms.config import AlgorithmConfig
 from engines.train.config import TrainConfig
 from engines.train.metrics import SKIPPED, TrainMetrics
+from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
 from storage.sample import Sample
 
 META_FILE = "meta.json"
@@ -29,6 +30,8 @@ class MockTrainBackend:
 
     `fail_at_rollout` makes the first `train()` of that rollout raise, to exercise retries.
     """
+
+    fixed_at_build: frozenset[str] = FIXED_AT_BUILD
 
     def __init__(
         self,
@@ -46,6 +49,13 @@ class MockTrainBackend:
         self.version = 0
         self._fail_at = fail_at_rollout
         self._trained: dict[int, list[int]] = {}
+        self.settings_used: list[StepSettings] = []
+
+    def use_settings(self, settings: StepSettings) -> None:
+        """Record the settings the next steps train under (`settings_used` shows them)."""
+        self.train_cfg, self.algo_cfg = settings.train, settings.algorithm
+        self.rollout_temperature, self.reward_key = settings.temperature, settings.reward_key
+        self.settings_used.append(settings)
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """A fixed value per token that changes with the version (so stale ones are visible)."""

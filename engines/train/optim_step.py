@@ -28,7 +28,7 @@ class Optimized:
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR
     clip_grad: float
     max_consecutive_skips: int = 5
     consecutive_skips: int = 0  # a run of skips this long means training cannot recover

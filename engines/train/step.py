@@ -53,11 +53,6 @@ ZERO_GRADIENT_SAMPLES = "zero_gradient_samples"
 EXACT_WITHOUT_SKIPPED = frozenset({"loss", "pg_loss", "clipfrac", "kl_loss"})
 
 
-def needs_reference(algo: AlgorithmConfig) -> bool:
-    """A frozen reference is scored for the KL loss and for KL reward shaping."""
-    return algo.use_kl_loss or algo.kl_coef != 0
-
-
 class TrainStep:
     """The algorithm half of a backend's `train()`; `model` is the backend itself."""
 
@@ -140,7 +135,7 @@ class TrainStep:
 
         return Scorers(
             policy=role("policy"),
-            ref=role("ref") if needs_reference(algo) else None,
+            ref=role("ref") if algo.uses_reference else None,
             teacher=role("teacher") if algo.use_opd else None,
             critic=role("critic") if algo.uses_critic else None,
         )

@@ -29,13 +29,14 @@ from engines.train.config import TrainConfig
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite
-from engines.train.lr_schedule import make_scheduler
+from engines.train.lr_schedule import make_scheduler, retarget
 from engines.train.optim_step import Optimized, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
 from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.rollout_prep import Scorers
-from engines.train.step import TrainStep, needs_reference
+from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
+from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
 from engines.train.torch_models import (
     BuildBatch,
     autocast,
@@ -52,6 +53,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 class TorchTrainBackend:
     """Actor, optional frozen reference / teacher, optional critic, on one device per rank."""
+
+    fixed_at_build: frozenset[str] = FIXED_AT_BUILD  # train keys `use_settings` cannot change
 
     def __init__(
         self,
@@ -93,9 +96,27 @@ class TorchTrainBackend:
         if train_cfg.load and ckpt.has_checkpoint(train_cfg.load):
             self._restore_state(train_cfg.load)
 
+    def use_settings(self, settings: StepSettings) -> None:
+        """Train the next steps under `settings` (a replay switches to the ones a step was
+        trained under); the `fixed_at_build` keys and the models stay as built."""
+        self.train_cfg, self.algo_cfg = settings.train, settings.algorithm
+        self.temperature = effective_temperature(settings.temperature)
+        self.reward_key = settings.reward_key
+        self.step = TrainStep(settings.train, settings.algorithm, self, self._shuffle,
+                              settings.reward_key)
+        self._apply_schedules()
+
+    def _apply_schedules(self) -> None:
+        cfg = self.train_cfg
+        for part, lr in ((self.actor, cfg.lr), (self.critic, cfg.critic_lr or cfg.lr)):
+            if part is not None:
+                retarget(part.scheduler, cfg, lr)
+                part.clip_grad = cfg.clip_grad
+                part.max_consecutive_skips = cfg.max_consecutive_skipped_steps
+
     # -- construction ---------------------------------------------------------------------
     def _needs_ref(self) -> bool:
-        return needs_reference(self.algo_cfg)
+        return self.algo_cfg.uses_reference
 
     def _frozen(self, path: str | None) -> PreTrainedModel:
         assert path is not None
@@ -336,6 +357,7 @@ class TorchTrainBackend:
             self.critic.scheduler.load_state_dict(sched)
         ckpt.restore_rng(ckpt.load_state(local_dir, ckpt.RNG_FILE), self._shuffle)
         self.version = ckpt.read_version(local_dir)
+        self._apply_schedules()  # the restored schedulers carry the lr they were saved with
 
     def _load_tokenizer(self) -> PreTrainedTokenizerBase | None:
         src = self._initial

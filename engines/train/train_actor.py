@@ -2,7 +2,8 @@
 
 It reads each step's `train.arrow` from the run directory, so a step can be (re)trained from
 storage alone, and it knows how to get back to any committed weight version after losing
-its state: load the last checkpoint, then replay the committed batches after it.
+its state: load the last checkpoint, then replay the committed batches after it, each under
+the settings it was trained under (`step_settings.py`).
 
 In a train group (`train_group.py`) there is one TrainActor per rank: each is built with its
 rank and the world size, joins the process group in `join_group` (only then is its backend
@@ -23,6 +24,7 @@ from engines.heap import freeze_actor_heap
 from engines.torch_threads import actor_threads
 from engines.train.checkpoint_staging import fetch_and_load, save_and_store
 from engines.train.config import TrainActorConfig
+from engines.train.step_settings import FIXED_AT_BUILD, StepSettings, settings_for_replay
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
 
@@ -217,9 +219,33 @@ class TrainActor:
         if latest is not None:
             self._load_checkpoint(latest)
             first = latest + 1
-        replayed = []
-        for k in range(first, target):
+        replay = self._replay(range(first, target))
+        self.replayed_steps.extend(replay["replayed"])
+        return {"rebuilt": True, "version": self.version(), **replay}
+
+    def _replay(self, steps: range) -> dict[str, Any]:
+        """Train `steps` again, each under the settings it was trained under (its train
+        record names them), then go back to the current ones. Returns the steps replayed,
+        those without recorded settings (replayed under the current ones), and each recorded
+        setting this backend could not honour (`step k: key: recorded -> kept`)."""
+        current = StepSettings.of(self.cfg)
+        fixed = getattr(self.backend, "fixed_at_build", FIXED_AT_BUILD)
+        unrecorded: list[int] = []
+        inexact: list[str] = []
+        in_use = current.digest()
+        for k in steps:
+            recorded = self.layout.train_settings_of(k)
+            settings = current
+            if recorded is None:
+                unrecorded.append(k)
+            else:
+                settings, lost = settings_for_replay(StepSettings.from_json(recorded), current,
+                                                     fixed)
+                inexact += [f"step {k}: {line}" for line in lost]
+            if settings.digest() != in_use:
+                self.backend.use_settings(settings)
+                in_use = settings.digest()
             self.train(k)
-            replayed.append(k)
-        self.replayed_steps.extend(replayed)
-        return {"rebuilt": True, "version": self.version(), "replayed": replayed}
+        if in_use != current.digest():
+            self.backend.use_settings(current)
+        return {"replayed": list(steps), "unrecorded": unrecorded, "inexact": inexact}

@@ -33,7 +33,8 @@ def test_truncated_batch_and_missing_latest(
     longer = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_rollout": 3})})
     result = train(longer)
     assert result["resumed_at"] == 2
-    assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": []}
+    assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": [],
+                                  "unrecorded": [], "inexact": []}
     assert layout.committed_steps() == [0, 1, 2]
 
     source_text = layout.store.read_text("config.yaml")

@@ -104,7 +104,8 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
     longer = s3_config(run, ["rollout.num_rollout=3", "train.save_interval=1"])
     result = train(longer)
     assert result["resumed_at"] == 2
-    assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": []}
+    assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": [],
+                                  "unrecorded": [], "inexact": []}
     assert layout.committed_steps() == [0, 1, 2]
     assert layout.store.fs.info(layout.store.path("steps/000000/rollout.arrow"))["ETag"] == step0["ETag"]
     assert layout.store.fs.info(layout.store.path("steps/000000/rollout.arrow"))["LastModified"] == step0["LastModified"]

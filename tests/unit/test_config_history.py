@@ -1,5 +1,7 @@
-"""A trainer rebuilt by replay under a config that changed since the replayed steps trained
-is warned about, naming the keys; changes that do not touch training are not."""
+"""A trainer rebuilt by replay that may not reproduce the run's weights is warned about,
+naming the keys: steps without recorded settings replayed under a changed config, and
+recorded settings the trainer could not switch to; changes that do not touch training and
+steps replayed under their own settings are not."""
 
 from __future__ import annotations
 
@@ -27,10 +29,21 @@ def test_a_replay_under_a_longer_run_or_new_lr_is_warned_about(tmp_path, caplog)
     assert changed_training_keys(layout, now) == [
         "train.lr: 0.0001 -> 0.0002", "rollout.num_rollout: 4 -> 6"]
     with caplog.at_level(logging.WARNING, logger="flows.config_history"):
-        assert warn_if_replayed_under_changed_config({"replayed": []}, layout, now) == []
-        assert not caplog.records  # nothing replayed: nothing to warn about
-        warn_if_replayed_under_changed_config({"replayed": [0, 1]}, layout, now)
+        replayed_as_recorded = {"replayed": [0, 1], "unrecorded": [], "inexact": []}
+        assert warn_if_replayed_under_changed_config(replayed_as_recorded, layout, now) == []
+        assert not caplog.records  # each step replayed under its own settings
+        old_run = {"replayed": [0, 1], "unrecorded": [0, 1], "inexact": []}
+        warn_if_replayed_under_changed_config(old_run, layout, now)
     assert "replaying steps [0, 1]" in caplog.text and "rollout.num_rollout: 4 -> 6" in caplog.text
+
+
+def test_settings_the_trainer_could_not_switch_to_are_warned_about(tmp_path, caplog):
+    layout = RunLayout.open(str(tmp_path), "run")
+    restored = {"replayed": [2], "unrecorded": [], "inexact": ["step 2: train.seed: 1 -> 2"]}
+    with caplog.at_level(logging.WARNING, logger="flows.config_history"):
+        assert warn_if_replayed_under_changed_config(restored, layout, cfg()) == [
+            "step 2: train.seed: 1 -> 2"]
+    assert "train.seed: 1 -> 2" in caplog.text
 
 
 def test_changes_that_do_not_touch_training_are_not_named(tmp_path):

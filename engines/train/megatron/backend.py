@@ -48,8 +48,9 @@ from engines.train.megatron.hf_convert import (
 from engines.train.megatron.model import transformer_config
 from engines.train.megatron.offload import Offloaded, move_frozen, offload_part, onload_part
 from engines.train.optim_step import TRAINED_LOSS, check_loss, count_skip
-from engines.train.step import TrainStep, needs_reference
+from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, MicroBatch, MicroBatchLoss, Part, Role
+from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
 from storage.sample import Sample
 
 META_FILE = ckpt.META_FILE
@@ -78,6 +79,9 @@ def _finalize_grads(models: list[Any], _tokens: Any = None, **_: Any) -> None:
 class MegatronTrainBackend:
     """Actor (+ critic), frozen reference / teacher, as megatron-core GPTModels."""
 
+    # megatron's optimizer config takes the clipping too, when it is built
+    fixed_at_build: frozenset[str] = FIXED_AT_BUILD | {"clip_grad"}
+
     def __init__(
         self,
         train_cfg: TrainConfig,
@@ -103,7 +107,7 @@ class MegatronTrainBackend:
         self.config = self._config(self.shape)
         self.actor = self._trainable(train_cfg.model_path, train_cfg.lr, critic=False)
         self.model, self.optimizer = self.actor.model, self.actor.optimizer
-        self.ref_model = self._frozen(train_cfg.model_path) if needs_reference(algo_cfg) else None
+        self.ref_model = self._frozen(train_cfg.model_path) if algo_cfg.uses_reference else None
         self.teacher_model = self._frozen(algo_cfg.opd_teacher_path) if algo_cfg.use_opd else None
         self.critic: Trained | None = None
         if algo_cfg.uses_critic:
@@ -114,6 +118,21 @@ class MegatronTrainBackend:
             self.load_checkpoint(train_cfg.load)
         elif source != train_cfg.model_path:
             raise ValueError(f"train.load={source!r} has no {META_FILE}: not a megatron checkpoint")
+
+    def use_settings(self, settings: StepSettings) -> None:
+        """Train the next steps under `settings` (see TorchTrainBackend.use_settings); the
+        LR schedule is read at each optimizer step, from `train_cfg` and each part's base."""
+        self.train_cfg, self.algo_cfg = settings.train, settings.algorithm
+        self.temperature = effective_temperature(settings.temperature)
+        self.step = TrainStep(settings.train, settings.algorithm, self, self._shuffle,
+                              settings.reward_key)
+        self._set_base_lrs()
+
+    def _set_base_lrs(self) -> None:
+        cfg = self.train_cfg
+        self.actor.base_lr = cfg.lr
+        if self.critic is not None:
+            self.critic.base_lr = cfg.critic_lr or cfg.lr
 
     # -- construction ---------------------------------------------------------------------
     def _config(self, shape: ModelShape) -> Any:
