@@ -49,18 +49,31 @@ def _runs_root(args: argparse.Namespace) -> Any:
     return open_store(args.root, args.endpoint_url, **options)
 
 
+def _no_such_run(args: argparse.Namespace) -> bool:
+    """Say so when `--root` has no run `args.run`."""
+    if _runs_root(args).child(args.run).exists("config.yaml"):
+        return False
+    print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
+    return True
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
+    from flows.config_loader import cli_storage
     from flows.replay import parse_steps, replay, replay_config
     from flows.server import local_prefect_api
 
     prefect_env_defaults()
     _user_code_importable()
     steps = parse_steps(args.steps)
-    with local_prefect_api():  # (a credentials block is read from it)
-        source = _runs_root(args).child(args.run)
-        if not source.exists("config.yaml"):
-            print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
+    # a mistyped run is named at once, before a Prefect server starts (unless the root's
+    # credentials are in a block, which is read from that server)
+    block = cli_storage(args.root, args.endpoint_url, args.set).credentials_block
+    if block is None and _no_such_run(args):
+        return 1
+    with local_prefect_api():
+        if _no_such_run(args):
             return 1
+        source = _runs_root(args).child(args.run)
         cfg = replay_config(source.read_text("config.yaml"), args.root, args.run, steps,
                             args.set, args.endpoint_url)
         result = replay(cfg, args.run, *steps)
@@ -175,10 +188,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 f"{k}={_fmt(v)}" for k, v in last_eval.items() if k.count("/") == 1
             ), file=out)
         return 0
-    layout = RunLayout(root.child(args.run))
-    if not layout.store.exists("config.yaml"):
-        print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
+    if _no_such_run(args):
         return 1
+    layout = RunLayout(root.child(args.run))
     print("\t".join(RUN_COLUMNS), file=out)
     for k in layout.committed_steps():
         m = layout.step_metrics(k)

@@ -57,6 +57,17 @@ def test_runs_show_unknown_run(tmp_path, capsys):
     assert "no run 'nope'" in capsys.readouterr().err
 
 
+def test_replay_of_a_missing_run_says_so_before_starting_a_prefect_server(
+    tmp_path, capsys, monkeypatch
+):
+    def no_server():
+        raise AssertionError("a Prefect server was started")
+
+    monkeypatch.setattr("flows.server.local_prefect_api", no_server)
+    assert main(["replay", "nope", "--steps", "0:1", "--root", str(tmp_path)]) == 1
+    assert "no run 'nope'" in capsys.readouterr().err
+
+
 def test_train_with_bad_override_names_the_key(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data: {prompt_data: x.jsonl}\nrollout: {num_rollout: 1, rollout_batch_size: 1, n_samples_per_prompt: 2}\n"
