@@ -23,6 +23,7 @@ from flows.config import RollflowConfig
 from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
+from flows.driver_record import current_flow_run_id, take_over
 from flows.failure_notice import notify_failure
 from flows.logging_sinks import open_sinks
 from flows.preflight import PreflightReport, preflight_once
@@ -149,6 +150,7 @@ def free_kept_actors(config: RollflowConfig, layout: RunLayout) -> None:
 def _train(config: RollflowConfig) -> dict[str, Any]:
     checked = preflight_once(config)
     layout = open_layout(config)
+    take_over(layout, layout.uri, current_flow_run_id())
     save_config(layout, config)
     if finished(config, layout):
         free_kept_actors(config, layout)

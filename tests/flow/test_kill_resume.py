@@ -28,6 +28,16 @@ def trained_indices(layout: RunLayout) -> list[int]:
             for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
 
 
+def flow_run_states(name: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[name])))
+    return [run.state.type.value for run in runs]
+
+
 def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(
@@ -83,6 +93,9 @@ def test_killed_driver_resumes_after_last_committed_step(
     assert trained_indices(layout) == expected
     trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")
     assert ray.get(trainer.trained_indices.remote()) == expected
+    # the killed driver's flow run ended Crashed: by its own hook on SIGTERM, by the rerun
+    # after kill -9 (Prefect would show it Running for ever)
+    assert sorted(flow_run_states(f"train-{cfg.storage.run_name}")) == ["COMPLETED", "CRASHED"]
     fault_matrix.add(f"{'kill -9' if stop == signal.SIGKILL else 'SIGTERM'} of the driver "
                      "after step 1", "rerun of the same command",
                      "resumes at the first uncommitted step, committed files untouched", True)

@@ -45,7 +45,8 @@ def test_steps_with_two_train_ranks_and_a_lost_rank(
 
         ray.kill(ranks[1])  # a lost rank: the rerun must rebuild the whole group
         result = train(config(3))
-        assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": []}
+        assert result["restored"] == {"rebuilt": True, "version": 2, "replayed": [],
+                                      "unrecorded": [], "inexact": []}
         assert layout.committed_steps() == [0, 1, 2]
         ranks = [ray.get_actor(n, namespace=cfg.cluster.namespace) for n in names]
         assert ray.get([r.version.remote() for r in ranks]) == [3, 3]

@@ -1,0 +1,91 @@
+"""The next driver of a run ends the flow runs of a driver killed outright (they would stay
+Running in the UI for ever), and refuses to drive a run another live driver on this machine
+drives. The whole path through a real kill -9: tests/flow/test_kill_resume.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+
+import psutil
+import pytest
+from prefect import flow, task
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.states import Running
+
+from flows.driver_record import DRIVER_FILE, DriverRecord, RunInUseError, take_over
+from storage.run_layout import RunLayout
+
+
+@flow
+def driven() -> None:
+    """Stands for the train flow (only its runs are made, never run)."""
+
+
+@task
+def step() -> None:
+    """Stands for the task a step flow run hangs under."""
+
+
+def write_record(layout: RunLayout, record: DriverRecord) -> None:
+    layout.store.write_text(json.dumps(asdict(record)), DRIVER_FILE)
+
+
+def states(client, *ids) -> list[StateType]:
+    return [client.read_flow_run(i).state.type for i in ids]
+
+
+def test_the_flow_runs_of_a_killed_driver_are_set_crashed(prefect_api, tmp_path):
+    layout = RunLayout.open(str(tmp_path), "run")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(gone.pid).create_time()
+    gone.wait()
+    with get_client(sync_client=True) as client:
+        parent = client.create_flow_run(driven, state=Running())
+        under = client.create_task_run(step, parent.id, dynamic_key="0", state=Running())
+        child = client.create_flow_run(driven, parent_task_run_id=under.id, state=Running())
+        finished = client.create_flow_run(driven, parent_task_run_id=under.id)  # Pending
+        client.set_flow_run_state(finished.id, Running(), force=True)
+        client.set_flow_run_state(finished.id, Running().model_copy(
+            update={"type": StateType.COMPLETED, "name": "Completed"}), force=True)
+        dead = DriverRecord("", gone.pid, started, str(parent.id), time.time())
+        write_record(layout, replace(dead, host=DriverRecord.of_this_process(None).host))
+
+        crashed = take_over(layout, "runs/run", flow_run_id="new-run")
+
+        assert sorted(crashed) == sorted([str(parent.id), str(child.id)])
+        assert states(client, parent.id, child.id, finished.id) == [
+            StateType.CRASHED, StateType.CRASHED, StateType.COMPLETED]
+        assert "is gone" in client.read_flow_run(parent.id).state.message
+    record = json.loads(layout.store.read_text(DRIVER_FILE))
+    assert record["flow_run_id"] == "new-run" and record["pid"] != gone.pid
+
+
+def test_a_run_driven_by_a_live_driver_on_this_machine_is_refused(prefect_api, tmp_path):
+    layout = RunLayout.open(str(tmp_path), "run")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = DriverRecord.of_this_process("other-run")
+        live = replace(live, pid=other.pid, process_started=psutil.Process(other.pid).create_time())
+        write_record(layout, live)
+        with pytest.raises(RunInUseError, match=rf"runs/run is being trained .*pid {other.pid}"):
+            take_over(layout, "runs/run", flow_run_id="new-run")
+        assert json.loads(layout.store.read_text(DRIVER_FILE))["pid"] == other.pid  # kept
+        # a reused pid (another process start time) is not that driver
+        write_record(layout, replace(live, process_started=live.process_started - 100))
+        assert take_over(layout, "runs/run", flow_run_id="new-run") == []
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_driver_on_another_machine_cannot_be_checked_and_is_left_alone(prefect_api, tmp_path):
+    layout = RunLayout.open(str(tmp_path), "run")
+    elsewhere = replace(DriverRecord.of_this_process("x"), host="another-host", pid=1)
+    write_record(layout, elsewhere)
+    assert elsewhere.running() is None
+    assert take_over(layout, "runs/run", flow_run_id="new-run") == []
