@@ -174,3 +174,22 @@ def test_offload_onload_keeps_training_exact(qwen2_tiny_dir: str) -> None:
 def _model_bytes(backend: object) -> int:
     model = backend.model.module  # type: ignore[attr-defined]
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_use_settings_switches_the_lr_schedule_of_the_next_steps(qwen2_tiny_dir: str) -> None:
+    """A replay trains each step under the settings it was trained under (`use_settings`);
+    megatron reads the LR schedule at each optimizer step, from them."""
+    from engines.train.megatron import MegatronTrainBackend
+    from engines.train.step_settings import StepSettings
+
+    train, algo = _cfgs(qwen2_tiny_dir)
+    backend = MegatronTrainBackend(train, algo)
+    samples = _samples(seed=5)
+    assert backend.train(samples, 0)["lr"] == pytest.approx(1e-3)
+    decayed = train.model_copy(update={"lr": 4e-3, "lr_decay_style": "linear",
+                                       "lr_decay_steps": 8})
+    backend.use_settings(StepSettings(decayed, algo, 1.0, None))
+    # optimizer steps 2 and 3 (gbs 8 of 16 samples) of an 8-step decay from 4e-3: their mean
+    assert backend.train(samples, 1)["lr"] == pytest.approx(4e-3 * (1 - 2.5 / 8))
+    backend.use_settings(StepSettings(train, algo, 1.0, None))
+    assert backend.train(samples, 2)["lr"] == pytest.approx(1e-3)
