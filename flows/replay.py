@@ -26,6 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engines.cluster.actors import get_or_create_trainer, kill_run_actors
 from engines.cluster.head import connect
+from engines.train.step_settings import StepSettings, settings_digest
 from flows.config import ConfigError, RollflowConfig
 from flows.config_loader import dump_config
 from flows.logging_sinks import open_sinks
@@ -121,6 +122,21 @@ def copy_tree(src: ObjectStore, dst: ObjectStore, *parts: str) -> int:
     return len(files)
 
 
+def copy_train_settings(source: RunLayout, layout: RunLayout, rollout_id: int) -> None:
+    """Name the settings a warmup step trained under in the source run, so that it trains
+    under them here too and the replay starts from the source's weights at `start`."""
+    settings = source.train_settings_of(rollout_id)
+    if settings is not None:
+        record_train_settings(layout, rollout_id, settings)
+
+
+def record_train_settings(layout: RunLayout, rollout_id: int, settings: dict[str, Any]) -> None:
+    """What a rollout step's train record says of its settings (`RunLayout.train_settings_of`)."""
+    digest = settings_digest(settings)
+    layout.save_train_settings(settings, digest)
+    layout.save_task_record(rollout_id, "train", {"settings": digest})
+
+
 @task(name="prepare_replay", cache_policy=NO_CACHE)
 def prepare_replay(source: RunLayout, layout: RunLayout, plan: ReplayPlan) -> dict[str, Any]:
     """Copy the batches and the starting checkpoint into the new run (idempotent)."""
@@ -130,6 +146,8 @@ def prepare_replay(source: RunLayout, layout: RunLayout, plan: ReplayPlan) -> di
             layout.store.write_bytes(source.store.read_bytes(step_dir(k), "train.arrow"),
                                      step_dir(k), "train.arrow")
             copied += 1
+    for k in plan.warmup:
+        copy_train_settings(source, layout, k)
     if plan.checkpoint is not None and layout.latest_checkpoint() is None:
         copy_tree(source.store, layout.store, *source.checkpoint_parts(plan.checkpoint))
         layout.set_latest_checkpoint(plan.checkpoint)
@@ -148,12 +166,13 @@ def step_metrics(rollout_id: int, train_metrics: dict[str, Any]) -> dict[str, An
 @task(name="replay_train", task_run_name="replay-train-{rollout_id}", cache_policy=NO_CACHE,
       retries=1, retry_delay_seconds=2)
 def replay_train(
-    layout: RunLayout, trainer: Any, rollout_id: int, checkpoint: bool
+    layout: RunLayout, trainer: Any, rollout_id: int, checkpoint: bool, settings: dict[str, Any]
 ) -> dict[str, Any]:
     if layout.is_committed(rollout_id):
         return layout.step_metrics(rollout_id)
     ray.get(trainer.ensure_version.remote(rollout_id))  # a retry after a half-done step rebuilds
     metrics = step_metrics(rollout_id, ray.get(trainer.train.remote(rollout_id)))
+    record_train_settings(layout, rollout_id, settings)
     if checkpoint:
         metrics["checkpoint"] = ray.get(trainer.save_checkpoint.remote(rollout_id))
     layout.store.write_json(metrics, step_dir(rollout_id), "metrics.json")
@@ -183,10 +202,11 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     restored = ray.get(trainer.ensure_version.remote(todo[0] if todo else end))
     sinks = open_sinks(config.logging, layout, config.storage.run_name)
     interval = config.train.save_interval
+    settings = StepSettings.of(config).to_json()  # what the replayed steps train under
     rows = []
     for k in plan.steps:
         save = k == end - 1 or (interval is not None and (k + 1) % interval == 0)
-        rows.append(replay_train(layout, trainer, k, save))
+        rows.append(replay_train(layout, trainer, k, save, settings))
         sinks.log(rows[-1], step=k)
     sinks.close()
     publish_step_table(rows, key=f"{config.storage.run_name}-replay-metrics")

@@ -72,6 +72,11 @@ def test_mock_replay_reproduces_losses_and_starts_from_checkpoints(run_source, c
     assert printed["plan"]["checkpoint"] is None and printed["plan"]["warmup"] == [0]
     assert printed["restored"]["replayed"] == [0]
     tail = RunLayout.open(cfg.storage.uri, f"{cfg.storage.run_name}-replay-1-3")
+    # step 0 replays under the settings it trained under in the source run; the replayed
+    # steps name theirs, for a rebuild of this run
+    assert printed["restored"]["unrecorded"] == []
+    assert tail.train_settings_of(0) == source.train_settings_of(0) is not None
+    assert tail.train_settings_of(1) is not None
     assert tail.committed_steps() == [1, 2]
     assert losses(tail, [1, 2]) == losses(source, [1, 2])
     trainer = get_run_actor(cfg.cluster.namespace, f"{cfg.storage.run_name}-replay-1-3", "trainer")
