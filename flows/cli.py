@@ -147,7 +147,7 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
     """`runs stop RUN`: that run's actors and placement group only; other runs go on. The
     run directory's ACTORS_KEPT marker goes too: nothing is left for a rerun to free."""
     from engines.cluster import head as cluster
-    from engines.cluster.registry import stop_run
+    from engines.cluster.registry import run_key, stop_run
     from flows.config import ClusterConfig
     from storage.run_layout import ACTORS_KEPT
 
@@ -157,7 +157,8 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
         print("no cluster running: nothing to stop", file=args.result_out)
     else:
         cluster.connect(cfg)
-        print(f"run {args.run}: stopped {stop_run(cfg.namespace, args.run)} actor(s)",
+        key = run_key(args.root, args.run)  # that run under --root, not one of the same name
+        print(f"run {args.run}: stopped {stop_run(cfg.namespace, key)} actor(s)",
               file=args.result_out)
     _runs_root(args).child(args.run).delete(ACTORS_KEPT)  # if there
     return 0

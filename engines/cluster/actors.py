@@ -29,6 +29,7 @@ from engines.cluster.placement import (
 from engines.cluster.registry import (
     actor_name,
     actor_runtime_env,
+    cfg_run_key,
     remember_config,
     retire_stale_actors,
     run_suffix,
@@ -178,7 +179,7 @@ _ATTACHED: dict[tuple[str, str, str], RunActors] = {}
 
 
 def _attach_key(cfg: RunConfig) -> tuple[str, str, str]:
-    return cfg.cluster.namespace, cfg.storage.run_name, run_suffix(cfg)
+    return cfg.cluster.namespace, cfg_run_key(cfg), run_suffix(cfg)
 
 
 def attached_actors(cfg: RunConfig) -> RunActors:
@@ -191,6 +192,6 @@ def attached_actors(cfg: RunConfig) -> RunActors:
 def kill_run_actors(cfg: RunConfig) -> int:
     """Kill the run's actors (of any code or config) and release its placement group;
     returns actors killed. Other runs are untouched."""
-    for key in [k for k in _ATTACHED if k[:2] == (cfg.cluster.namespace, cfg.storage.run_name)]:
+    for key in [k for k in _ATTACHED if k[:2] == (cfg.cluster.namespace, cfg_run_key(cfg))]:
         del _ATTACHED[key]
-    return stop_run(cfg.cluster.namespace, cfg.storage.run_name)
+    return stop_run(cfg.cluster.namespace, cfg_run_key(cfg))

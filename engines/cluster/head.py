@@ -319,7 +319,7 @@ def status(cfg: ClusterConfig) -> dict[str, Any]:
         info = actor_table(handle._actor_id.hex())
         pin = actor_bundle(handle)
         parsed = RunActor.parse(name)
-        rows.append({"name": name, "run": parsed and parsed.run, "role": parsed and parsed.role,
+        rows.append({"name": name, "run": parsed and parsed.run_name, "role": parsed and parsed.role,
                      "state": info.get("State"), "class": info.get("ActorClassName"),
                      "age_s": round((now_ms - float(info.get("StartTime") or now_ms)) / 1000, 1),
                      "bundle": None if pin is None else pin[1]})

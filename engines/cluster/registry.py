@@ -87,8 +87,23 @@ def run_suffix(cfg: RunConfig) -> str:
     return f"{code_digest()}.{config_digest(cfg)}"
 
 
+def run_key(uri: str, run_name: str) -> str:
+    """`{run_name}~{where}`: the run as its actors are named, `where` hashing the run
+    directory. Two runs of one name under different roots (two checkouts of an example
+    both train `arithmetic-grpo`) are different runs: keyed by name alone, each driver took
+    the other's actors for stale ones of its own and killed them."""
+    if "://" not in uri:
+        uri = os.path.abspath(uri)
+    where = hashlib.sha1(f"{uri.rstrip('/')}/{run_name}".encode()).hexdigest()[:6]
+    return f"{run_name}~{where}"
+
+
+def cfg_run_key(cfg: RunConfig) -> str:
+    return run_key(cfg.storage.uri, cfg.storage.run_name)
+
+
 def actor_name(cfg: RunConfig, role: str) -> str:
-    return f"{cfg.storage.run_name}:{role}@{run_suffix(cfg)}"
+    return f"{cfg_run_key(cfg)}:{role}@{run_suffix(cfg)}"
 
 
 def _kv_key(namespace: str, run: str, suffix: str) -> str:
@@ -102,7 +117,7 @@ def remember_config(cfg: RunConfig) -> None:
 
     digests = section_digests(cfg)
     suffix = f"{code_digest()}.{_digest(digests)}"  # run_suffix(cfg), without digesting twice
-    internal_kv._internal_kv_put(_kv_key(cfg.cluster.namespace, cfg.storage.run_name, suffix),
+    internal_kv._internal_kv_put(_kv_key(cfg.cluster.namespace, cfg_run_key(cfg), suffix),
                                  json.dumps(digests), overwrite=True, namespace=_KV_NAMESPACE)
 
 
@@ -121,10 +136,18 @@ def _forget(namespace: str, run: str, suffix: str) -> None:
 
 @dataclass(frozen=True)
 class RunActor:
-    run: str
+    run: str  # the run key, `{run_name}~{where}` (`run_key`)
     role: str
     suffix: str
     name: str
+
+    @property
+    def run_name(self) -> str:
+        return self.run.partition("~")[0]
+
+    def of_run(self, run: str) -> bool:
+        """Whether this is an actor of `run`: a run key, or a run name (any location)."""
+        return self.run == run if "~" in run else self.run_name == run
 
     @staticmethod
     def parse(name: str) -> RunActor | None:
@@ -136,13 +159,14 @@ class RunActor:
 
 
 def run_actors(namespace: str, run: str | None = None) -> list[RunActor]:
-    """The rollflow actors alive in `namespace` (of one run, if given)."""
+    """The rollflow actors alive in `namespace` (of one run, if given: a run key, or a run
+    name for every run of that name)."""
     found = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != namespace:
             continue
         actor = RunActor.parse(entry["name"])
-        if actor is not None and (run is None or actor.run == run):
+        if actor is not None and (run is None or actor.of_run(run)):
             found.append(actor)
     return sorted(found, key=lambda a: a.name)
 
@@ -153,7 +177,7 @@ def _placement_groups(run: str) -> list[RunActor]:
     groups = []
     for g in placement_group_table().values():
         parsed = RunActor.parse(g.get("name") or "")
-        if g["state"] != "REMOVED" and parsed and parsed.run == run:
+        if g["state"] != "REMOVED" and parsed and parsed.of_run(run):
             groups.append(parsed)
     return groups
 
@@ -168,8 +192,8 @@ def stop_run(namespace: str, run: str, keep_suffix: str | None = None) -> int:
     for group in _placement_groups(run):
         if group.suffix != keep_suffix:
             remove_named_placement(group.name)
-    for suffix in {a.suffix for a in stale}:
-        _forget(namespace, run, suffix)
+    for actor in {(a.run, a.suffix) for a in stale}:
+        _forget(namespace, *actor)
     return killed
 
 
@@ -177,7 +201,7 @@ def changed_sections(cfg: RunConfig, old_suffix: str) -> list[str]:
     """What differs between the actors of `old_suffix` and `cfg`, in words."""
     old_code, _, _ = old_suffix.partition(".")
     what = [] if old_code == code_digest() else ["rollflow code"]
-    before = _remembered(cfg.cluster.namespace, cfg.storage.run_name, old_suffix) or {}
+    before = _remembered(cfg.cluster.namespace, cfg_run_key(cfg), old_suffix) or {}
     now = section_digests(cfg)
     what += [name for name, digest in now.items() if before and before.get(name) != digest]
     return what or ["config"]
@@ -186,20 +210,21 @@ def changed_sections(cfg: RunConfig, old_suffix: str) -> list[str]:
 def retire_stale_actors(cfg: RunConfig) -> int:
     """Replace, rather than reuse, actors this run left with other code or config: kill them
     (and their placement group) and say so in one line. Returns actors killed."""
-    ns, run, current = cfg.cluster.namespace, cfg.storage.run_name, run_suffix(cfg)
+    ns, run, current = cfg.cluster.namespace, cfg_run_key(cfg), run_suffix(cfg)
     held = [*run_actors(ns, run), *_placement_groups(run)]  # a group alone holds resources too
     stale = {a.suffix for a in held if a.suffix != current}
     if not stale:
         return 0
     what = sorted({w for s in stale for w in changed_sections(cfg, s)})
     killed = stop_run(ns, run, keep_suffix=current)
-    log.warning("run %r: replaced %d actor(s) started with different %s", run, killed,
-                ", ".join(what))
+    log.warning("run %r: replaced %d actor(s) started with different %s",
+                cfg.storage.run_name, killed, ", ".join(what))
     return killed
 
 
 def get_run_actor(namespace: str, run: str, role: str) -> Any:
-    """The live actor playing `role` in run `run`, whatever its suffix (ValueError if none)."""
+    """The live actor playing `role` in run `run` (a key or a name), whatever its suffix
+    (ValueError if none, or several)."""
     matches = [a for a in run_actors(namespace, run) if a.role == role]
     if len(matches) != 1:
         raise ValueError(f"run {run!r} has {len(matches)} live {role!r} actors in {namespace!r}")

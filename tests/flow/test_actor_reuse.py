@@ -68,3 +68,27 @@ def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
         assert fresh.rollout != replaced.rollout
     finally:
         kill_run_actors(cfg)
+
+
+def test_runs_of_one_name_under_two_roots_keep_their_own_actors(
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    """Two checkouts of an example train the same run name: before, the second driver took
+    the first's actors for stale ones of its own (other storage section) and killed them."""
+    name = f"twin-{uuid.uuid4().hex[:6]}"
+    first, second = (
+        arithmetic_config(run_name=name, runs_root=str(tmp_path / root / "runs"),
+                          data=arithmetic_data, model_dir=tiny_model_dir,
+                          ray_address=ray_address)
+        for root in ("a", "b"))
+    connect(first.cluster)
+    try:
+        a = get_or_create_actors(first)
+        b = get_or_create_actors(second)
+        assert ray.get(a.trainer.version.remote()) == 0  # still alive
+        assert a.trainer != b.trainer
+        assert kill_run_actors(second) == 3  # rollout, trainer, engine-0: b's only
+        assert ray.get(a.rollout.__ray_ready__.remote())  # a's actors still serve
+    finally:
+        kill_run_actors(first)
+        kill_run_actors(second)

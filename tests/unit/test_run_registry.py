@@ -12,6 +12,7 @@ from engines.cluster.registry import (
     actor_name,
     actor_runtime_env,
     config_digest,
+    run_key,
     section_digests,
 )
 from flows.config_loader import config_from_dict
@@ -53,9 +54,22 @@ def test_names_parse_back_into_run_role_and_suffix():
     cfg = _cfg()
     parsed = RunActor.parse(actor_name(cfg, "trainer-rank1"))
     assert parsed is not None
-    assert (parsed.run, parsed.role) == ("exp-1", "trainer-rank1")
+    assert (parsed.run_name, parsed.role) == ("exp-1", "trainer-rank1")
+    assert parsed.run == run_key(cfg.storage.uri, "exp-1") and parsed.of_run("exp-1")
     assert parsed.suffix.endswith(config_digest(cfg))
     assert RunActor.parse("someone-elses-actor") is None
+
+
+def test_runs_of_one_name_under_different_roots_are_different_runs(tmp_path, monkeypatch):
+    """Two checkouts both training `arithmetic-grpo` took each other's actors for stale ones
+    of their own, and killed them."""
+    monkeypatch.chdir(tmp_path)
+    here = run_key("./runs", "exp-1")
+    assert here == run_key(str(tmp_path / "runs") + "/", "exp-1")  # the same directory
+    assert here != run_key("./other/runs", "exp-1") != run_key("s3://b/runs", "exp-1")
+    actor = RunActor.parse(f"{here}:trainer@abc.def")
+    assert actor is not None and actor.of_run(here) and actor.of_run("exp-1")
+    assert not actor.of_run(run_key("./other/runs", "exp-1")) and not actor.of_run("exp-2")
 
 
 def test_actors_import_from_the_drivers_directory(tmp_path, monkeypatch):
