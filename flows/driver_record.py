@@ -44,12 +44,13 @@ class DriverRecord:
     process_started: float  # the process's start time: a reused pid has another
     flow_run_id: str | None
     written_at: float
+    run_dir: str = ""  # where it was written: a copied run directory is another run
 
     @classmethod
-    def of_this_process(cls, flow_run_id: str | None) -> DriverRecord:
+    def of_this_process(cls, flow_run_id: str | None, run_dir: str = "") -> DriverRecord:
         pid = os.getpid()
         return cls(socket.gethostname(), pid, psutil.Process(pid).create_time(), flow_run_id,
-                   time.time())
+                   time.time(), run_dir)
 
     def running(self) -> bool | None:
         """Whether the driver's process still runs; None when it ran on another machine."""
@@ -80,11 +81,13 @@ def read_record(layout: RunLayout) -> DriverRecord | None:
 def take_over(layout: RunLayout, run_dir: str, flow_run_id: str | None) -> list[str]:
     """Become the run's driver (see the module's docstring); returns the ids of the flow
     runs set Crashed. Raises RunInUseError while another driver on this machine runs."""
-    me = DriverRecord.of_this_process(flow_run_id)
+    me = DriverRecord.of_this_process(flow_run_id, run_dir)
     last = read_record(layout)
     crashed: list[str] = []
-    # (the same process drove it before, or a retry of this very flow run in a new one)
-    if last is not None and last.pid != me.pid and last.flow_run_id != flow_run_id:
+    # (the same process drove it before, a retry of this very flow run in a new one, or the
+    # record came with a copy of another run's directory)
+    if (last is not None and last.pid != me.pid and last.flow_run_id != flow_run_id
+            and last.run_dir == run_dir):
         running = last.running()
         if running:
             raise RunInUseError(

@@ -15,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.logging.loggers import flow_run_logger
 
+from flows.driver_record import RunInUseError
 from flows.errors import summarize
 from storage.run_layout import RunLayout
 from tasks.artifacts import artifact_key
@@ -86,6 +87,8 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
     """The train flow's on_failure hook. It never raises: a broken notice must not hide the
     failure it reports."""
     logger = flow_run_logger(flow_run, flow)
+    if isinstance(state.result(raise_on_failure=False), RunInUseError):
+        return  # the run is fine, another driver trains it: nothing to alert anyone about
     try:
         cfg = _config_fields(flow_run.parameters or {})
         storage = cfg.get("storage", {})

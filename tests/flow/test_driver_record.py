@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import asdict, replace
 
 import psutil
@@ -52,7 +53,7 @@ def test_the_flow_runs_of_a_killed_driver_are_set_crashed(prefect_api, tmp_path)
         client.set_flow_run_state(finished.id, Running(), force=True)
         client.set_flow_run_state(finished.id, Running().model_copy(
             update={"type": StateType.COMPLETED, "name": "Completed"}), force=True)
-        dead = DriverRecord("", gone.pid, started, str(parent.id), time.time())
+        dead = DriverRecord("", gone.pid, started, str(parent.id), time.time(), "runs/run")
         write_record(layout, replace(dead, host=DriverRecord.of_this_process(None).host))
 
         crashed = take_over(layout, "runs/run", flow_run_id="new-run")
@@ -69,12 +70,15 @@ def test_a_run_driven_by_a_live_driver_on_this_machine_is_refused(prefect_api, t
     layout = RunLayout.open(str(tmp_path), "run")
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = DriverRecord.of_this_process("other-run")
+        live = DriverRecord.of_this_process("other-run", "runs/run")
         live = replace(live, pid=other.pid, process_started=psutil.Process(other.pid).create_time())
         write_record(layout, live)
         with pytest.raises(RunInUseError, match=rf"runs/run is being trained .*pid {other.pid}"):
             take_over(layout, "runs/run", flow_run_id="new-run")
         assert json.loads(layout.store.read_text(DRIVER_FILE))["pid"] == other.pid  # kept
+        # a copy of that run's directory (with its record) is another run
+        assert take_over(layout, "copy/of/run", flow_run_id="new-run") == []
+        write_record(layout, live)
         # a reused pid (another process start time) is not that driver
         write_record(layout, replace(live, process_started=live.process_started - 100))
         assert take_over(layout, "runs/run", flow_run_id="new-run") == []
@@ -85,7 +89,39 @@ def test_a_run_driven_by_a_live_driver_on_this_machine_is_refused(prefect_api, t
 
 def test_a_driver_on_another_machine_cannot_be_checked_and_is_left_alone(prefect_api, tmp_path):
     layout = RunLayout.open(str(tmp_path), "run")
-    elsewhere = replace(DriverRecord.of_this_process("x"), host="another-host", pid=1)
+    elsewhere = replace(DriverRecord.of_this_process("x", "runs/run"), host="another-host", pid=1)
     write_record(layout, elsewhere)
     assert elsewhere.running() is None
     assert take_over(layout, "runs/run", flow_run_id="new-run") == []
+
+
+def test_a_train_refused_for_a_run_in_use_raises_no_failure_alert(
+    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    """The refused driver's flow run fails, but the run is fine: no failure artifact, no
+    `rollflow.training.failed` event for alerts."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.train import train
+    from tasks.artifacts import artifact_key
+    from tests.flow.configs import arithmetic_config
+
+    cfg = arithmetic_config(run_name=f"busy-{uuid.uuid4().hex[:6]}",
+                            runs_root=str(tmp_path / "runs"), data=arithmetic_data,
+                            model_dir=tiny_model_dir, ray_address=ray_address)
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = replace(DriverRecord.of_this_process("other-run", layout.uri), pid=other.pid,
+                       process_started=psutil.Process(other.pid).create_time())
+        write_record(layout, live)
+        with pytest.raises(RunInUseError):
+            train(cfg)
+    finally:
+        other.kill()
+        other.wait()
+    key = artifact_key(cfg.storage.run_name, "failure")
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key])))
+    assert found == []
