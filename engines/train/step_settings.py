@@ -23,9 +23,11 @@ from engines.train.config import TrainActorConfig, TrainConfig
 
 FIXED_AT_BUILD: frozenset[str] = frozenset({
     "backend", "tensor_parallel", "pipeline_parallel", "model_path", "load",
-    "critic_model_path", "seed", "dtype", "device", "lora", "weight_decay", "adam_betas",
+    "critic_model_path", "seed", "dtype", "device", "lora",
 })
-"""`train.*` keys every backend reads only when it is built (megatron adds `clip_grad`)."""
+"""`train.*` keys every backend reads only when it is built (megatron adds its optimizer's:
+`clip_grad`, `weight_decay`, `adam_betas`). The seed only matters to a trainer that starts
+from the initial model: a checkpoint restores the random state."""
 
 
 @dataclass(frozen=True)

@@ -107,9 +107,13 @@ class TorchTrainBackend:
         self._apply_schedules()
 
     def _apply_schedules(self) -> None:
+        """The optimizers' settings from `train_cfg`: a restored optimizer state brings back
+        the ones it was saved with (lr, weight decay, betas)."""
         cfg = self.train_cfg
         for part, lr in ((self.actor, cfg.lr), (self.critic, cfg.critic_lr or cfg.lr)):
             if part is not None:
+                for group in part.optimizer.param_groups:
+                    group["weight_decay"], group["betas"] = cfg.weight_decay, cfg.adam_betas
                 retarget(part.scheduler, cfg, lr)
                 part.clip_grad = cfg.clip_grad
                 part.max_consecutive_skips = cfg.max_consecutive_skipped_steps

@@ -219,17 +219,19 @@ class TrainActor:
         if latest is not None:
             self._load_checkpoint(latest)
             first = latest + 1
-        replay = self._replay(range(first, target))
+        replay = self._replay(range(first, target), from_checkpoint=latest is not None)
         self.replayed_steps.extend(replay["replayed"])
         return {"rebuilt": True, "version": self.version(), **replay}
 
-    def _replay(self, steps: range) -> dict[str, Any]:
+    def _replay(self, steps: range, from_checkpoint: bool) -> dict[str, Any]:
         """Train `steps` again, each under the settings it was trained under (its train
         record names them), then go back to the current ones. Returns the steps replayed,
         those without recorded settings (replayed under the current ones), and each recorded
         setting this backend could not honour (`step k: key: recorded -> kept`)."""
         current = StepSettings.of(self.cfg)
         fixed = getattr(self.backend, "fixed_at_build", FIXED_AT_BUILD)
+        if from_checkpoint:  # which restored the random state the seed would have set
+            fixed = fixed - {"seed"}
         unrecorded: list[int] = []
         inexact: list[str] = []
         in_use = current.digest()

@@ -59,8 +59,10 @@ def test_a_rebuild_after_a_config_change_replays_each_step_under_its_own_setting
     run_had = weights(trainer)
 
     # the run is extended (its LR schedule stretches) with a higher lr: new actors
+    # (a new seed and weight decay too: the checkpoint restores the random state, and the
+    # replayed steps keep the weight decay they had)
     longer = config(tmp_path, arithmetic_data, tiny_model_dir, "rollout.num_rollout=6",
-                    "train.lr=3e-3")
+                    "train.lr=3e-3", "train.seed=8", "train.weight_decay=0.1")
     assert longer.train.lr_decay_steps == 12 and first.train.lr_decay_steps == 8
     rebuilt = TrainActor(longer)
     restored = rebuilt.ensure_version(3)
@@ -110,14 +112,17 @@ def test_settings_fixed_when_the_trainer_is_built_are_kept_and_reported(
 def test_a_changed_lr_counts_after_a_resume_from_a_checkpoint(
     tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str
 ) -> None:
-    """The restored scheduler state carries the rate it was saved with; the megatron backend
-    always took the configured one, and the torch backend now does too."""
+    """The restored optimizer and scheduler states carry the rate, weight decay and betas they
+    were saved with; the megatron backend always took the configured rate, and the torch
+    backend now takes all three."""
     first = config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr_decay_style=constant")
     trainer = TrainActor(first)
     train_and_commit(trainer, first, 0)
     trainer.save_checkpoint(0)
     raised = config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr_decay_style=constant",
-                    "train.lr=3e-3")
+                    "train.lr=3e-3", "train.weight_decay=0.1", "train.adam_betas=[0.8,0.9]")
     resumed = TrainActor(raised)
     assert resumed.ensure_version(1)["replayed"] == []  # the checkpoint alone
     assert train_and_commit(resumed, raised, 1)["lr"] == pytest.approx(3e-3)
+    group = resumed.backend.actor.optimizer.param_groups[0]
+    assert (group["weight_decay"], tuple(group["betas"])) == (0.1, (0.8, 0.9))

@@ -79,8 +79,8 @@ def _finalize_grads(models: list[Any], _tokens: Any = None, **_: Any) -> None:
 class MegatronTrainBackend:
     """Actor (+ critic), frozen reference / teacher, as megatron-core GPTModels."""
 
-    # megatron's optimizer config takes the clipping too, when it is built
-    fixed_at_build: frozenset[str] = FIXED_AT_BUILD | {"clip_grad"}
+    # megatron's optimizer config takes these too, when it is built
+    fixed_at_build: frozenset[str] = FIXED_AT_BUILD | {"clip_grad", "weight_decay", "adam_betas"}
 
     def __init__(
         self,
