@@ -10,6 +10,7 @@ SQLite writes that wait their turn instead of failing into a 2 s client retry):
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import TextIO
 
 import httpx
 
+from flows.config import ConfigError
 from flows.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
 
 
@@ -78,6 +80,20 @@ def server_env(home: str | None = None) -> dict[str, str]:
     return env
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """A second server on a port in use exited at once, after the first one's health check
+    had answered for it: the CLI printed the other server's address as its own."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"{host}:{port} is in use ({e.strerror}): another server (maybe a Prefect "
+                f"server already, at http://{host}:{port}) holds it; pick another --port"
+            ) from None
+
+
 def start_server(
     host: str = "127.0.0.1",
     port: int = 4200,
@@ -87,6 +103,7 @@ def start_server(
 ) -> PrefectServer:
     """Start the server (UI included) in a child process; `home` is its PREFECT_HOME (the
     SQLite database lives there). With `wait_s`, return once `/api/health` answers."""
+    _check_port_free(host, port)
     cmd = [*_prefect_app(), "server", "start", "--host", host, "--port", str(port)]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = server_env(home)

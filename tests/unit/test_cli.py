@@ -148,3 +148,15 @@ def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.strip() == ("interrupted: committed steps are kept; run the same command again "
                            "to resume")
+
+
+def test_a_server_on_a_port_in_use_is_refused_naming_the_port(capsys):
+    """It used to print the address of the server already there as its own, then exit."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["server", "--port", str(port)]) == 2
+    assert f"127.0.0.1:{port} is in use" in capsys.readouterr().err
