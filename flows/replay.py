@@ -17,6 +17,7 @@ nothing behind in the new run.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,8 +27,9 @@ from prefect.cache_policies import NO_CACHE
 
 from engines.cluster.actors import get_or_create_trainer, kill_run_actors
 from engines.cluster.head import connect
-from engines.train.step_settings import StepSettings, settings_digest
+from engines.train.step_settings import StepSettings, settings_differences, settings_digest
 from flows.config import ConfigError, RollflowConfig
+from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_loader import dump_config
 from flows.logging_sinks import open_sinks
 from flows.reporting import publish_run_report, publish_step_table
@@ -37,6 +39,8 @@ from storage.batch_io import read_table
 from storage.integrity import MANIFEST_FILE
 from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout, step_dir
+
+log = logging.getLogger(__name__)
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -137,6 +141,21 @@ def record_train_settings(layout: RunLayout, rollout_id: int, settings: dict[str
     layout.save_task_record(rollout_id, "train", {"settings": digest})
 
 
+def warn_of_other_settings(source: RunLayout, plan: ReplayPlan, settings: dict[str, Any]) -> None:
+    """Say which replayed steps the source trained under other settings than the replay's
+    (its latest config plus `--set`): a run whose config changed is not reproduced unless
+    the replay sets those keys back."""
+    changes: dict[str, list[int]] = {}
+    for k in plan.steps:
+        recorded = source.train_settings_of(k)
+        for line in settings_differences(recorded, settings) if recorded else []:
+            changes.setdefault(line, []).append(k)
+    if changes:
+        log.warning("the source run trained some of the replayed steps under other settings "
+                    "than this replay's, which it trains them under: %s",
+                    "; ".join(f"{line} (steps {steps})" for line, steps in changes.items()))
+
+
 @task(name="prepare_replay", cache_policy=NO_CACHE)
 def prepare_replay(source: RunLayout, layout: RunLayout, plan: ReplayPlan) -> dict[str, Any]:
     """Copy the batches and the starting checkpoint into the new run (idempotent)."""
@@ -203,6 +222,8 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     sinks = open_sinks(config.logging, layout, config.storage.run_name)
     interval = config.train.save_interval
     settings = StepSettings.of(config).to_json()  # what the replayed steps train under
+    warn_if_replayed_under_changed_config(restored, layout, config)  # (the warmup)
+    warn_of_other_settings(source, plan, settings)
     rows = []
     for k in plan.steps:
         save = k == end - 1 or (interval is not None and (k + 1) % interval == 0)

@@ -111,5 +111,21 @@ def settings_for_replay(
     return StepSettings(train, algorithm, recorded.temperature, recorded.reward_key), lost
 
 
+def settings_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for each setting that differs between two `to_json()` dicts
+    (`train.lr`, `algorithm.eps_clip`, `temperature`)."""
+    def flat(data: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if isinstance(value, dict) and key in ("train", "algorithm"):
+                out.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                out[key] = value
+        return out
+
+    a, b = flat(old), flat(new)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted({*a, *b}) if a.get(k) != b.get(k)]
+
+
 def _shown(value: Any) -> str:
     return repr(value.model_dump(mode="json") if hasattr(value, "model_dump") else value)

@@ -5,6 +5,7 @@ too). What it cannot switch back to (settings fixed when a backend is built) it 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ import torch
 from engines.train.step_settings import StepSettings, settings_for_replay
 from engines.train.train_actor import TrainActor
 from flows.config import RollflowConfig
+from flows.replay import ReplayPlan, warn_of_other_settings  # (imports Prefect: before caplog)
 from storage.batch_io import write_samples
-from storage.run_layout import step_dir
+from storage.run_layout import RunLayout, step_dir
 from tasks.records import TrainRecord
 from tests.flow.configs import arithmetic_config
 from tests.unit.test_torch_backend import make_samples
@@ -126,3 +128,23 @@ def test_a_changed_lr_counts_after_a_resume_from_a_checkpoint(
     assert train_and_commit(resumed, raised, 1)["lr"] == pytest.approx(3e-3)
     group = resumed.backend.actor.optimizer.param_groups[0]
     assert (group["weight_decay"], tuple(group["betas"])) == (0.1, (0.8, 0.9))
+
+
+def test_a_replay_names_the_steps_the_source_trained_under_other_settings(
+    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str, caplog
+) -> None:
+    """`rollflow replay` trains under the source's latest config plus `--set`: steps the
+    source trained under another lr are named, with the key, so the user can set it back."""
+    source = RunLayout.open(str(tmp_path / "runs"), "source")
+    early = StepSettings.of(config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr=2e-4"))
+    late = StepSettings.of(config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr=5e-5"))
+    for k, settings in enumerate([early, early, late]):
+        source.save_train_settings(settings.to_json(), settings.digest())
+        source.save_task_record(k, TrainRecord.STAGE, {"settings": settings.digest()})
+    with caplog.at_level(logging.WARNING, logger="flows.replay"):
+        warn_of_other_settings(source, ReplayPlan("source", 1, 3, None, [0]), late.to_json())
+    assert "train.lr: 0.0002 -> 5e-05 (steps [1])" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flows.replay"):
+        warn_of_other_settings(source, ReplayPlan("source", 2, 3, None, [0, 1]), late.to_json())
+    assert not caplog.records  # step 2 trained under the replay's settings
