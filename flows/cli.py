@@ -239,16 +239,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("runs", help="runs in a storage root; `stop RUN` frees its actors")
-    p.add_argument("action", choices=["list", "show", "stop"])
-    p.add_argument("run", nargs="?")
-    p.add_argument("--root", default="./runs")
-    p.add_argument("--endpoint-url", default=None)
-    p.add_argument("--address", default=None, help="stop: Ray address (default: local head)")
-    p.add_argument("--namespace", default="rollflow", help="stop: Ray namespace of the run")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="storage credentials, e.g. storage.storage_options={key: K, secret: S} "
-                   "or storage.credentials_block=NAME (default: AWS_* of the shell)")
-    p.set_defaults(func=cmd_runs)
+    common = argparse.ArgumentParser(add_help=False)  # (options before or after RUN)
+    common.add_argument("--root", default="./runs")
+    common.add_argument("--endpoint-url", default=None)
+    common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="storage credentials, e.g. storage.storage_options={key: K, "
+                        "secret: S} or storage.credentials_block=NAME (default: AWS_* of the "
+                        "shell)")
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+    actions = p.add_subparsers(dest="action", required=True, metavar="{list,show,stop}")
+    actions.add_parser("list", parents=[common], help="the runs, with their latest eval")
+    actions.add_parser("show", parents=[common], help="a run's step metrics and evals"
+                       ).add_argument("run")
+    stop = actions.add_parser("stop", parents=[common], help="free a run's actors")
+    stop.add_argument("run")
+    stop.add_argument("--address", default=None, help="Ray address (default: local head)")
+    stop.add_argument("--namespace", default="rollflow", help="Ray namespace of the run")
+    p.set_defaults(func=cmd_runs, run=None)
 
     # --verbose after the subcommand too; SUPPRESS keeps one given before it.
     for p in sub.choices.values():
@@ -259,8 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "runs" and args.action in ("show", "stop") and not args.run:
-        build_parser().error(f"runs {args.action} needs RUN")
     if args.runs_flows:
         prefect_env_defaults()  # before quiet_prefect_failures makes Prefect set up its logging
     # A command's stdout holds its own output only (a flow command's: its JSON result), written

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from flows.cli import main
 from storage.run_layout import RunLayout
 
@@ -55,6 +57,11 @@ def test_every_commands_stdout_holds_only_its_own_output(tmp_path, capsys, monke
 def test_runs_show_unknown_run(tmp_path, capsys):
     assert main(["runs", "show", "nope", "--root", str(tmp_path)]) == 1
     assert "no run 'nope'" in capsys.readouterr().err
+    # options may come before the run's name too (it was taken for an unrecognized argument)
+    assert main(["runs", "show", "--root", str(tmp_path), "nope"]) == 1
+    assert "no run 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["runs", "stop"])  # a run to stop is required
 
 
 def test_replay_of_a_missing_run_says_so_before_starting_a_prefect_server(
