@@ -179,7 +179,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return cmd_stop_run(args)
     root, out = _runs_root(args), args.result_out
     if args.action == "list":
-        for name in root.list():
+        names = root.list()
+        if not names:
+            print(f"no runs under {args.root}", file=sys.stderr)
+        for name in names:
             layout = RunLayout(root.child(name))
             if not layout.store.exists("config.yaml"):
                 continue
@@ -286,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what}{f' ({where})' if where else ''}: committed steps are kept; run the "
                   "same command again to resume", file=sys.stderr)
             return code
+        except BrokenPipeError:  # `rollflow runs show X | head`: the reader has enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         except Exception as e:
             return report_failure(e, run_dir=run_dir_of(args), verbose=args.verbose, held=held,
                                   command=argv)

@@ -36,8 +36,9 @@ def input_error_types() -> tuple[type[BaseException], ...]:
     from engines.hooks import HookError
     from engines.prompt_dataset import DatasetError
     from engines.rollout.rewards.hub import RewardConfigError
+    from engines.train.lora import LoraResumeError
 
-    return ConfigError, DatasetError, HookError, RewardConfigError
+    return ConfigError, DatasetError, HookError, RewardConfigError, LoraResumeError
 
 
 def _inner(exc: BaseException, stop_at: tuple[type[BaseException], ...]) -> BaseException | None:

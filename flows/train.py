@@ -151,12 +151,13 @@ def _train(config: RollflowConfig) -> dict[str, Any]:
     checked = preflight_once(config)
     layout = open_layout(config)
     take_over(layout, layout.uri, current_flow_run_id())
-    save_config(layout, config)
     if finished(config, layout):
+        save_config(layout, config)
         free_kept_actors(config, layout)
         return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
     connect(config.cluster)
     ctx, start, restored = start_run(config, layout)
+    save_config(layout, config)  # (once it started: a config that cannot start is no history)
     warn_if_replayed_under_changed_config(restored, layout, config)
 
     evaluate_now = config.eval.enabled

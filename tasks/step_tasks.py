@@ -169,7 +169,8 @@ def wait_showing_progress(ctx: StepContext, rollout_id: int, ref: Any) -> Genera
     while isinstance(ref, ray.ObjectRef) and not ray.wait([ref], timeout=0.5)[0]:
         if ctx.layout.store.exists(*parts):
             p = ctx.layout.store.read_json(*parts)
-            bar.set(100.0 * p["kept"] / max(p["target"], 1))
+            # over-sampling keeps more groups than the target before trimming to it
+            bar.set(100.0 * min(p["kept"] / max(p["target"], 1), 1.0))
     result: GenerateRecord = resolve(ref)
     if ctx.layout.store.exists(*parts):  # also when it finished before the first poll
         bar.set(100.0)
