@@ -87,9 +87,9 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
     """The train flow's on_failure hook. It never raises: a broken notice must not hide the
     failure it reports."""
     logger = flow_run_logger(flow_run, flow)
-    if isinstance(state.result(raise_on_failure=False), RunInUseError):
-        return  # the run is fine, another driver trains it: nothing to alert anyone about
     try:
+        if isinstance(state.result(raise_on_failure=False), RunInUseError):
+            return  # the run is fine, another driver trains it: nothing to alert anyone about
         cfg = _config_fields(flow_run.parameters or {})
         storage = cfg.get("storage", {})
         run = storage.get("run_name", flow_run.name)

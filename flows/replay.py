@@ -129,15 +129,15 @@ def copy_tree(src: ObjectStore, dst: ObjectStore, *parts: str) -> int:
 def copy_train_settings(source: RunLayout, layout: RunLayout, rollout_id: int) -> None:
     """Name the settings a warmup step trained under in the source run, so that it trains
     under them here too and the replay starts from the source's weights at `start`."""
-    settings = source.train_settings_of(rollout_id)
-    if settings is not None:
-        record_train_settings(layout, rollout_id, settings)
+    digest = source.train_settings_digest(rollout_id)
+    if digest is not None:
+        layout.save_train_settings(source.train_settings(digest, rollout_id), digest)
+        record_train_settings(layout, rollout_id, digest)
 
 
-def record_train_settings(layout: RunLayout, rollout_id: int, settings: dict[str, Any]) -> None:
-    """What a rollout step's train record says of its settings (`RunLayout.train_settings_of`)."""
-    digest = settings_digest(settings)
-    layout.save_train_settings(settings, digest)
+def record_train_settings(layout: RunLayout, rollout_id: int, digest: str) -> None:
+    """What a rollout step's train record says of its settings (`RunLayout.train_settings_of`);
+    the settings themselves are stored once (`RunLayout.save_train_settings`)."""
     layout.save_task_record(rollout_id, "train", {"settings": digest})
 
 
@@ -145,15 +145,19 @@ def warn_of_other_settings(source: RunLayout, plan: ReplayPlan, settings: dict[s
     """Say which replayed steps the source trained under other settings than the replay's
     (its latest config plus `--set`): a run whose config changed is not reproduced unless
     the replay sets those keys back."""
-    changes: dict[str, list[int]] = {}
+    steps_of: dict[str, list[int]] = {}  # digest -> steps: each stored settings read once
     for k in plan.steps:
-        recorded = source.train_settings_of(k)
-        for line in settings_differences(recorded, settings) if recorded else []:
-            changes.setdefault(line, []).append(k)
+        digest = source.train_settings_digest(k)
+        if digest is not None:
+            steps_of.setdefault(digest, []).append(k)
+    changes: dict[str, list[int]] = {}
+    for digest, steps in steps_of.items():
+        for line in settings_differences(source.train_settings(digest, steps[0]), settings):
+            changes.setdefault(line, []).extend(steps)
     if changes:
         log.warning("the source run trained some of the replayed steps under other settings "
                     "than this replay's, which it trains them under: %s",
-                    "; ".join(f"{line} (steps {steps})" for line, steps in changes.items()))
+                    "; ".join(f"{line} (steps {sorted(steps)})" for line, steps in changes.items()))
 
 
 @task(name="prepare_replay", cache_policy=NO_CACHE)
@@ -185,13 +189,13 @@ def step_metrics(rollout_id: int, train_metrics: dict[str, Any]) -> dict[str, An
 @task(name="replay_train", task_run_name="replay-train-{rollout_id}", cache_policy=NO_CACHE,
       retries=1, retry_delay_seconds=2)
 def replay_train(
-    layout: RunLayout, trainer: Any, rollout_id: int, checkpoint: bool, settings: dict[str, Any]
+    layout: RunLayout, trainer: Any, rollout_id: int, checkpoint: bool, digest: str
 ) -> dict[str, Any]:
     if layout.is_committed(rollout_id):
         return layout.step_metrics(rollout_id)
     ray.get(trainer.ensure_version.remote(rollout_id))  # a retry after a half-done step rebuilds
     metrics = step_metrics(rollout_id, ray.get(trainer.train.remote(rollout_id)))
-    record_train_settings(layout, rollout_id, settings)
+    record_train_settings(layout, rollout_id, digest)  # (the settings are stored: replay())
     if checkpoint:
         metrics["checkpoint"] = ray.get(trainer.save_checkpoint.remote(rollout_id))
     layout.store.write_json(metrics, step_dir(rollout_id), "metrics.json")
@@ -222,12 +226,14 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     sinks = open_sinks(config.logging, layout, config.storage.run_name)
     interval = config.train.save_interval
     settings = StepSettings.of(config).to_json()  # what the replayed steps train under
+    digest = settings_digest(settings)
+    layout.save_train_settings(settings, digest)
     warn_if_replayed_under_changed_config(restored, layout, config)  # (the warmup)
     warn_of_other_settings(source, plan, settings)
     rows = []
     for k in plan.steps:
         save = k == end - 1 or (interval is not None and (k + 1) % interval == 0)
-        rows.append(replay_train(layout, trainer, k, save, settings))
+        rows.append(replay_train(layout, trainer, k, save, digest))
         sinks.log(rows[-1], step=k)
     sinks.close()
     publish_step_table(rows, key=f"{config.storage.run_name}-replay-metrics")

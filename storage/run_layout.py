@@ -123,18 +123,24 @@ class RunLayout:
         if not self.store.exists("settings", f"{digest}.json"):
             self.store.write_json(settings, "settings", f"{digest}.json")
 
-    def train_settings_of(self, rollout_id: int) -> dict[str, Any] | None:
-        """The settings step `rollout_id` was trained under, if its train record names them
-        (runs from before settings were recorded do not)."""
-        record = self.task_record(rollout_id, "train") or {}
-        digest = record.get("settings")
-        if not isinstance(digest, str):
-            return None
+    def train_settings_digest(self, rollout_id: int) -> str | None:
+        """The digest of the settings step `rollout_id` was trained under, if its train
+        record names them (runs from before settings were recorded do not)."""
+        digest = (self.task_record(rollout_id, "train") or {}).get("settings")
+        return digest if isinstance(digest, str) else None
+
+    def train_settings(self, digest: str, rollout_id: int) -> dict[str, Any]:
+        """The settings stored as `digest` (named by step `rollout_id`, for the error)."""
         parts = ("settings", f"{digest}.json")
         if not self.store.exists(*parts):
             raise CorruptFileError(self.store.uri(*parts),
                                    f"missing (step {rollout_id} was trained under it)")
         return dict(self.store.read_json(*parts))
+
+    def train_settings_of(self, rollout_id: int) -> dict[str, Any] | None:
+        """The settings step `rollout_id` was trained under, if its train record names them."""
+        digest = self.train_settings_digest(rollout_id)
+        return None if digest is None else self.train_settings(digest, rollout_id)
 
     def step_metrics(self, rollout_id: int) -> dict[str, Any]:
         parts = (step_dir(rollout_id), "metrics.json")

@@ -234,20 +234,22 @@ class TrainActor:
             fixed = fixed - {"seed"}
         unrecorded: list[int] = []
         inexact: list[str] = []
-        in_use = current.digest()
+        stored: dict[str, StepSettings] = {}  # by digest: steps share a few settings at most
+        in_use = current_digest = current.digest()
         for k in steps:
-            recorded = self.layout.train_settings_of(k)
+            digest = self.layout.train_settings_digest(k)
             settings = current
-            if recorded is None:
+            if digest is None:
                 unrecorded.append(k)
             else:
-                settings, lost = settings_for_replay(StepSettings.from_json(recorded), current,
-                                                     fixed)
+                if digest not in stored:
+                    stored[digest] = StepSettings.from_json(self.layout.train_settings(digest, k))
+                settings, lost = settings_for_replay(stored[digest], current, fixed)
                 inexact += [f"step {k}: {line}" for line in lost]
             if settings.digest() != in_use:
                 self.backend.use_settings(settings)
                 in_use = settings.digest()
             self.train(k)
-        if in_use != current.digest():
+        if in_use != current_digest:
             self.backend.use_settings(current)
         return {"replayed": list(steps), "unrecorded": unrecorded, "inexact": inexact}
