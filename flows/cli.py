@@ -150,18 +150,28 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
     from engines.cluster import head as cluster
     from engines.cluster.registry import run_key, stop_run
     from flows.config import ClusterConfig
-    from storage.run_layout import ACTORS_KEPT
+    from flows.driver_record import read_record
+    from storage.run_layout import ACTORS_KEPT, RunLayout
 
+    run_dir = _runs_root(args).child(args.run)
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
     address = cluster.cluster_address(cfg, start=False)
+    stopped = 0
     if address is None:
-        print("no cluster running: nothing to stop", file=args.result_out)
+        print("no cluster running: no actors to stop", file=args.result_out)
     else:
         cluster.connect(cfg)
-        key = run_key(args.root, args.run)  # that run under --root, not one of the same name
-        print(f"run {args.run}: stopped {stop_run(cfg.namespace, key)} actor(s)",
-              file=args.result_out)
-    _runs_root(args).child(args.run).delete(ACTORS_KEPT)  # if there
+        stopped = stop_run(cfg.namespace, run_key(args.root, args.run))  # RUN under --root
+        print(f"run {args.run}: stopped {stopped} actor(s)", file=args.result_out)
+    if not stopped and not run_dir.exists("config.yaml"):
+        print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
+        return 1
+    run_dir.delete(ACTORS_KEPT)  # if there
+    driver = read_record(RunLayout(run_dir))
+    if driver is not None and driver.running():
+        print(f"run {args.run}: its driver (pid {driver.pid}) is still running and starts new "
+              f"actors for its next step; to end the run, stop the driver (Ctrl-C, or kill "
+              f"{driver.pid})", file=sys.stderr)
     return 0
 
 

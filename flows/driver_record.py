@@ -52,6 +52,9 @@ class DriverRecord:
         return cls(socket.gethostname(), pid, psutil.Process(pid).create_time(), flow_run_id,
                    time.time(), run_dir)
 
+    def write_to(self, layout: RunLayout) -> None:
+        layout.store.write_text(json.dumps(asdict(self)), DRIVER_FILE)
+
     def running(self) -> bool | None:
         """Whether the driver's process still runs; None when it ran on another machine."""
         if self.host != socket.gethostname():
@@ -97,7 +100,7 @@ def take_over(layout: RunLayout, run_dir: str, flow_run_id: str | None) -> list[
             )
         if running is False and last.flow_run_id:
             crashed = crash_flow_runs(last.flow_run_id, last.pid)
-    layout.store.write_text(json.dumps(asdict(me)), DRIVER_FILE)
+    me.write_to(layout)
     return crashed
 
 

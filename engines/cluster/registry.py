@@ -92,10 +92,19 @@ def run_key(uri: str, run_name: str) -> str:
     directory. Two runs of one name under different roots (two checkouts of an example
     both train `arithmetic-grpo`) are different runs: keyed by name alone, each driver took
     the other's actors for stale ones of its own and killed them."""
-    if "://" not in uri:
-        uri = os.path.abspath(uri)
+    uri = _canonical_root(uri)
     where = hashlib.sha1(f"{uri.rstrip('/')}/{run_name}".encode()).hexdigest()[:6]
     return f"{run_name}~{where}"
+
+
+def _canonical_root(uri: str) -> str:
+    """One spelling per local directory (`runs`, `./runs/`, `file:///abs/runs` and a symlink
+    to it are one root), so `runs stop` finds a run however its root was written."""
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    if "://" in uri:
+        return uri.rstrip("/")
+    return os.path.realpath(os.path.expanduser(uri))
 
 
 def cfg_run_key(cfg: RunConfig) -> str:

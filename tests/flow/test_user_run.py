@@ -8,6 +8,7 @@ resolved against the wrong directory fails here.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import textwrap
 import uuid
@@ -19,6 +20,7 @@ import pytest
 
 from engines.cluster.registry import run_actors
 from flows.cli import main
+from flows.driver_record import DriverRecord
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from tests.conftest import REPO_ROOT
 
@@ -156,4 +158,16 @@ def test_runs_stop_frees_one_run_and_leaves_the_others(workdir, ray_address, cap
     assert len(run_actors(NAMESPACE, theirs)) == 3
     # ./runs (the default --root, relative to the shell's directory) holds the markers
     assert not kept[mine].exists() and kept[theirs].exists()
-    main(["runs", "stop", theirs, "--address", ray_address, "--namespace", NAMESPACE])
+    # the root spelled another way is the same root; a live driver is named, not left unsaid
+    DriverRecord.of_this_process(None).write_to(RunLayout.open(str(workdir / "runs"), theirs))
+    capsys.readouterr()
+    root = f"file://{workdir / 'runs'}"
+    assert main(["runs", "stop", theirs, "--root", root, "--address", ray_address,
+                 "--namespace", NAMESPACE]) == 0
+    out, err = capsys.readouterr()
+    assert "stopped 3 actor(s)" in out and run_actors(NAMESPACE, theirs) == []
+    assert f"its driver (pid {os.getpid()}) is still running" in err
+    # an unknown run is an error, not "stopped 0"
+    assert main(["runs", "stop", "no-such-run", "--address", ray_address,
+                 "--namespace", NAMESPACE]) == 1
+    assert "no run 'no-such-run' under ./runs" in capsys.readouterr().err

@@ -67,6 +67,11 @@ def test_runs_of_one_name_under_different_roots_are_different_runs(tmp_path, mon
     here = run_key("./runs", "exp-1")
     assert here == run_key(str(tmp_path / "runs") + "/", "exp-1")  # the same directory
     assert here != run_key("./other/runs", "exp-1") != run_key("s3://b/runs", "exp-1")
+    # `runs stop` found nothing when the config wrote the root one way and --root another
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    assert here == run_key(f"file://{tmp_path}/runs", "exp-1") == run_key("link", "exp-1")
+    assert run_key("s3://b/runs/", "exp-1") == run_key("s3://b/runs", "exp-1")
     actor = RunActor.parse(f"{here}:trainer@abc.def")
     assert actor is not None and actor.of_run(here) and actor.of_run("exp-1")
     assert not actor.of_run(run_key("./other/runs", "exp-1")) and not actor.of_run("exp-2")
