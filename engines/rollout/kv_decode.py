@@ -13,7 +13,9 @@ o/down) and regathers only when a parameter changes. It does the same arithmetic
 Llama (in place where HF allocates; attention as two batched matmuls where HF calls SDPA,
 whose CPU kernel is built for long queries), so greedy tokens equal HF's and log-probs
 stay within 1e-5 of a full forward; models it does not cover fall back to `HFDecoder`, the
-HF forward over views of the same buffers.
+HF forward over views of the same buffers. For float32 on CPU without biases (HF's Llama
+default) `LlamaDecoder` hands the whole step to one compiled call (`fused_decode`), which
+does the same arithmetic with the ~140 dispatches between its matmuls gone.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from engines.rollout import fused_decode
 
 _CHUNK = 64  # columns added when a cache fills up (plus half its size, for amortized growth)
 
@@ -218,7 +222,7 @@ class LlamaDecoder:
     and memory release need no hook.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, use_fused: bool = True) -> None:
         config = model.config
         self.model = model
         self.heads = int(config.num_attention_heads)
@@ -232,6 +236,8 @@ class LlamaDecoder:
         self._rope_table = torch.zeros(0)
         self._zero = self._neg_inf = torch.zeros(0)
         self._head: tuple[Any, ...] = ()  # embedding, final norm weight and eps, lm_head
+        self._fused = fused_decode.load() if use_fused else None
+        self._fused_weights: tuple[list[torch.Tensor], list[float]] | None = None
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -264,13 +270,43 @@ class LlamaDecoder:
             )  # fmt: skip
             self._zero = weight.new_zeros(())
             self._neg_inf = weight.new_full((), float("-inf"))
+            self._fused_weights = self._flatten_for_fused()
             self._key = key
         return self._layers
 
-    def _rope(self, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin `[rows, 1, 1, head_dim]` (`rotate_half(x) * sin` becomes
-        `roll(x, head_dim / 2) * sin`) from a table made by the model's own rotary module, so
-        any static scaling applies; positions are at most `width`."""
+    def _flatten_for_fused(self) -> tuple[list[torch.Tensor], list[float]] | None:
+        """The compiled step's weights and per-layer scalars, or None where it does not
+        apply: it covers float32 on CPU without biases (HF's Llama default)."""
+        weight, _, _, _, lm_bias = self._head
+        layers = self._layers
+        if (self._fused is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or lm_bias is not None
+                or any(w.qkv_bias is not None or w.gate_up_bias is not None for w in layers)):
+            return None
+        weights = [t for w in layers for t in (w.norm1, w.qkv, w.o_t, w.norm2, w.gate_up, w.down_t)]
+        scalars = [float(v) for w in layers for v in (w.eps1, w.eps2, w.scaling)]
+        return weights, scalars
+
+    def _fused_step(
+        self, fused: tuple[list[torch.Tensor], list[float]], tokens: torch.Tensor,
+        positions: torch.Tensor, cache: KVCache,
+    ) -> torch.Tensor:
+        assert self._fused is not None  # (weights are flattened only when it is there)
+        col = cache.width
+        embed, norm, eps, lm_head, _ = self._head
+        cache.mask[:, col] = True
+        logits: torch.Tensor = self._fused.decode_step(
+            tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
+            cache.mask, cache.padded, self._rope_rows(col), embed, norm, float(eps), lm_head,
+            self.heads, self.kv_heads, col,
+        )  # fmt: skip
+        cache.width = col + 1
+        return logits
+
+    def _rope_rows(self, width: int) -> torch.Tensor:
+        """cos and sign-folded sin of positions up to `width`, `[size, 2, head_dim]`
+        (`rotate_half(x) * sin` becomes `roll(x, head_dim / 2) * sin`), made by the model's
+        own rotary module, so any static scaling applies."""
         weight = self.model.model.embed_tokens.weight
         table = self._rope_table
         if table.shape[0] <= width or table.dtype != weight.dtype or table.device != weight.device:
@@ -280,13 +316,19 @@ class LlamaDecoder:
             cos, sin = self.model.model.rotary_emb(probe, pos)
             half = sin.shape[-1] // 2
             sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-            self._rope_table = table = torch.stack([cos[0], sin], 1)  # [size, 2, head_dim]
-        cos, sin = table[positions].unbind(1)
+            self._rope_table = table = torch.stack([cos[0], sin], 1).contiguous()
+        return table
+
+    def _rope(self, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin `[rows, 1, 1, head_dim]`; positions are at most `width`."""
+        cos, sin = self._rope_rows(width)[positions].unbind(1)
         return cos[:, None, None], sin[:, None, None]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         layers = self._weights()
         cache.reserve(1)
+        if self._fused_weights is not None:
+            return self._fused_step(self._fused_weights, tokens, positions, cache)
         rows, col, d = tokens.shape[0], cache.width, self.head_dim
         heads, qk = self.heads, self.heads + self.kv_heads
         embed, norm, eps, lm_head, lm_bias = self._head

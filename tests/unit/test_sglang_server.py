@@ -329,6 +329,7 @@ def test_pause_and_continue_keep_requests(engine: EngineActor, mode: str) -> Non
             await asyncio.sleep(0.002)
         paused = httpx.post(f"{engine.url()}/pause_generation", json={"mode": mode}).json()
         assert paused["status"] == "ok"
+        await asyncio.sleep(0.05)  # a response already on its way arrives (~1 ms)
         if task.done():
             httpx.post(f"{engine.url()}/continue_generation", json={})
             return None
@@ -357,13 +358,26 @@ def test_pause_abort_returns_partial_and_holds_new_requests(engine: EngineActor)
     prompt = prompt_ids(engine, "12*3=")
     params = {**SEEDED, "max_new_tokens": 120}
 
+    async def aborted_while_running(client: SGLangClient, rid: str) -> Any:
+        """The output of a request aborted mid-generation; None if it finished before the
+        pause arrived (120 tokens take ~50 ms here)."""
+        task = asyncio.create_task(client.generate(prompt, params, rid=rid))
+        while await client.flush_cache():
+            await asyncio.sleep(0.002)
+        httpx.post(f"{engine.url()}/pause_generation", json={"mode": "abort"})
+        first = await task
+        if first.aborted:
+            return first
+        httpx.post(f"{engine.url()}/continue_generation")
+        return None
+
     async def main() -> None:
         async with SGLangClient(engine.url()) as client:
-            task = asyncio.create_task(client.generate(prompt, params, rid="a"))
-            while await client.flush_cache():
-                await asyncio.sleep(0.002)
-            httpx.post(f"{engine.url()}/pause_generation", json={"mode": "abort"})
-            first = await task
+            for attempt in range(5):
+                first = await aborted_while_running(client, rid=f"a{attempt}")
+                if first is not None:
+                    break
+            assert first is not None, "the request finished before every pause"
             held = asyncio.create_task(client.generate(prompt, {**params, "max_new_tokens": 2}))
             await asyncio.sleep(0.2)
             assert not held.done()

@@ -1,0 +1,140 @@
+"""The compiled decode step against the Python one it replaces: same logits, same cache."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from engines.rollout import fused_decode
+from engines.rollout.kv_decode import KVCache, LlamaDecoder
+from examples.arithmetic.build_model import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("fused") / "tiny"))
+
+
+def load_model(model_dir: str, **overrides: object) -> torch.nn.Module:
+    """The tiny model, or one of its layout with `overrides` and fresh random weights."""
+    if not overrides:
+        return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    config = AutoConfig.from_pretrained(model_dir)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def prefilled(model: torch.nn.Module, room: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """Six left-padded prompts of different lengths, prefilled: cache, last logits, positions."""
+    lengths = [3, 7, 1, 5, 7, 2]
+    width = max(lengths)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 20, (len(lengths), width))
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True)
+    return KVCache.from_prefill(cache, mask, room), out.logits[:, -1], positions[:, -1]
+
+
+def decode_both(model: torch.nn.Module, steps: int, room: int) -> float:
+    """Decode `steps` tokens with both steps on copies of one cache (the Python step's greedy
+    tokens fed to both); returns the largest logit difference, after checking the caches."""
+    python, compiled = LlamaDecoder(model, use_fused=False), LlamaDecoder(model)
+    cache_a, logits, last = prefilled(model, room)
+    cache_b, _, _ = prefilled(model, room)
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(1, steps + 1):
+            tokens = logits.argmax(-1)
+            logits = python(tokens, last + step, cache_a)
+            other = compiled(tokens, last + step, cache_b)
+            worst = max(worst, (logits - other).abs().max().item())
+    assert compiled._fused_weights is not None  # the compiled step ran
+    assert cache_a.width == cache_b.width and torch.equal(cache_a.mask, cache_b.mask)
+    for a, b in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert torch.allclose(a[..., : cache_a.width, :], b[..., : cache_b.width, :], atol=1e-5)
+    return worst
+
+
+def test_the_compiled_step_builds_on_this_machine() -> None:
+    """Without it the engine still works, 1.5-2.5x slower: a CI machine that cannot build it
+    should say so here, not in a benchmark."""
+    assert fused_decode.load() is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_step_equals_the_python_step(model_dir: str, threads: int) -> None:
+    """Padded rows, a cache that grows past its first capacity (4 free columns, 20 steps),
+    on one thread and on two (attention split over rows and heads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert decode_both(load_model(model_dir), steps=20, room=4) < 1e-5
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_grouped_query_attention(model_dir: str) -> None:
+    """Two kv heads for four query heads: each kv head serves its group (HF's repeat_kv)."""
+    assert decode_both(load_model(model_dir, num_key_value_heads=2), steps=12, room=16) < 1e-5
+
+
+def test_new_weights_are_used_at_the_next_step(model_dir: str) -> None:
+    """A weight update copies into the parameters in place: the compiled step must not keep
+    the weights it gathered before (q|k|v and gate|up are copies)."""
+    model = load_model(model_dir)
+    compiled = LlamaDecoder(model)
+    cache, logits, last = prefilled(model, 8)
+    with torch.no_grad():
+        compiled(logits.argmax(-1), last + 1, cache)
+        for p in model.parameters():
+            p.mul_(0.9)
+        python = LlamaDecoder(model, use_fused=False)
+        reference, _, _ = prefilled(model, 8)
+        python(logits.argmax(-1), last + 1, reference)
+        compiled_cache, _, _ = prefilled(model, 8)
+        compiled(logits.argmax(-1), last + 1, compiled_cache)
+        tokens = torch.arange(6) + 3
+        expected = python(tokens, last + 2, reference)
+        got = compiled(tokens, last + 2, compiled_cache)
+    assert (expected - got).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [{"attention_bias": True}, {"dtype": "bfloat16"}])
+def test_what_it_does_not_cover_runs_the_python_step(model_dir: str, overrides: dict) -> None:
+    """Biases (the compiled step has none) and non-float32 weights keep the Python step."""
+    model = load_model(model_dir, **{k: v for k, v in overrides.items() if k != "dtype"})
+    if "dtype" in overrides:
+        model = model.to(torch.bfloat16)
+    decoder = LlamaDecoder(model)
+    cache, logits, last = prefilled(model, 4)
+    with torch.no_grad():
+        out = decoder(logits.argmax(-1), last + 1, cache)
+    assert decoder._fused_weights is None and out.shape == logits.shape
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch, model_dir: str) -> None:
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    assert fused_decode.load() is None
+    assert LlamaDecoder(load_model(model_dir))._fused is None
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path: Path) -> None:
+    """torch's builder waits for ever on a lock file its killed predecessor left."""
+    (tmp_path / "lock").touch()
+    fused_decode._clear_stale_lock(tmp_path)
+    assert (tmp_path / "lock").exists()  # a build may be under way
+    old = time.time() - fused_decode.STALE_LOCK_SECONDS - 5
+    os.utime(tmp_path / "lock", (old, old))
+    fused_decode._clear_stale_lock(tmp_path)
+    assert not (tmp_path / "lock").exists()
