@@ -32,8 +32,9 @@ def load_model(model_dir: str, **overrides: object) -> torch.nn.Module:
 
 
 def prefilled(model: torch.nn.Module, room: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
-    """Six left-padded prompts of different lengths, prefilled: cache, last logits, positions."""
-    lengths = [3, 7, 1, 5, 7, 2]
+    """18 left-padded prompts of different lengths, prefilled: cache, last logits, positions
+    (enough rows for two threads: a block has at least 8)."""
+    lengths = [3, 7, 1, 5, 7, 2] * 3
     width = max(lengths)
     torch.manual_seed(0)
     ids = torch.randint(3, 20, (len(lengths), width))
@@ -46,14 +47,16 @@ def prefilled(model: torch.nn.Module, room: int) -> tuple[KVCache, torch.Tensor,
     return KVCache.from_prefill(cache, mask, room), out.logits[:, -1], positions[:, -1]
 
 
-def decode_both(model: torch.nn.Module, steps: int, room: int) -> float:
+def decode_both(
+    model: torch.nn.Module, steps: int, room: int, mode: type = torch.inference_mode
+) -> float:
     """Decode `steps` tokens with both steps on copies of one cache (the Python step's greedy
     tokens fed to both); returns the largest logit difference, after checking the caches."""
     python, compiled = LlamaDecoder(model, use_fused=False), LlamaDecoder(model)
     cache_a, logits, last = prefilled(model, room)
     cache_b, _, _ = prefilled(model, room)
     worst = 0.0
-    with torch.no_grad():
+    with mode():
         for step in range(1, steps + 1):
             tokens = logits.argmax(-1)
             logits = python(tokens, last + step, cache_a)
@@ -73,13 +76,15 @@ def test_the_compiled_step_builds_on_this_machine() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_compiled_step_equals_the_python_step(model_dir: str, threads: int) -> None:
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
+def test_compiled_step_equals_the_python_step(model_dir: str, threads: int, mode: type) -> None:
     """Padded rows, a cache that grows past its first capacity (4 free columns, 20 steps),
-    on one thread and on two (attention split over rows and heads)."""
+    on one thread and on two (each a block of rows: a pool thread must run in the caller's
+    inference or no-grad mode, or ATen refuses to update the caller's tensors)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert decode_both(load_model(model_dir), steps=20, room=4) < 1e-5
+        assert decode_both(load_model(model_dir), steps=20, room=4, mode=mode) < 1e-5
     finally:
         torch.set_num_threads(before)
 
@@ -104,7 +109,7 @@ def test_new_weights_are_used_at_the_next_step(model_dir: str) -> None:
         python(logits.argmax(-1), last + 1, reference)
         compiled_cache, _, _ = prefilled(model, 8)
         compiled(logits.argmax(-1), last + 1, compiled_cache)
-        tokens = torch.arange(6) + 3
+        tokens = torch.arange(18) % 15 + 3
         expected = python(tokens, last + 2, reference)
         got = compiled(tokens, last + 2, compiled_cache)
     assert (expected - got).abs().max().item() < 1e-5

@@ -9,6 +9,7 @@
 // as HF's Llama in float32 (summation order aside): log-probs stay within 1e-6 of it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <cmath>
 #include <vector>
@@ -69,9 +70,9 @@ void rope_and_store(float* qkv, const int64_t* positions, const float* table, fl
 void attention(const float* qkv, const float* cache, const bool* mask, int64_t mask_stride,
                float scale, float* out, const Shape& s) {
   const int64_t d = s.head_dim, g = s.heads / s.kv_heads, length = s.col + 1;
-  at::parallel_for(0, s.rows * s.kv_heads, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(length);
-    for (int64_t item = begin; item < end; ++item) {
+  std::vector<float> scores(length);
+  {
+    for (int64_t item = 0; item < s.rows * s.kv_heads; ++item) {
       const int64_t r = item / s.kv_heads, k = item % s.kv_heads;
       const float* keys = cache + item * 2 * s.capacity * d;
       const float* values = keys + s.capacity * d;
@@ -104,7 +105,7 @@ void attention(const float* qkv, const float* cache, const bool* mask, int64_t m
         }
       }
     }
-  });
+  }
 }
 
 void check(const Tensor& t, const char* what) {
@@ -114,6 +115,48 @@ void check(const Tensor& t, const char* what) {
 
 }  // namespace
 
+// The step for rows [r0, r1) of the batch, through every layer: rows never meet in a decode
+// step, so each thread takes a block of rows for the whole step (one thread-pool wake-up a
+// step; ATen's matmuls inside run on the calling thread).
+struct Step {
+  const std::vector<Tensor>& weights;
+  const std::vector<double>& scalars;
+  const std::vector<Tensor>& caches;
+  const Tensor &positions, &mask, &rope_table, &final_norm, &lm_head;
+  bool padded;
+  double final_eps;
+  int64_t heads, kv_heads, col;
+
+  void run(Tensor x, Tensor logits, int64_t r0, int64_t r1) const {
+    const int64_t rows = r1 - r0, hidden = x.size(1);
+    Tensor h = at::empty_like(x);
+    for (size_t l = 0; l < caches.size(); ++l) {
+      const Tensor* w = &weights[6 * l];
+      const Tensor& cache = caches[l];
+      const Shape s{rows, heads, kv_heads, cache.size(4), cache.size(3), col};
+      const int64_t block = cache.stride(0) * r0;  // this block's first row of the cache
+      rms_norm(x.data_ptr<float>(), w[0].data_ptr<float>(), static_cast<float>(scalars[3 * l]),
+               h.data_ptr<float>(), rows, hidden);
+      Tensor qkv = at::mm(h, w[1].t());
+      rope_and_store(qkv.data_ptr<float>(), positions.data_ptr<int64_t>() + r0,
+                     rope_table.data_ptr<float>(), cache.data_ptr<float>() + block, s);
+      Tensor attended = at::empty({rows, heads * s.head_dim}, x.options());
+      attention(qkv.data_ptr<float>(), cache.data_ptr<float>() + block,
+                padded ? mask.data_ptr<bool>() + r0 * mask.size(1) : nullptr, mask.size(1),
+                static_cast<float>(scalars[3 * l + 2]), attended.data_ptr<float>(), s);
+      x.addmm_(attended, w[2]);
+      rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(),
+               static_cast<float>(scalars[3 * l + 1]), h.data_ptr<float>(), rows, hidden);
+      Tensor gate_up = at::mm(h, w[4].t());
+      const int64_t inner = gate_up.size(1) / 2;
+      x.addmm_(at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner)), w[5]);
+    }
+    rms_norm(x.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps),
+             h.data_ptr<float>(), rows, hidden);
+    at::mm_out(logits, h, lm_head.t());
+  }
+};
+
 // `weights`: per layer norm1, qkv [(H+2KV)d, hidden], o_t [Hd, hidden] (a transposed view),
 // norm2, gate_up [2I, hidden], down_t [I, hidden]; `scalars`: per layer eps1, eps2, scaling.
 // `caches`: per layer [rows, kv_heads, 2, capacity, d]; writes column `col` of each.
@@ -122,7 +165,6 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
                    const Tensor& mask, bool padded, const Tensor& rope_table,
                    const Tensor& embed, const Tensor& final_norm, double final_eps,
                    const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col) {
-  const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(weights.size() == 6 * caches.size() && scalars.size() == 3 * caches.size(),
               "fused decode: 6 weights and 3 scalars per layer");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
@@ -132,37 +174,27 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
               "fused decode: the mask must be contiguous bool with a column ", col);
   check(rope_table, "the RoPE table");
   check(final_norm, "the final norm");
-  const int64_t rows = tokens.size(0), hidden = embed.size(1);
-  Tensor x = embed.index_select(0, tokens);
-  Tensor h = at::empty_like(x);
-  for (int64_t l = 0; l < layers; ++l) {
-    const Tensor* w = &weights[6 * l];
-    const Tensor& cache = caches[l];
-    check(cache, "a KV cache layer");
-    check(w[0], "a norm weight");
-    check(w[3], "a norm weight");
-    const Shape s{rows, heads, kv_heads, cache.size(4), cache.size(3), col};
-    TORCH_CHECK(cache.size(0) == rows && cache.size(1) == kv_heads && col < s.capacity,
-                "fused decode: a KV cache layer of the wrong shape");
-    rms_norm(x.data_ptr<float>(), w[0].data_ptr<float>(), static_cast<float>(scalars[3 * l]),
-             h.data_ptr<float>(), rows, hidden);
-    Tensor qkv = at::mm(h, w[1].t());
-    rope_and_store(qkv.data_ptr<float>(), positions.data_ptr<int64_t>(),
-                   rope_table.data_ptr<float>(), cache.data_ptr<float>(), s);
-    Tensor attended = at::empty({rows, heads * s.head_dim}, x.options());
-    attention(qkv.data_ptr<float>(), cache.data_ptr<float>(),
-              padded ? mask.data_ptr<bool>() : nullptr, mask.size(1),
-              static_cast<float>(scalars[3 * l + 2]), attended.data_ptr<float>(), s);
-    x.addmm_(attended, w[2]);
-    rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(),
-             static_cast<float>(scalars[3 * l + 1]), h.data_ptr<float>(), rows, hidden);
-    Tensor gate_up = at::mm(h, w[4].t());
-    const int64_t inner = gate_up.size(1) / 2;
-    x.addmm_(at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner)), w[5]);
+  const at::NoGradGuard no_grad;  // a decode step never trains
+  const int64_t rows = tokens.size(0);
+  for (size_t l = 0; l < caches.size(); ++l) {
+    check(caches[l], "a KV cache layer");
+    check(weights[6 * l], "a norm weight");
+    check(weights[6 * l + 3], "a norm weight");
+    TORCH_CHECK(caches[l].size(0) == rows && caches[l].size(1) == kv_heads &&
+                col < caches[l].size(3), "fused decode: a KV cache layer of the wrong shape");
   }
-  rms_norm(x.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps),
-           h.data_ptr<float>(), rows, hidden);
-  return at::mm(h, lm_head.t());
+  Tensor x = embed.index_select(0, tokens);
+  Tensor logits = at::empty({rows, lm_head.size(0)}, x.options());
+  const Step step{weights, scalars, caches, positions, mask, rope_table, final_norm, lm_head,
+                  padded, final_eps, heads, kv_heads, col};
+  // blocks of at least kMinRows rows: below that a second thread costs more than it saves
+  constexpr int64_t kMinRows = 8;
+  const at::ThreadLocalState caller;  // inference and grad mode are per thread
+  at::parallel_for(0, rows, kMinRows, [&](int64_t r0, int64_t r1) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    step.run(x.narrow(0, r0, r1 - r0), logits.narrow(0, r0, r1 - r0), r0, r1);
+  });
+  return logits;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
