@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
 ENV_SWITCH = "ROLLFLOW_FUSED_DECODE"  # "0": never build or use it
 STALE_LOCK_SECONDS = 600
+MIN_BLOCK_ROWS = 8  # the compiled step's `kMinRows`: the fewest rows a thread takes
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "module" once tried (None when unavailable)

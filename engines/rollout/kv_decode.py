@@ -287,6 +287,12 @@ class LlamaDecoder:
         scalars = [float(v) for w in layers for v in (w.eps1, w.eps2, w.scaling)]
         return weights, scalars
 
+    @property
+    def parallel_rows(self) -> int | None:
+        """The fewest rows for which the compiled step is worth a second thread (it gives
+        each thread at least 8 rows); None while the Python step runs."""
+        return 2 * fused_decode.MIN_BLOCK_ROWS if self._fused_weights is not None else None
+
     def _fused_step(
         self, fused: tuple[list[torch.Tensor], list[float]], tokens: torch.Tensor,
         positions: torch.Tensor, cache: KVCache,

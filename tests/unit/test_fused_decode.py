@@ -143,3 +143,27 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path: Path) -> None:
     os.utime(tmp_path / "lock", (old, old))
     fused_decode._clear_stale_lock(tmp_path)
     assert not (tmp_path / "lock").exists()
+
+
+def test_the_engine_gives_the_compiled_step_two_threads_from_16_rows(model_dir: str) -> None:
+    """The compiled step wakes the thread pool once a step, so two threads pay from two
+    blocks of 8 rows; the Python step's threshold (4,096 activations: 32 rows here) left
+    batch 16 on one thread, ~40% slower."""
+    from engines.rollout.embedded_generator import EmbeddedGenerator
+    from engines.rollout.gen_types import GenRequest, SamplingParams
+
+    before = torch.get_num_threads()
+    gen = EmbeddedGenerator(model_dir, num_threads=2, device="cpu")
+    try:
+        seen: dict[int, int] = {}
+        for rows in (8, 16):
+            reqs = [GenRequest(f"r{i}", gen.tokenize("12+34="), SamplingParams(
+                max_new_tokens=3, ignore_eos=True, sampling_seed=i)) for i in range(rows)]
+            batch = gen.new_batch()
+            gen.step(batch, reqs)  # prefill
+            gen.step(batch, [])  # a decode step
+            seen[rows] = torch.get_num_threads()
+        assert gen._decoder.parallel_rows == 16  # type: ignore[union-attr]
+        assert seen == {8: 1, 16: 2}
+    finally:
+        torch.set_num_threads(before)

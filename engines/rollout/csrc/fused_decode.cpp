@@ -187,7 +187,8 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
   Tensor logits = at::empty({rows, lm_head.size(0)}, x.options());
   const Step step{weights, scalars, caches, positions, mask, rope_table, final_norm, lm_head,
                   padded, final_eps, heads, kv_heads, col};
-  // blocks of at least kMinRows rows: below that a second thread costs more than it saves
+  // blocks of at least kMinRows rows (fused_decode.MIN_BLOCK_ROWS): below that a second
+  // thread costs more than it saves
   constexpr int64_t kMinRows = 8;
   const at::ThreadLocalState caller;  // inference and grad mode are per thread
   at::parallel_for(0, rows, kMinRows, [&](int64_t r0, int64_t r1) {
