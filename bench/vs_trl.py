@@ -80,6 +80,16 @@ def trl_curve(run: TrlRun, accuracies: list[float], startup: float) -> Curve:
     return Curve(f"TRL lr={run.lr:g}", points, startup, run.seconds, run.cpu)
 
 
+
+def actor_title_prefix(cfg: Any) -> str:
+    """How the run's Ray actors title their processes while they start (`ray::` and their
+    name, `{run key}:{role}@...`): the CPU meter follows processes by it. With the name
+    alone (before actor names carried the run directory) it followed none of them, and
+    reported the driver's and Prefect's CPU as the run's."""
+    from engines.cluster.registry import cfg_run_key
+
+    return f"ray::{cfg_run_key(cfg)}:"
+
 def rollflow_run(
     runs: str, data: dict[str, str], sft_ckpt: str, snapshot_every: int,
     threads: int, extra: list[str], samples: int | None = None,
@@ -107,7 +117,7 @@ def rollflow_run(
     connect(cfg.cluster)
     kill_run_actors(cfg)  # left by an interrupted earlier bench: start as fresh as TRL does
     called = time.time()
-    with CpuMeter(prefix=f"ray::{RUN_NAME}:") as meter:
+    with CpuMeter(prefix=actor_title_prefix(cfg)) as meter:
         train(cfg)
     steps = sorted((run_dir / "steps").glob("[0-9]*"))
     committed = [(s / "COMMITTED").stat().st_mtime for s in steps]

@@ -4,12 +4,15 @@ machine with torch's C++ extension builder (g++ and ninja).
 At batch 64 on the example model the Python step (`kv_decode.LlamaDecoder`) spent more on
 ~140 aten dispatches, their temporaries and a thread-pool wake-up per op than on its
 matmuls; the compiled step keeps ATen's matmuls and runs everything between them as loops
-over the same buffers. It is built for this machine's CPU (`-march=native`), under a name
-that carries the CPU's feature flags, so a build cache shared with other machines never
-hands one code its CPU lacks. `scripts/setup.sh` builds it ahead (`python -m
-engines.rollout.fused_decode`): a first build takes ~30 s. Anything that stops the build (no
-compiler or Python headers, `ROLLFLOW_FUSED_DECODE=0`) leaves the Python step in use, said
-once in the log; the two give the same tokens and log-probs within 1e-6.
+over the same buffers, each pool thread taking a block of rows through the whole step.
+
+It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
+feature flags (a build cache shared with other machines never hands one code its CPU lacks)
+and a digest of the source (checkouts of one source share a build). `scripts/setup.sh`
+builds it ahead (`python -m engines.rollout.fused_decode`): a first build takes ~40 s here.
+Anything that stops the build (no compiler or Python headers, `ROLLFLOW_FUSED_DECODE=0`)
+leaves the Python step in use, said once in the log; the two give the same tokens and
+log-probs within 1e-6.
 """
 
 from __future__ import annotations
@@ -85,19 +88,32 @@ def _clear_stale_lock(directory: Path) -> None:
         pass
 
 
+def _source_copy(directory: Path, code: bytes) -> Path:
+    """The source, copied into its build directory: the build records its sources' paths,
+    so two checkouts of one source built from their own paths would rebuild in turn (~40 s
+    at each first load), each the other's build being "out of date"."""
+    copy = directory / SOURCE.name
+    if not copy.exists() or copy.read_bytes() != code:
+        partial = directory / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(code)
+        os.replace(partial, copy)
+    return copy
+
+
 def _build() -> Any | None:
     started = time.perf_counter()
     try:
         _with_ninja_on_path()
         from torch.utils.cpp_extension import load as load_extension
 
-        name = f"rollflow_fused_decode_{_cpu_tag()}"
+        code = SOURCE.read_bytes()
+        name = f"rollflow_fused_decode_{_cpu_tag()}_{hashlib.sha1(code).hexdigest()[:8]}"
         directory = build_directory(name)
         directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(directory)
         module = load_extension(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(_source_copy(directory, code))],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),

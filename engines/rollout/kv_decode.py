@@ -236,7 +236,9 @@ class LlamaDecoder:
         self._rope_table = torch.zeros(0)
         self._zero = self._neg_inf = torch.zeros(0)
         self._head: tuple[Any, ...] = ()  # embedding, final norm weight and eps, lm_head
-        self._fused = fused_decode.load() if use_fused else None
+        weight = model.get_input_embeddings().weight
+        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self._fused = fused_decode.load() if use_fused and on_cpu else None  # no build for GPUs
         self._fused_weights: tuple[list[torch.Tensor], list[float]] | None = None
 
     @staticmethod

@@ -43,3 +43,24 @@ def test_a_run_that_reaches_the_final_level_gets_both_ratios() -> None:
     assert result["ratio"] == pytest.approx(10 / 40)
     assert result["ratio_with_startup"] == pytest.approx(15 / 45)
     assert result["settled_ratio"] == pytest.approx(10 / 30)
+
+
+def test_the_cpu_meter_follows_the_runs_actors(tmp_path) -> None:
+    """Actor names gained the run directory's hash (`run~abc123:role@...`); the meter kept
+    looking for `ray::run:` and counted none of the actors' CPU (0.11x "CPU ratio")."""
+    from bench.vs_trl import actor_title_prefix
+    from engines.cluster.registry import actor_name
+    from flows.config_loader import config_from_dict
+
+    def config(root: str) -> object:
+        return config_from_dict({
+            "data": {"prompt_data": "/d/train.jsonl"}, "train": {"model_path": "/m"},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
+            "storage": {"uri": root, "run_name": "vs"},
+        })
+
+    cfg = config(str(tmp_path))
+    for role in ("trainer", "engine-0", "rollout"):
+        assert f"ray::{actor_name(cfg, role)}".startswith(actor_title_prefix(cfg))
+    other = actor_name(config(str(tmp_path / "x")), "trainer")  # same name, another root
+    assert not f"ray::{other}".startswith(actor_title_prefix(cfg))
