@@ -167,3 +167,16 @@ def test_the_engine_gives_the_compiled_step_two_threads_from_16_rows(model_dir: 
         assert seen == {8: 1, 16: 2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_position_outside_the_rope_table_is_refused(model_dir: str) -> None:
+    """The compiled step reads the table by position unchecked; it must raise, not read
+    past the table's end."""
+    model = load_model(model_dir)
+    decoder = LlamaDecoder(model)
+    cache, logits, last = prefilled(model, 4)
+    with torch.inference_mode():
+        decoder(logits.argmax(-1), last + 1, cache)  # gathers the weights
+        table = decoder._rope_rows(cache.width).shape[0]
+        with pytest.raises(RuntimeError, match="outside the RoPE table"):
+            decoder(logits.argmax(-1), last + table, cache)

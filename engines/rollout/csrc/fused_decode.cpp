@@ -176,6 +176,11 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
   check(final_norm, "the final norm");
   const at::NoGradGuard no_grad;  // a decode step never trains
   const int64_t rows = tokens.size(0);
+  TORCH_CHECK(positions.size(0) == rows, "fused decode: one position per row");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)  // (the table is read unchecked below)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < rope_table.size(0), "fused decode: position ", pos[r],
+                " is outside the RoPE table (", rope_table.size(0), " rows)");
   for (size_t l = 0; l < caches.size(); ++l) {
     check(caches[l], "a KV cache layer");
     check(weights[6 * l], "a norm weight");
