@@ -8,7 +8,7 @@ over the same buffers, each pool thread taking a block of rows through the whole
 
 It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
 feature flags (a build cache shared with other machines never hands one code its CPU lacks)
-and a digest of the source (checkouts of one source share a build). `scripts/setup.sh`
+and a digest of the source, in a directory per Python environment (`build_directory`). `scripts/setup.sh`
 builds it ahead (`python -m engines.rollout.fused_decode`): a first build takes ~40 s here.
 Anything that stops the build (no compiler or Python headers, `ROLLFLOW_FUSED_DECODE=0`)
 leaves the Python step in use, said once in the log; the two give the same tokens and
@@ -67,12 +67,14 @@ def load() -> Any | None:
 
 
 def build_directory(name: str) -> Path:
-    """Where it is built: torch's extension cache, one directory per Python and torch version
-    (a build against other torch headers would not load)."""
+    """Where it is built: torch's extension cache, one directory per Python environment and
+    torch version. A build records the include paths of the torch it was built against, so
+    two venvs sharing one directory rebuilt it in turn (~50 s at each one's first load)."""
     import torch
 
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    env = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:6]
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{env}"
     return Path(base) / tag / name
 
 
@@ -124,7 +126,8 @@ def _build() -> Any | None:
         return None
     seconds = time.perf_counter() - started
     if seconds > 10:  # (a build; loading a built one takes milliseconds)
-        log.info("built the fused decode step in %.0f s (once per machine)", seconds)
+        log.info("built the fused decode step in %.0f s (once per machine and environment)",
+                 seconds)
     return module
 
 

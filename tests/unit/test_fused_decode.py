@@ -180,3 +180,12 @@ def test_a_position_outside_the_rope_table_is_refused(model_dir: str) -> None:
         table = decoder._rope_rows(cache.width).shape[0]
         with pytest.raises(RuntimeError, match="outside the RoPE table"):
             decoder(logits.argmax(-1), last + table, cache)
+
+
+def test_each_python_environment_builds_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build records its torch's include paths: two venvs sharing a build directory
+    rebuilt it in turn, ~50 s at each one's first load."""
+    here = fused_decode.build_directory("x")
+    assert fused_decode.build_directory("x") == here
+    monkeypatch.setattr("sys.prefix", "/another/venv")
+    assert fused_decode.build_directory("x") != here
