@@ -8,8 +8,9 @@ over the same buffers, each pool thread taking a block of rows through the whole
 
 It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
 feature flags (a build cache shared with other machines never hands one code its CPU lacks)
-and a digest of the source, in a directory per Python environment (`build_directory`). `scripts/setup.sh`
-builds it ahead (`python -m engines.rollout.fused_decode`): a first build takes ~40 s here.
+and a digest of the source, in a directory per Python environment (`build_directory`).
+`scripts/setup.sh` builds it ahead (`python -m engines.rollout.fused_decode`): a first build
+takes ~40-55 s here.
 Anything that stops the build (no compiler or Python headers, `ROLLFLOW_FUSED_DECODE=0`)
 leaves the Python step in use, said once in the log; the two give the same tokens and
 log-probs within 1e-6.
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
 ENV_SWITCH = "ROLLFLOW_FUSED_DECODE"  # "0": never build or use it
 STALE_LOCK_SECONDS = 600
-MIN_BLOCK_ROWS = 8  # the compiled step's `kMinRows`: the fewest rows a thread takes
+MIN_BLOCK_ROWS = 8  # the fewest rows the compiled step gives a thread (fewer: one thread)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "module" once tried (None when unavailable)

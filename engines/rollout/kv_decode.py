@@ -306,7 +306,7 @@ class LlamaDecoder:
         logits: torch.Tensor = self._fused.decode_step(
             tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
             cache.mask, cache.padded, self._rope_rows(col), embed, norm, float(eps), lm_head,
-            self.heads, self.kv_heads, col,
+            self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS,
         )  # fmt: skip
         cache.width = col + 1
         return logits

@@ -160,11 +160,13 @@ struct Step {
 // `weights`: per layer norm1, qkv [(H+2KV)d, hidden], o_t [Hd, hidden] (a transposed view),
 // norm2, gate_up [2I, hidden], down_t [I, hidden]; `scalars`: per layer eps1, eps2, scaling.
 // `caches`: per layer [rows, kv_heads, 2, capacity, d]; writes column `col` of each.
+// `min_block_rows`: the fewest rows a pool thread takes (fused_decode.MIN_BLOCK_ROWS).
 Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vector<Tensor>& weights,
                    const std::vector<double>& scalars, const std::vector<Tensor>& caches,
                    const Tensor& mask, bool padded, const Tensor& rope_table,
                    const Tensor& embed, const Tensor& final_norm, double final_eps,
-                   const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col) {
+                   const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col,
+                   int64_t min_block_rows) {
   TORCH_CHECK(weights.size() == 6 * caches.size() && scalars.size() == 3 * caches.size(),
               "fused decode: 6 weights and 3 scalars per layer");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
@@ -192,11 +194,10 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
   Tensor logits = at::empty({rows, lm_head.size(0)}, x.options());
   const Step step{weights, scalars, caches, positions, mask, rope_table, final_norm, lm_head,
                   padded, final_eps, heads, kv_heads, col};
-  // blocks of at least kMinRows rows (fused_decode.MIN_BLOCK_ROWS): below that a second
-  // thread costs more than it saves
-  constexpr int64_t kMinRows = 8;
   const at::ThreadLocalState caller;  // inference and grad mode are per thread
-  at::parallel_for(0, rows, kMinRows, [&](int64_t r0, int64_t r1) {
+  // blocks of at least `min_block_rows` rows: below that a second thread costs more than it
+  // saves
+  at::parallel_for(0, rows, min_block_rows, [&](int64_t r0, int64_t r1) {
     const at::ThreadLocalStateGuard as_caller(caller);
     step.run(x.narrow(0, r0, r1 - r0), logits.narrow(0, r0, r1 - r0), r0, r1);
   });
