@@ -133,10 +133,11 @@ class DecodeBatch:
         if self._next_uniform >= _UNIFORM_BLOCK:
             seeds = self.t["seeds"]
             steps = torch.tensor([len(s.out_ids) for s in self.rows], device=seeds.device)
-            self._uniforms = uniform_table(seeds, steps, _UNIFORM_BLOCK)
+            # step-major, so that each step's uniforms are contiguous
+            self._uniforms = uniform_table(seeds, steps, _UNIFORM_BLOCK).T.contiguous()
             self._next_uniform = 0
         self._next_uniform += 1
-        return self._uniforms[:, self._next_uniform - 1]
+        return self._uniforms[self._next_uniform - 1]
 
     def record(
         self,

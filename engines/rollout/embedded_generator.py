@@ -23,6 +23,7 @@ from collections.abc import Collection, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engines.rollout import fused_decode
 from engines.rollout.decode_batch import DecodeBatch, ReqState
 from engines.rollout.gen_types import (
     GeneratorIdentity,
@@ -75,6 +76,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
         self.model.eval().requires_grad_(False)
         self._decoder = make_decoder(self.model)
+        self._fused = fused_decode.load() if self.device.type == "cpu" else None
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.model.config.vocab_size)
         self._hidden = int(getattr(self.model.config, "hidden_size", 0) or 1024)
@@ -270,7 +272,11 @@ class EmbeddedGenerator(GeneratorIdentity):
 
     def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> list[ReqState]:
         assert b.sampling is not None
-        tok, logp = sample_tokens(logits.float(), b.sampling, b.uniforms())
+        logits, uniform = logits.float(), b.uniforms()
+        if self._fused is not None:
+            tok, logp = fused_decode.sample_tokens(self._fused, logits, b.sampling, uniform)
+        else:
+            tok, logp = sample_tokens(logits, b.sampling, uniform)
         return b.record(tok, logp, self._match_stop)
 
     def _match_stop(self, s: ReqState) -> str | None:

@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from engines.rollout import sampling
+from engines.rollout.sampling import SamplingRows
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_decode.cpp"
@@ -67,12 +72,23 @@ def load() -> Any | None:
         return _state["module"]
 
 
+def sample_tokens(
+    module: Any, logits: torch.Tensor, rows: SamplingRows, uniform: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.sample_tokens` as one compiled call where it applies (float32 CPU logits,
+    no row truncating with top-p/top-k), ~12 aten ops and 0.4 ms a step at batch 64 before.
+    The same draw: the token where the float32 distribution's CDF passes the row's uniform;
+    only float rounding at a CDF step can tell the two apart."""
+    if rows.truncates or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return sampling.sample_tokens(logits, rows, uniform)
+    tokens, logps = module.sample_rows(logits.contiguous(), rows.divisor, uniform, rows.greedy)
+    return tokens, logps
+
+
 def build_directory(name: str) -> Path:
     """Where it is built: torch's extension cache, one directory per Python environment and
     torch version. A build records the include paths of the torch it was built against, so
     two venvs sharing one directory rebuilt it in turn (~50 s at each one's first load)."""
-    import torch
-
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     env = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:6]
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{env}"

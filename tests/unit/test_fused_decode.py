@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engines.rollout import fused_decode
 from engines.rollout.kv_decode import KVCache, LlamaDecoder
+from engines.rollout.sampling import SamplingRows, sample_tokens, seeded_uniform
 from examples.arithmetic.build_model import save_tiny_model
 
 
@@ -189,3 +190,43 @@ def test_each_python_environment_builds_its_own(monkeypatch: pytest.MonkeyPatch)
     assert fused_decode.build_directory("x") == here
     monkeypatch.setattr("sys.prefix", "/another/venv")
     assert fused_decode.build_directory("x") != here
+
+
+def sampling_rows(temps: list[float], vocab: int, top_p: float = 1.0) -> SamplingRows:
+    n = len(temps)
+    return SamplingRows.of(torch.tensor(temps), torch.full((n,), top_p),
+                           torch.full((n,), vocab), vocab)
+
+
+def test_the_compiled_sampler_draws_what_the_python_one_draws() -> None:
+    """Same tokens and log-probs within 1e-6 for temperatures 0 (greedy), 0.5, 1 and 1.7
+    in one batch, a vocabulary of 50 with two tokens masked to -inf, 300 rows."""
+    torch.manual_seed(1)
+    rows, vocab = 300, 50
+    logits = torch.randn(rows, vocab) * 3
+    logits[:, [4, 9]] = float("-inf")
+    temps = [(0.0, 0.5, 1.0, 1.7)[i % 4] for i in range(rows)]
+    spec = sampling_rows(temps, vocab)
+    uniform = seeded_uniform(torch.arange(rows), 7)
+    tokens, logps = fused_decode.sample_tokens(fused_decode.load(), logits, spec, uniform)
+    want_tokens, want_logps = sample_tokens(logits, spec, uniform)
+    assert torch.equal(tokens, want_tokens)
+    assert torch.allclose(logps, want_logps, atol=1e-6)
+    assert not torch.isin(tokens, torch.tensor([4, 9])).any()
+    assert len(set(tokens[1::4].tolist())) > 10  # it sampled rather than took the argmax
+    assert torch.equal(tokens[::4], logits[::4].argmax(-1))
+
+
+def test_the_compiled_sampler_greedy_and_truncated_batches() -> None:
+    """All rows greedy (no uniforms): the argmax; a row with top-p < 1: the Python sampler,
+    which truncates, runs instead."""
+    torch.manual_seed(2)
+    logits = torch.randn(20, 30)
+    module = fused_decode.load()
+    tokens, logps = fused_decode.sample_tokens(module, logits, sampling_rows([0.0] * 20, 30), None)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.allclose(logps, torch.log_softmax(logits, -1).max(-1).values, atol=1e-6)
+    truncated = sampling_rows([1.0] * 20, 30, top_p=0.3)
+    uniform = seeded_uniform(torch.arange(20), 0)
+    assert torch.equal(fused_decode.sample_tokens(module, logits, truncated, uniform)[0],
+                       sample_tokens(logits, truncated, uniform)[0])

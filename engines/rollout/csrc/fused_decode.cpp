@@ -54,7 +54,13 @@ void rope_and_store(float* qkv, const int64_t* positions, const float* table, fl
     for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) {
       float* x = row + h * d;
       std::copy(x, x + d, head.begin());
-      for (int64_t i = 0; i < d; ++i) x[i] = head[i] * cos[i] + head[(i + half) % d] * sin[i];
+      const float* first = head.data();
+      const float* second = first + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) x[i] = first[i] * cos[i] + second[i] * sin[i];
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i)
+        x[half + i] = second[i] * cos[half + i] + first[i] * sin[half + i];
     }
     for (int64_t k = 0; k < s.kv_heads; ++k) {
       float* keys = cache + (r * s.kv_heads + k) * 2 * s.capacity * d;
@@ -78,6 +84,15 @@ void attention(const float* qkv, const float* cache, const bool* mask, int64_t m
     const float* keys = cache + item * 2 * s.capacity * d;
     const float* values = keys + s.capacity * d;
     const bool* real = mask == nullptr ? nullptr : mask + r * mask_stride;
+    if (item + 1 < s.rows * s.kv_heads) {  // ask for the next item's keys and values now:
+      // each item's are two short runs, too short for the hardware prefetcher to catch
+      const char* next = reinterpret_cast<const char*>(keys + 2 * s.capacity * d);
+      const int64_t bytes = length * d * static_cast<int64_t>(sizeof(float));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(next + b);
+        __builtin_prefetch(next + s.capacity * d * static_cast<int64_t>(sizeof(float)) + b);
+      }
+    }
     for (int64_t h = k * g; h < (k + 1) * g; ++h) {
       const float* q = qkv + r * s.width() + h * d;
       float best = -INFINITY;
@@ -204,6 +219,62 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
   return logits;
 }
 
+// sampling.sample_tokens for rows without top-p/top-k, in one call rather than ~12 aten ops:
+// softmax(logits / divisor) in float32, the token where its CDF passes `uniform` x total
+// (the first with cdf > u * total, never a zero-probability one), the argmax for greedy rows
+// (all when `uniform` is undefined); returns (tokens, their log-probs).
+std::tuple<Tensor, Tensor> sample_rows(const Tensor& logits, const c10::optional<Tensor>& divisor,
+                                       const c10::optional<Tensor>& uniform,
+                                       const c10::optional<Tensor>& greedy) {
+  check(logits, "the logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  for (const auto* t : {&divisor, &uniform, &greedy})
+    TORCH_CHECK(!t->has_value() || ((*t)->numel() == rows && (*t)->is_contiguous() &&
+                                    (*t)->device().is_cpu()),
+                "fused sampling: one contiguous CPU value per row");
+  TORCH_CHECK(!divisor || divisor->scalar_type() == at::kFloat, "fused sampling: float divisor");
+  TORCH_CHECK(!uniform || uniform->scalar_type() == at::kFloat, "fused sampling: float uniform");
+  TORCH_CHECK(!greedy || greedy->scalar_type() == at::kBool, "fused sampling: bool greedy");
+  Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  Tensor logps = at::empty({rows}, logits.options());
+  const float* all = logits.data_ptr<float>();
+  std::vector<float> logp(vocab), probs(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* z = all + r * vocab;
+    const float div = divisor ? divisor->data_ptr<float>()[r] : 1.f;
+    float best = -INFINITY;
+    int64_t argmax = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      logp[i] = z[i] / div;
+      if (logp[i] > best) best = logp[i], argmax = i;
+    }
+    double total = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(logp[i] - best));
+    const float log_total = static_cast<float>(std::log(total));
+    for (int64_t i = 0; i < vocab; ++i) logp[i] = (logp[i] - best) - log_total;
+    int64_t token = argmax;  // (dividing by a positive temperature keeps the argmax)
+    if (uniform && !(greedy && greedy->data_ptr<bool>()[r])) {
+      double mass = 0.0;
+      for (int64_t i = 0; i < vocab; ++i) mass += (probs[i] = std::exp(logp[i]));
+      const double target = uniform->data_ptr<float>()[r] * mass;
+      double cdf = 0.0;
+      token = vocab - 1;
+      for (int64_t i = 0; i < vocab; ++i) {
+        cdf += probs[i];
+        if (cdf > target) {
+          token = i;
+          break;
+        }
+      }
+      if (probs[token] == 0.f) token = argmax;  // rounding past the last real token
+    }
+    tokens.data_ptr<int64_t>()[r] = token;
+    logps.data_ptr<float>()[r] = logp[token];
+  }
+  return {tokens, logps};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sample_rows", &sample_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
