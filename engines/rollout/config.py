@@ -235,6 +235,13 @@ class EngineConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Embedded engine: the model's dtype (bfloat16 on GPUs)."
     )
+    num_continuous_decode_steps: int = Field(
+        8, ge=1,
+        description="Embedded engine: tokens decoded per scheduler turn without returning to "
+        "Python (SGLang's --num-continuous-decode-steps, whose default is 1). Admissions, aborts "
+        "and weight updates wait for the turn to end; a turn ends early when a row finishes. "
+        "Used by the compiled CPU step, for rows without stop strings or top-p/top-k.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="Embedded engine: auto puts the model on the GPU the engine's process "

@@ -82,14 +82,16 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
                 f"serialized_named_tensors needs 1 entry (tp_size=1), got {len(entries)}"
             )
         named = decode_named_tensors(entries[0])
-        await asyncio.to_thread(generator.load_weights, named, _version(body))
+        await asyncio.to_thread(
+            scheduler.between_steps, generator.load_weights, named, _version(body))
         return f"Updated {len(named)} tensors (weight_version={generator.weight_version})."
 
     async def from_disk(body: dict[str, Any]) -> str:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise ValueError("model_path must be a non-empty string")
-        await asyncio.to_thread(generator.update_weights_from_disk, path, _version(body))
+        await asyncio.to_thread(scheduler.between_steps, generator.update_weights_from_disk, path,
+                                _version(body))
         return f"Succeeded to update model weights (weight_version={generator.weight_version})."
 
     async def init_group(body: dict[str, Any]) -> str:
@@ -116,7 +118,8 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
         named = await asyncio.to_thread(
             groups[name].receive, names, dtypes, _str_list(body, "shapes")
         )
-        await asyncio.to_thread(generator.load_weights, named, _version(body))
+        await asyncio.to_thread(
+            scheduler.between_steps, generator.load_weights, named, _version(body))
         return f"Updated {len(named)} tensors (weight_version={generator.weight_version})."
 
     async def destroy_group(body: dict[str, Any]) -> str:

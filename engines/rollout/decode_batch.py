@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from engines.rollout.gen_types import GenRequest
-from engines.rollout.kv_decode import KVCache
+from engines.rollout.kv_decode import KVCache, RowFinish
 from engines.rollout.sampling import SamplingRows, uniform_table
 
 _COMPACT_BELOW = 0.75
@@ -123,21 +123,40 @@ class DecodeBatch:
         self.sampling = SamplingRows.of(t["temps"], t["top_p"], t["top_k"], self.vocab)
         self._next_uniform = _UNIFORM_BLOCK  # redraw for the new rows at the next token
 
-    def uniforms(self) -> torch.Tensor | None:
-        """Each row's sampling uniform for the token it draws next, i.e. `seeded_uniform(seed,
-        tokens so far)` (None when every row is greedy). Every sample advances every row by
-        one token, so a table for the next `_UNIFORM_BLOCK` tokens is read column by column."""
+    def uniforms(self, steps: int = 1) -> torch.Tensor | None:
+        """Each row's sampling uniforms for its next `steps` tokens at most, `[steps, rows]`:
+        `seeded_uniform(seed, tokens so far + i)` (None when every row is greedy). Every
+        sample advances every row by one token, so a table for the next `_UNIFORM_BLOCK`
+        tokens is read row by row; fewer than `steps` come back where the table ends.
+        `used` moves past the ones a step took."""
         assert self.sampling is not None
         if self.sampling.all_greedy:
             return None
         if self._next_uniform >= _UNIFORM_BLOCK:
             seeds = self.t["seeds"]
-            steps = torch.tensor([len(s.out_ids) for s in self.rows], device=seeds.device)
+            steps_done = torch.tensor([len(s.out_ids) for s in self.rows], device=seeds.device)
             # step-major, so that each step's uniforms are contiguous
-            self._uniforms = uniform_table(seeds, steps, _UNIFORM_BLOCK).T.contiguous()
+            self._uniforms = uniform_table(seeds, steps_done, _UNIFORM_BLOCK).T.contiguous()
             self._next_uniform = 0
-        self._next_uniform += 1
-        return self._uniforms[self._next_uniform - 1]
+        return self._uniforms[self._next_uniform : self._next_uniform + steps]
+
+    def used(self, steps: int) -> None:
+        self._next_uniform += steps
+
+    def finish_rules(self) -> RowFinish | None:
+        """What ends each row, for steps decoded without Python in between; None if a live
+        row has stop strings (matched on the text, in Python, after each token)."""
+        live = self.live_rows()
+        if any(self.rows[j].request.params.stop for j in live):
+            return None
+        width = max(1, max(len(s.stop_ids) for s in self.rows))
+        dev = self.t["seeds"].device
+        return RowFinish(
+            torch.tensor(self.alive, device=dev),
+            torch.tensor([s.budget - len(s.out_ids) for s in self.rows], device=dev),
+            torch.tensor([s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in self.rows],
+                         dtype=torch.long, device=dev),
+        )  # fmt: skip
 
     def record(
         self,
@@ -145,14 +164,17 @@ class DecodeBatch:
         logp: torch.Tensor,
         match_stop: Callable[[ReqState], str | None],
     ) -> list[ReqState]:
-        """Append each live row's new token; mark and return the rows that finished."""
-        self.t["last_tok"] = tok
-        toks, lps = tok.tolist(), logp.tolist()
+        """Append each live row's new tokens (`[steps, rows]`: only the last step may end a
+        row); mark and return the rows that finished."""
+        self.used(tok.shape[0])
+        self.t["last_tok"] = tok[-1]
+        toks, lps = tok.T.tolist(), logp.T.tolist()
         ended: list[int] = []
         for j in self.live_rows():
-            row, token = self.rows[j], toks[j]
-            row.out_ids.append(token)
-            row.out_logprobs.append(lps[j])
+            row, new = self.rows[j], toks[j]
+            row.out_ids += new
+            row.out_logprobs += lps[j]
+            token = new[-1]
             if len(row.out_ids) >= row.budget:
                 row.reason = {"type": "length", "length": len(row.out_ids)}
             elif token in row.stop_ids:

@@ -34,7 +34,7 @@ from engines.rollout.gen_types import (
     never_abort,
     run_to_completion,
 )
-from engines.rollout.kv_decode import make_decoder
+from engines.rollout.kv_decode import LlamaDecoder, make_decoder
 from engines.rollout.sampling import sample_tokens
 from engines.weight_sync import weights_checksum
 
@@ -64,6 +64,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         num_threads: int | None = None,
         seed: int = 0,
         device: str = "auto",
+        continuous_steps: int = 1,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -77,6 +78,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.model.eval().requires_grad_(False)
         self._decoder = make_decoder(self.model)
         self._fused = fused_decode.load() if self.device.type == "cpu" else None
+        self.continuous_steps = continuous_steps
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.model.config.vocab_size)
         self._hidden = int(getattr(self.model.config, "hidden_size", 0) or 1024)
@@ -249,9 +251,30 @@ class EmbeddedGenerator(GeneratorIdentity):
     def _decode(self, b: DecodeBatch) -> list[ReqState]:
         assert b.cache is not None
         self._use_threads(len(b.rows), getattr(self._decoder, "parallel_rows", None))
+        if self.continuous_steps > 1 and isinstance(self._decoder, LlamaDecoder):
+            ended = self._decode_steps(b, self._decoder)
+            if ended is not None:
+                return ended
         logits = self._decoder(b.t["last_tok"], b.t["next_pos"], b.cache)
         b.t["next_pos"].add_(1)
         return self._sample(b, logits)
+
+    def _decode_steps(self, b: DecodeBatch, decoder: LlamaDecoder) -> list[ReqState] | None:
+        """Up to `continuous_steps` tokens in one compiled call (SGLang's
+        `num_continuous_decode_steps`); None where one step at a time must run: a row with
+        stop strings, top-p/top-k, or a model the compiled step does not cover."""
+        assert b.cache is not None and b.sampling is not None
+        finish = b.finish_rules()
+        if finish is None:
+            return None
+        uniforms = b.uniforms(self.continuous_steps)
+        steps = self.continuous_steps if uniforms is None else uniforms.shape[0]
+        out = decoder.decode_steps(b.t["last_tok"], b.t["next_pos"], b.cache, steps,
+                                   b.sampling, uniforms, finish)
+        if out is None:
+            return None
+        b.t["next_pos"].add_(out[0].shape[0])
+        return b.record(*out, self._match_stop)
 
     def _use_threads(self, tokens: int, parallel_rows: int | None = None) -> None:
         """One intra-op thread for a forward whose activations (tokens x hidden size) are
@@ -272,12 +295,13 @@ class EmbeddedGenerator(GeneratorIdentity):
 
     def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> list[ReqState]:
         assert b.sampling is not None
-        logits, uniform = logits.float(), b.uniforms()
+        logits, uniforms = logits.float(), b.uniforms(1)
+        uniform = None if uniforms is None else uniforms[0]
         if self._fused is not None:
             tok, logp = fused_decode.sample_tokens(self._fused, logits, b.sampling, uniform)
         else:
             tok, logp = sample_tokens(logits, b.sampling, uniform)
-        return b.record(tok, logp, self._match_stop)
+        return b.record(tok[None], logp[None], self._match_stop)
 
     def _match_stop(self, s: ReqState) -> str | None:
         """Check the stop strings against the tail of the text, as SGLang does."""

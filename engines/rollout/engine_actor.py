@@ -42,6 +42,7 @@ def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Gene
         num_threads=num_threads,
         seed=index,
         device=config.device,
+        continuous_steps=config.num_continuous_decode_steps,
     )
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engines.rollout import fused_decode
+from engines.rollout.sampling import SamplingRows
 
 _CHUNK = 64  # columns added when a cache fills up (plus half its size, for amortized growth)
 
@@ -132,6 +133,16 @@ class KVCache:
             out.layers.append(buf)
         out._check_padding()
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class RowFinish:
+    """What ends each row, for steps run without Python in between: `live` (bool [rows]),
+    `left` tokens of budget (int64 [rows]), `stop_ids` (int64 [rows, n], -1 pads)."""
+
+    live: torch.Tensor
+    left: torch.Tensor
+    stop_ids: torch.Tensor
 
 
 class Decoder(Protocol):
@@ -310,6 +321,32 @@ class LlamaDecoder:
         )  # fmt: skip
         cache.width = col + 1
         return logits
+
+    def decode_steps(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, steps: int,
+        sampling: SamplingRows, uniforms: torch.Tensor | None, finish: RowFinish,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Up to `steps` tokens per row in one compiled call, each step's sample fed to the
+        next (`[steps taken, rows]` tokens and log-probs); it stops after a step at which a
+        live row finishes. None where the compiled step does not run: then one step at a
+        time. The cache advances by the steps taken; `positions` are the caller's to move."""
+        self._weights()
+        fused = self._fused_weights
+        if fused is None or sampling.truncates:
+            return None
+        assert self._fused is not None
+        cache.reserve(steps)
+        col = cache.width
+        embed, norm, eps, lm_head, _ = self._head
+        out: tuple[torch.Tensor, torch.Tensor] = self._fused.decode_steps(
+            tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
+            cache.mask, cache.padded, self._rope_rows(col + steps), embed, norm, float(eps),
+            lm_head, self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS, steps,
+            sampling.divisor, uniforms, sampling.greedy, finish.live, finish.left,
+            finish.stop_ids,
+        )  # fmt: skip
+        cache.width = col + out[0].shape[0]
+        return out
 
     def _rope_rows(self, width: int) -> torch.Tensor:
         """cos and sign-folded sin of positions up to `width`, `[size, 2, head_dim]`

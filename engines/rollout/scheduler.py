@@ -3,7 +3,8 @@
     HTTP handlers --submit--> queue --(admitted between steps)--> generator.step(batch, admit)
          ^                                                               |
          +------ a submit's future, resolved when its last request ends <-+
-    abort / pause / release take the step lock, so they act between two decode steps.
+    abort / pause / release take the step lock, so they act between two decode steps; the
+    loop lets them have it before its next step (`_between_steps`).
 
 While a batch runs, queued requests join it at the next step (a new prefill merged into
 the running KV cache). When the engine is idle a short burst window lets concurrent HTTP
@@ -16,12 +17,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from engines.rollout.gen_types import Generator, GenRequest, GenResult, aborted_result
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+T = TypeVar("T")
 
 
 class _Submission:
@@ -71,6 +75,7 @@ class ContinuousScheduler:
         self._waiting: dict[str, tuple[_Submission, int]] = {}  # rid -> its submit, index
         self._cond = threading.Condition()
         self._step_lock = threading.RLock()
+        self._control_waiting = 0  # control calls waiting for the step lock
         self._paused: str | None = None
         self._released: set[str] = set()
         self._stop = False
@@ -131,14 +136,14 @@ class ContinuousScheduler:
                 self._queue.remove(r)
         version = self.generator.weight_version
         self._resolve([aborted_result(r, version) for r in queued])
-        with self._step_lock:
+        with self._between_steps():
             self._resolve(self.generator.abort(self._batch, None if abort_all else [rid]))
 
     def pause(self, mode: str = "abort") -> None:
         """SGLang's modes: abort everything, retract (drop KV, resume later) or in place."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        with self._step_lock:
+        with self._between_steps():
             with self._cond:
                 self._paused = mode
             if mode == "abort":
@@ -152,7 +157,7 @@ class ContinuousScheduler:
             self._cond.notify_all()
 
     def release_memory(self, tags: Collection[str]) -> None:
-        with self._step_lock:
+        with self._between_steps():
             if self._batch.num_running:
                 raise RuntimeError(
                     "requests are running: pause_generation (abort or retract) before releasing"
@@ -162,11 +167,32 @@ class ContinuousScheduler:
                 self._released |= set(tags)
 
     def resume_memory(self, tags: Collection[str]) -> None:
-        with self._step_lock:
+        with self._between_steps():
             self.generator.resume_memory(tags)
             with self._cond:
                 self._released -= set(tags)
                 self._cond.notify_all()
+
+    @contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """The step lock for a control call, which the loop lets it have before its next
+        step. A lock is not fair: the loop released it and took it again at once, so an
+        abort waited while whole requests ran to the end (the compiled engine holds it for
+        several tokens a turn, with the GIL released)."""
+        with self._cond:
+            self._control_waiting += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._cond:
+                self._control_waiting -= 1
+                self._cond.notify_all()
+
+    def between_steps(self, work: Callable[..., T], *args: Any) -> T:
+        """Run `work` (a weight update) between two steps, ahead of the next one."""
+        with self._between_steps():
+            return work(*args)
 
     def _runnable(self) -> bool:
         held = self._paused is not None or bool(self._released)
@@ -185,7 +211,7 @@ class ContinuousScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._runnable():
+                while not self._stop and (self._control_waiting or not self._runnable()):
                     self._cond.wait()
                 if self._stop:
                     return

@@ -249,7 +249,7 @@ std::tuple<Tensor, Tensor> sample_rows(const Tensor& logits, const c10::optional
       if (logp[i] > best) best = logp[i], argmax = i;
     }
     double total = 0.0;
-    for (int64_t i = 0; i < vocab; ++i) total += std::exp(static_cast<double>(logp[i] - best));
+    for (int64_t i = 0; i < vocab; ++i) total += std::exp(logp[i] - best);
     const float log_total = static_cast<float>(std::log(total));
     for (int64_t i = 0; i < vocab; ++i) logp[i] = (logp[i] - best) - log_total;
     int64_t token = argmax;  // (dividing by a positive temperature keeps the argmax)
@@ -274,7 +274,67 @@ std::tuple<Tensor, Tensor> sample_rows(const Tensor& logits, const c10::optional
   return {tokens, logps};
 }
 
+// Up to `steps` tokens per row without returning to Python: decode_step then sample_rows,
+// feeding each step's tokens to the next, for a batch whose rows need nothing from Python
+// between tokens (no stop strings, no top-p/top-k). Step s writes cache column col + s and
+// marks it real in `mask` (capacity for all `steps` is the caller's). It stops after the
+// first step at which a `live` row finishes, so that the caller sees every finish at the
+// token it happens: the row drew one of its `stop_ids` ([rows, n], -1 pads) or used the last
+// of its `left` tokens. `uniforms`: [steps, rows]. Returns (tokens, log-probs), each
+// [steps taken, rows].
+std::tuple<Tensor, Tensor> decode_steps(
+    const Tensor& tokens, const Tensor& positions, const std::vector<Tensor>& weights,
+    const std::vector<double>& scalars, const std::vector<Tensor>& caches, Tensor mask,
+    bool padded, const Tensor& rope_table, const Tensor& embed, const Tensor& final_norm,
+    double final_eps, const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col,
+    int64_t min_block_rows, int64_t steps, const c10::optional<Tensor>& divisor,
+    const c10::optional<Tensor>& uniforms, const c10::optional<Tensor>& greedy,
+    const Tensor& live, const Tensor& left, const Tensor& stop_ids) {
+  const int64_t rows = tokens.size(0);
+  TORCH_CHECK(steps >= 1 && col + steps <= mask.size(1), "fused decode: no room for ", steps,
+              " steps after column ", col);
+  TORCH_CHECK(!uniforms || (uniforms->size(0) >= steps && uniforms->size(1) == rows &&
+                            uniforms->is_contiguous()),
+              "fused decode: uniforms must be [steps, rows] and contiguous");
+  TORCH_CHECK(live.scalar_type() == at::kBool && live.numel() == rows && live.is_contiguous() &&
+              left.scalar_type() == at::kLong && left.numel() == rows && left.is_contiguous() &&
+              stop_ids.scalar_type() == at::kLong && stop_ids.dim() == 2 &&
+              stop_ids.size(0) == rows && stop_ids.is_contiguous(),
+              "fused decode: live (bool), left (int64) and stop_ids (int64 [rows, n]) per row");
+  Tensor out_tokens = at::empty({steps, rows}, tokens.options());
+  Tensor out_logps = at::empty({steps, rows}, embed.options());
+  Tensor current = tokens.contiguous(), pos = positions.clone();
+  bool* real = mask.data_ptr<bool>();
+  const bool* alive = live.data_ptr<bool>();
+  const int64_t *budget = left.data_ptr<int64_t>(), *stops = stop_ids.data_ptr<int64_t>();
+  const int64_t n_stops = stop_ids.size(1);
+  int64_t taken = 0;
+  bool finished = false;
+  while (taken < steps && !finished) {
+    for (int64_t r = 0; r < rows; ++r) real[r * mask.size(1) + col + taken] = true;
+    Tensor logits = decode_step(current, pos, weights, scalars, caches, mask, padded, rope_table,
+                                embed, final_norm, final_eps, lm_head, heads, kv_heads,
+                                col + taken, min_block_rows);
+    c10::optional<Tensor> uniform;
+    if (uniforms) uniform = uniforms->select(0, taken);
+    auto [drawn, logps] = sample_rows(logits, divisor, uniform, greedy);
+    out_tokens.select(0, taken).copy_(drawn);
+    out_logps.select(0, taken).copy_(logps);
+    current = drawn;
+    pos.add_(1);
+    ++taken;
+    const int64_t* token = drawn.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows && !finished; ++r) {
+      if (!alive[r]) continue;
+      finished = budget[r] <= taken;
+      for (int64_t j = 0; j < n_stops && !finished; ++j) finished = stops[r * n_stops + j] == token[r];
+    }
+  }
+  return {out_tokens.narrow(0, 0, taken), out_logps.narrow(0, 0, taken)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample_rows", &sample_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_steps", &decode_steps, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
