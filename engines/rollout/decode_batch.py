@@ -151,11 +151,13 @@ class DecodeBatch:
             return None
         width = max(1, max(len(s.stop_ids) for s in self.rows))
         dev = self.t["seeds"].device
+        left = [s.budget - len(s.out_ids) for s in self.rows]
         return RowFinish(
             torch.tensor(self.alive, device=dev),
-            torch.tensor([s.budget - len(s.out_ids) for s in self.rows], device=dev),
+            torch.tensor(left, device=dev),
             torch.tensor([s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in self.rows],
                          dtype=torch.long, device=dev),
+            min(left[j] for j in live),
         )  # fmt: skip
 
     def record(

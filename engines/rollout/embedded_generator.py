@@ -267,8 +267,12 @@ class EmbeddedGenerator(GeneratorIdentity):
         finish = b.finish_rules()
         if finish is None:
             return None
-        uniforms = b.uniforms(self.continuous_steps)
-        steps = self.continuous_steps if uniforms is None else uniforms.shape[0]
+        # (more steps than a row has left would only make the cache reserve columns, and
+        # grow, copying every row, for tokens that row's finish cuts off)
+        uniforms = b.uniforms(min(self.continuous_steps, finish.fewest_left))
+        steps = min(self.continuous_steps, finish.fewest_left)
+        if uniforms is not None:
+            steps = uniforms.shape[0]
         out = decoder.decode_steps(b.t["last_tok"], b.t["next_pos"], b.cache, steps,
                                    b.sampling, uniforms, finish)
         if out is None:

@@ -138,11 +138,13 @@ class KVCache:
 @dataclass(frozen=True, slots=True)
 class RowFinish:
     """What ends each row, for steps run without Python in between: `live` (bool [rows]),
-    `left` tokens of budget (int64 [rows]), `stop_ids` (int64 [rows, n], -1 pads)."""
+    `left` tokens of budget (int64 [rows]), `stop_ids` (int64 [rows, n], -1 pads), and the
+    fewest tokens a live row has left (no turn runs longer: that row ends it)."""
 
     live: torch.Tensor
     left: torch.Tensor
     stop_ids: torch.Tensor
+    fewest_left: int
 
 
 class Decoder(Protocol):

@@ -14,6 +14,7 @@ from engines.rollout.decode_batch import DecodeBatch
 from engines.rollout.embedded_generator import EmbeddedGenerator
 from engines.rollout.engine_actor import GENERATOR_BACKENDS
 from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
+from engines.rollout.kv_decode import KVCache
 from examples.arithmetic.build_model import save_tiny_model
 
 PROMPTS = ["1+2=", "12*34=?", "a", "what is 7+8? answer:", "9-4=", "77+", "x", "3*3*3="]
@@ -134,3 +135,24 @@ def test_the_engine_config_sets_the_steps_a_turn(model_dir: str) -> None:
     config = EngineConfig(backend="embedded", model_path=model_dir, num_continuous_decode_steps=3)
     generator = GENERATOR_BACKENDS["embedded"](config, 0, 1)
     assert isinstance(generator, EmbeddedGenerator) and generator.continuous_steps == 3
+
+
+def test_a_turn_reserves_no_more_cache_than_its_rows_can_use(
+    gen: EmbeddedGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is sized at prefill for the longest budget left; a turn of 8 asked for 8
+    columns even where a row had 2 tokens left (the turn ends there), and grew the cache,
+    copying every row, near each batch's end."""
+    grew: list[int] = []
+    reserve = KVCache.reserve
+
+    def watched(cache: KVCache, columns: int) -> None:
+        if cache.width + columns > cache.capacity:
+            grew.append(columns)
+        reserve(cache, columns)
+
+    monkeypatch.setattr(KVCache, "reserve", watched)
+    gen.continuous_steps = 8
+    results = gen.generate(mixed_requests(gen))
+    assert [len(r.output_ids) for r in results] == [5 + 2 * i for i in range(16)]
+    assert grew == []
