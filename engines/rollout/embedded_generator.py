@@ -54,7 +54,9 @@ _PARALLEL_ELEMENTS = 4_096  # tokens x hidden size of a forward below which it u
 
 
 class EmbeddedGenerator(GeneratorIdentity):
-    """An HF causal LM served with SGLang's sampling semantics; thread-safe."""
+    """An HF causal LM served with SGLang's sampling semantics; thread-safe.
+    `continuous_steps`: tokens one `step` may decode (SGLang's `num_continuous_decode_steps`;
+    the engine's config sets 8)."""
 
     def __init__(
         self,
@@ -269,10 +271,10 @@ class EmbeddedGenerator(GeneratorIdentity):
             return None
         # (more steps than a row has left would only make the cache reserve columns, and
         # grow, copying every row, for tokens that row's finish cuts off)
-        uniforms = b.uniforms(min(self.continuous_steps, finish.fewest_left))
         steps = min(self.continuous_steps, finish.fewest_left)
+        uniforms = b.uniforms(steps)
         if uniforms is not None:
-            steps = uniforms.shape[0]
+            steps = uniforms.shape[0]  # (the table's end: the next turn draws a new one)
         out = decoder.decode_steps(b.t["last_tok"], b.t["next_pos"], b.cache, steps,
                                    b.sampling, uniforms, finish)
         if out is None:

@@ -5,6 +5,9 @@ At batch 64 on the example model the Python step (`kv_decode.LlamaDecoder`) spen
 ~140 aten dispatches, their temporaries and a thread-pool wake-up per op than on its
 matmuls; the compiled step keeps ATen's matmuls and runs everything between them as loops
 over the same buffers, each pool thread taking a block of rows through the whole step.
+The same extension samples (`sample_rows`, `sample_tokens` here) and runs several steps with
+sampling in between (`decode_steps`, the engine's `num_continuous_decode_steps`): at batch
+64, sampling in ~12 aten ops and the Python between steps had become a quarter of the time.
 
 It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
 feature flags (a build cache shared with other machines never hands one code its CPU lacks)
