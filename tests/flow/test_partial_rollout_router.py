@@ -52,10 +52,21 @@ def seed_partial_group(mgr: RolloutManager, vocab: int) -> Group:
 
 
 @pytest.fixture(scope="module")
-def step0(arithmetic_data, tiny_model_dir, tmp_path_factory) -> Iterator[Step0]:
+def slower_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The fresh groups must still be decoding when abort_all lands, ~25 ms after the
+    seeded group's last token here (its reward, then HTTP). On the suite's 2x64 model the
+    engine made a fresh sample's 100 tokens in ~60 ms, and 1 run in ~5 finished one first;
+    4x256 is several times slower a token."""
+    from examples.arithmetic.build_model import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("slower") / "model"), 4, 256)
+
+
+@pytest.fixture(scope="module")
+def step0(arithmetic_data, slower_model_dir, tmp_path_factory) -> Iterator[Step0]:
     cfg = arithmetic_config(
         run_name="partial", runs_root=str(tmp_path_factory.mktemp("runs")),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address="unused",
+        data=arithmetic_data, model_dir=slower_model_dir, ray_address="unused",
         backend="embedded",
         overrides=[
             "rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1",
