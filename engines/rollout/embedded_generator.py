@@ -35,7 +35,6 @@ from engines.rollout.gen_types import (
     run_to_completion,
 )
 from engines.rollout.kv_decode import LlamaDecoder, make_decoder
-from engines.rollout.sampling import sample_tokens
 from engines.weight_sync import weights_checksum
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -303,10 +302,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         assert b.sampling is not None
         logits, uniforms = logits.float(), b.uniforms(1)
         uniform = None if uniforms is None else uniforms[0]
-        if self._fused is not None:
-            tok, logp = fused_decode.sample_tokens(self._fused, logits, b.sampling, uniform)
-        else:
-            tok, logp = sample_tokens(logits, b.sampling, uniform)
+        tok, logp = fused_decode.sample_tokens(self._fused, logits, b.sampling, uniform)
         return b.record(tok[None], logp[None], self._match_stop)
 
     def _match_stop(self, s: ReqState) -> str | None:

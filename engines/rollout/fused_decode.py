@@ -76,13 +76,14 @@ def load() -> Any | None:
 
 
 def sample_tokens(
-    module: Any, logits: torch.Tensor, rows: SamplingRows, uniform: torch.Tensor | None
+    module: Any | None, logits: torch.Tensor, rows: SamplingRows, uniform: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.sample_tokens` as one compiled call where it applies (float32 CPU logits,
-    no row truncating with top-p/top-k), ~12 aten ops and 0.4 ms a step at batch 64 before.
-    The same draw: the token where the float32 distribution's CDF passes the row's uniform;
-    only float rounding at a CDF step can tell the two apart."""
-    if rows.truncates or logits.dtype != torch.float32 or logits.device.type != "cpu":
+    """`sampling.sample_tokens` as one compiled call where it applies (the module `load`
+    gave, float32 CPU logits, no row truncating with top-p/top-k), ~12 aten ops and 0.4 ms
+    a step at batch 64 before. The same draw: the token where the float32 distribution's CDF
+    passes the row's uniform; only float rounding at a CDF step can tell the two apart."""
+    if (module is None or rows.truncates or logits.dtype != torch.float32
+            or logits.device.type != "cpu"):
         return sampling.sample_tokens(logits, rows, uniform)
     tokens, logps = module.sample_rows(logits.contiguous(), rows.divisor, uniform, rows.greedy)
     return tokens, logps

@@ -24,7 +24,6 @@ token budget it has left.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import statistics
 import time
@@ -381,12 +380,10 @@ class GenerationLoop:
         drained: list[Group] = []
         self._aborting = True
         try:
-            for round_ in itertools.count():
-                if not pending:
-                    break
+            waits = iter(_REABORT_WAITS)
+            while pending:
                 await self.dispatch.abort_all()
-                wait = _REABORT_WAITS[min(round_, len(_REABORT_WAITS) - 1)]
-                done, _ = await asyncio.wait(pending, timeout=wait)
+                done, _ = await asyncio.wait(pending, timeout=next(waits, _REABORT_WAITS[-1]))
                 for task in done:
                     group = pending.pop(task)
                     if task.exception() is not None:

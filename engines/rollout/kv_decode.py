@@ -314,15 +314,25 @@ class LlamaDecoder:
     ) -> torch.Tensor:
         assert self._fused is not None  # (weights are flattened only when it is there)
         col = cache.width
-        embed, norm, eps, lm_head, _ = self._head
         cache.mask[:, col] = True
         logits: torch.Tensor = self._fused.decode_step(
-            tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
-            cache.mask, cache.padded, self._rope_rows(col), embed, norm, float(eps), lm_head,
-            self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS,
-        )  # fmt: skip
+            *self._compiled_args(fused, tokens, positions, cache, 1))
         cache.width = col + 1
         return logits
+
+    def _compiled_args(
+        self, fused: tuple[list[torch.Tensor], list[float]], tokens: torch.Tensor,
+        positions: torch.Tensor, cache: KVCache, steps: int,
+    ) -> tuple[Any, ...]:
+        """What `decode_step` takes, and `decode_steps` first, for steps from column
+        `cache.width` on (the RoPE table covers `steps` more positions)."""
+        col = cache.width
+        embed, norm, eps, lm_head, _ = self._head
+        return (
+            tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
+            cache.mask, cache.padded, self._rope_rows(col + steps - 1), embed, norm, float(eps),
+            lm_head, self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS,
+        )  # fmt: skip
 
     def decode_steps(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, steps: int,
@@ -339,11 +349,8 @@ class LlamaDecoder:
         assert self._fused is not None
         cache.reserve(steps)
         col = cache.width
-        embed, norm, eps, lm_head, _ = self._head
         out: tuple[torch.Tensor, torch.Tensor] = self._fused.decode_steps(
-            tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
-            cache.mask, cache.padded, self._rope_rows(col + steps), embed, norm, float(eps),
-            lm_head, self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS, steps,
+            *self._compiled_args(fused, tokens, positions, cache, steps), steps,
             sampling.divisor, uniforms, sampling.greedy, finish.live, finish.left,
             finish.stop_ids,
         )  # fmt: skip
