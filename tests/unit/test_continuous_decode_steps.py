@@ -15,20 +15,14 @@ from engines.rollout.embedded_generator import EmbeddedGenerator
 from engines.rollout.engine_actor import GENERATOR_BACKENDS
 from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
 from engines.rollout.kv_decode import KVCache
-from examples.arithmetic.build_model import save_tiny_model
 
 PROMPTS = ["1+2=", "12*34=?", "a", "what is 7+8? answer:", "9-4=", "77+", "x", "3*3*3="]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_tiny_model(str(tmp_path_factory.mktemp("steps") / "tiny"))
-
-
 @pytest.fixture()
-def gen(model_dir: str) -> Iterator[EmbeddedGenerator]:
+def gen(tiny_model_dir: str) -> Iterator[EmbeddedGenerator]:
     threads = torch.get_num_threads()
-    yield EmbeddedGenerator(model_dir, num_threads=2, device="cpu")
+    yield EmbeddedGenerator(tiny_model_dir, num_threads=2, device="cpu")
     torch.set_num_threads(threads)
 
 
@@ -131,8 +125,8 @@ def test_a_request_joining_between_turns_samples_like_its_solo_run(gen: Embedded
                                                               abs=1e-5)
 
 
-def test_the_engine_config_sets_the_steps_a_turn(model_dir: str) -> None:
-    config = EngineConfig(backend="embedded", model_path=model_dir, num_continuous_decode_steps=3)
+def test_the_engine_config_sets_the_steps_a_turn(tiny_model_dir: str) -> None:
+    config = EngineConfig(backend="embedded", model_path=tiny_model_dir, num_continuous_decode_steps=3)
     generator = GENERATOR_BACKENDS["embedded"](config, 0, 1)
     assert isinstance(generator, EmbeddedGenerator) and generator.continuous_steps == 3
 
