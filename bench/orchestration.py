@@ -141,28 +141,19 @@ def main() -> None:
     parser.add_argument("--step-flow-runs", action="store_true",
                         help="each step a flow run of its own (logging.step_flow_runs)")
     args = parser.parse_args()
+    from bench.local_head import stopping_a_new_head
     from bench.prefect_floor import floor_times
-    from engines.cluster.config import ClusterConfig
-    from engines.cluster.head import cluster_address, stop_local_head
     from flows.server import local_prefect_api
 
-    head_was_up = bool(args.address or cluster_address(ClusterConfig(), start=False))
-    with tempfile.TemporaryDirectory() as root:
-        try:
-            results = {
-                "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
-                "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
-            }
-            with local_prefect_api():  # the server the CLI and the main job run with
-                results["prefect"] = bench_prefect(make_config(
-                    root, "prefect", args.steps, args.address, args.step_flow_runs))
-                results["floor"] = floor_times(args.steps, step_flow_runs=args.step_flow_runs)
-        finally:
-            if not head_was_up:  # leave the machine as it was: a head we started goes
-                import ray
-
-                ray.shutdown()
-                stop_local_head()
+    with tempfile.TemporaryDirectory() as root, stopping_a_new_head(args.address):
+        results = {
+            "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
+            "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
+        }
+        with local_prefect_api():  # the server the CLI and the main job run with
+            results["prefect"] = bench_prefect(make_config(
+                root, "prefect", args.steps, args.address, args.step_flow_runs))
+            results["floor"] = floor_times(args.steps, step_flow_runs=args.step_flow_runs)
     for name, times in results.items():
         print(summary(name, times))
     plain = results["plain"]

@@ -32,6 +32,7 @@ Prints the curves (accuracy at each sample count, with seconds and CPU seconds),
 time-to-accuracy table and the ratio rollflow time / TRL time to reach TRL's final accuracy,
 and to reach its settled accuracy (the mean of its last three snapshots: one snapshot moves
 by 1-2 points from the next); writes `curves.png` and `results.json` under `{runs}/vs_trl/`.
+A local Ray head this benchmark starts is stopped at its end; one that was up stays up.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu_meter import CpuMeter
+from bench.local_head import stopping_a_new_head
 from bench.trl_baseline import TrlRun, evaluate_states, read_rows, run_trl
+from engines.cluster.head import connect
 from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft
 from flows.prefect_env import prefect_env_defaults
 from flows.server import local_prefect_api
@@ -97,7 +100,6 @@ def rollflow_run(
     """A fresh GRPO run of the main job's config, for at least `samples` samples unless
     `extra` sets rollout.num_rollout; (curve without accuracies, checkpoints)."""
     from engines.cluster.actors import kill_run_actors
-    from engines.cluster.head import connect
     from flows.train import train
 
     base = grpo_config(runs, data, sft_ckpt, extra)
@@ -280,7 +282,8 @@ def main() -> None:
     from examples.arithmetic.run import HERE
 
     data, model = prepare_artifacts(args.artifacts or str(HERE / "artifacts"))
-    with local_prefect_api():  # the main job's server, as in examples/arithmetic/run.py
+    # The main job's Prefect server, as in examples/arithmetic/run.py.
+    with local_prefect_api(), stopping_a_new_head():
         _, sft_ckpt = run_sft(args.runs, data, model)
         train_rows, test_rows = read_rows(data["train"]), read_rows(data["test"])
         max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
