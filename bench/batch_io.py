@@ -114,7 +114,7 @@ def s3_store() -> Iterator[ObjectStore]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from engines.cluster.head import free_port
+    from engines.process import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access line per request
     port = free_port()

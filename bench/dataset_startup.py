@@ -39,10 +39,10 @@ def rss_mb():
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[2])
 path, phase = sys.argv[1], sys.argv[3]
-from engines.data_source import RolloutDataSourceWithBuffer
+from engines.data.data_source import RolloutDataSourceWithBuffer
 from storage.run_layout import RunLayout
 from storage.object_store import open_store
-import engines.prompt_dataset as pd
+import engines.data.prompt_dataset as pd
 base = rss_mb()
 t0, c0 = time.perf_counter(), time.process_time()
 """

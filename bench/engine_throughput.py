@@ -15,9 +15,9 @@ import time
 import httpx
 import torch
 
-from engines.rollout.embedded_generator import EmbeddedGenerator
-from engines.rollout.engine_actor import EngineActor
-from engines.rollout.gen_types import GenRequest, SamplingParams
+from engines.inference.embedded_generator import EmbeddedGenerator
+from engines.inference.engine_actor import EngineActor
+from engines.inference.gen_types import GenRequest, SamplingParams
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig
 

@@ -145,8 +145,8 @@ def bench_batch(
     check error or ''), timing the two alternately."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engines.rollout.config import EngineConfig
-    from engines.rollout.engine_actor import EngineActor
+    from engines.inference.config import EngineConfig
+    from engines.inference.engine_actor import EngineActor
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

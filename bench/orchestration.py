@@ -81,7 +81,7 @@ def time_steps(step: Callable[[int], None], n: int) -> list[float]:
 
 
 def bench_plain(cfg: Any) -> list[float]:
-    from engines.rollout.engine_actor import EngineActor
+    from engines.inference.engine_actor import EngineActor
     from engines.rollout.rollout_manager import RolloutManager
     from engines.train.train_actor import TrainActor
 

@@ -11,13 +11,16 @@ read fewer sections declare a narrower view beside them (`TrainActorConfig`,
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from engines.algorithms.config import AlgorithmConfig
-from engines.cluster.config import ClusterConfig
-from engines.rollout.config import DataConfig, EngineConfig, EvalConfig, RolloutConfig
-from engines.train.config import TrainConfig
-from storage.config import StorageConfig
+if TYPE_CHECKING:  # the section types only: this view imports no component at run time
+    from engines.algorithms.config import AlgorithmConfig
+    from engines.cluster.config import ClusterConfig
+    from engines.data.config import DataConfig
+    from engines.inference.config import EngineConfig
+    from engines.rollout.config import EvalConfig, RolloutConfig
+    from engines.train.config import TrainConfig
+    from storage.config import StorageConfig
 
 # The sections the run's actors are built from, in the run config's order (`logging` is the
 # driver's alone).

@@ -137,7 +137,7 @@ def _dashboard_line(url: str | None, auth: str | None) -> str:
     if not url:
         return ("dashboard: not running (Ray's state API needs it: a head started where "
                 "ray[default] is installed runs one)")
-    from engines.ray_auth import TOKEN_FILE
+    from engines.process import TOKEN_FILE
 
     path = os.environ.get("RAY_AUTH_TOKEN_PATH", str(TOKEN_FILE))
     token = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={path} " if auth == "token" else ""

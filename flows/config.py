@@ -18,19 +18,15 @@ from pydantic import Field, ValidationError, model_validator
 
 from engines.algorithms.config import AlgorithmConfig
 from engines.cluster.config import ClusterConfig
-from engines.rollout.config import (
-    DataConfig,
-    EngineConfig,
-    EvalConfig,
-    EvalDataset,
-    RolloutConfig,
-)
+from engines.data.config import DataConfig
+from engines.inference.config import EngineConfig
+from engines.rollout.config import EvalConfig, EvalDataset, RolloutConfig
 from engines.train.config import TrainConfig
 from flows.logging_sinks import LoggingConfig
 from storage.config import ConfigError, Section, StorageConfig
 from storage.secrets import REDACTED, drop_redacted, option_secrets, url_secrets
 
-# The sections and the config vocabulary, importable from here as before.
+# The sections and the config vocabulary, importable from one place.
 __all__ = [
     "REDACTED", "AlgorithmConfig", "ClusterConfig", "ConfigError",
     "DataConfig", "EngineConfig", "EvalConfig", "EvalDataset", "LoggingConfig",

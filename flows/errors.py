@@ -33,8 +33,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def input_error_types() -> tuple[type[BaseException], ...]:
     """Failures of the user's inputs (exit code 2; anything else exits 1). Imported on
     demand: the CLI loads this module for every command, even `runs list`."""
-    from engines.hooks import HookError
-    from engines.prompt_dataset import DatasetError
+    from engines.data.prompt_dataset import DatasetError
+    from engines.hooks.loader import HookError
     from engines.rollout.rewards.hub import RewardConfigError
     from engines.train.lora import LoraResumeError
 

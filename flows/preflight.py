@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.cluster.head import warn_if_public
-from engines.hooks import load_hook, validate_hooks
-from engines.prompt_checks import FieldReport
-from engines.prompt_dataset import (
+from engines.data.prompt_checks import FieldReport
+from engines.data.prompt_dataset import (
     DatasetCheck,
     DatasetError,
     DatasetSpec,
@@ -30,8 +29,9 @@ from engines.prompt_dataset import (
     model_context,
     prompt_limit,
 )
+from engines.hooks.loader import load_hook, validate_hooks
+from engines.hooks.protocols import RewardFn
 from engines.rollout.evaluation import eval_spec
-from engines.rollout.protocols import RewardFn
 from engines.rollout.rewards.hub import RewardHub, builtin_reward, compares_with_label
 from flows.config import ConfigError, EvalDataset, RollflowConfig
 from flows.config_paths import MODEL_FIELDS, is_uri
@@ -78,7 +78,7 @@ def load_tokenizer_and_context(cfg: RollflowConfig) -> tuple[Any, int | None]:
 
 
 def checked_prompt_limit(cfg: RollflowConfig, context: int | None) -> int | None:
-    """The prompt limit the rollout actor will apply (`engines.prompt_dataset.prompt_limit`);
+    """The prompt limit the rollout actor will apply (`engines.data.prompt_dataset.prompt_limit`);
     a config error when no prompt fits."""
     limit = prompt_limit(cfg.data.rollout_max_prompt_len, context, cfg.rollout.max_response_len)
     if limit is not None and limit < 1:

@@ -26,7 +26,7 @@ from prefect.utilities.annotations import quote
 
 from engines.cluster.actors import attached_actors
 from engines.cluster.head import connect
-from engines.weight_schedule import evaluates_after
+from engines.weights.schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.reporting import publish_step_report
 from flows.run_labels import untagged_tasks

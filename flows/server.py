@@ -137,7 +137,7 @@ def serve_forever(host: str, port: int, home: str | None, out: TextIO | None = N
 def start_local_server(port: int | None = None) -> PrefectServer:
     """A driver's own server: Prefect's app as its ephemeral server runs it (no UI) on
     loopback. Its output goes to stderr: a CLI's stdout is its result."""
-    from engines.cluster.head import free_port
+    from engines.process import free_port
 
     port = port or free_port()
     process = subprocess.Popen([*_prefect_app(), "local", str(port)], env=server_env(),

@@ -17,8 +17,8 @@ from prefect import flow
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import cluster_address, connect
-from engines.heap import long_lived_frozen
-from engines.weight_schedule import evaluates_after
+from engines.process import long_lived_frozen
+from engines.weights.schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_loader import dump_config

@@ -29,5 +29,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # The embedded engine's compiled decode step, built once per machine (~30 s) rather than in a
 # first run; without a compiler the engine uses its Python step, and says so.
-.venv/bin/python -m engines.rollout.fused_decode \
+.venv/bin/python -m engines.inference.fused_decode \
   || echo "setup: the fused decode step did not build; the embedded engine will use its Python step" >&2

@@ -37,7 +37,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from engines.run_config import RunConfig as RollflowConfig
-from engines.weight_schedule import pushes_weights, required_weight_version
+from engines.weights.schedule import pushes_weights, required_weight_version
 from storage.run_layout import RunLayout
 from tasks.step_tasks import step_run_name
 

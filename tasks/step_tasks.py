@@ -22,8 +22,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from engines.cluster.actors import RunActors, get_or_create_actors
-from engines.hooks import HookError
-from engines.prompt_dataset import DatasetError
+from engines.data.prompt_dataset import DatasetError
+from engines.hooks.loader import HookError
 from engines.records import (
     FilterRecord,
     GenerateRecord,
@@ -36,7 +36,7 @@ from engines.run_config import RunConfig as RollflowConfig
 from engines.train.finite import NonFiniteError
 from engines.train.lora import LoraResumeError
 from engines.train.step_settings import StepSettings
-from engines.weight_schedule import pushes_weights, required_weight_version
+from engines.weights.schedule import pushes_weights, required_weight_version
 from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout
 from storage.sample import RewardError

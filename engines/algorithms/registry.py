@@ -31,7 +31,7 @@ from engines.algorithms.advantages import (
     rloo_advantages_by_group,
 )
 from engines.algorithms.config import AlgorithmConfig
-from engines.hooks import HookError, checked_returns, load_user_hook
+from engines.hooks.loader import HookError, checked_returns, load_user_hook
 
 Estimates = tuple[list[Tensor], list[Tensor]]
 

@@ -36,9 +36,9 @@ from engines.cluster.registry import (
     stop_run,
 )
 from engines.cluster.train_group import get_or_create_group
-from engines.rollout.engine_actor import EngineActor
+from engines.inference.engine_actor import EngineActor
+from engines.inference.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.rollout.rollout_manager import RolloutManager
-from engines.rollout.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.run_config import RunConfig
 from engines.train.null_trainer import NullTrainActor
 from engines.train.train_actor import COLLECTIVE_EXPORT, TrainActor

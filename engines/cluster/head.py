@@ -7,7 +7,7 @@ between invocations of the CLI. Its address is kept in `~/.rollflow/cluster.json
 
 Closed by default: Ray's listeners (GCS, raylet, workers) bind every interface whatever
 `--node-ip-address` says, and anyone who can reach them can run code as this user. So the
-local head is started in this process's Ray auth mode, which `engines/ray_auth.py` makes
+local head is started in this process's Ray auth mode, which `engines/process.py` makes
 token auth with rollflow's own token unless the user set `RAY_AUTH_MODE`; its workers
 inherit it from the head.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.cluster.config import ClusterConfig
-from engines.ray_auth import HOME, process_auth_mode
+from engines.process import HOME, free_port, process_auth_mode
 
 log = logging.getLogger(__name__)
 STATE_FILE = HOME / "cluster.json"
@@ -40,13 +40,6 @@ def _ray_env() -> dict[str, str]:
     """This process's environment for Ray commands (its auth settings included)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return dict(os.environ)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now ("" = every interface), for a server about to start."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def is_loopback(host: str) -> bool:

@@ -1,5 +1,5 @@
-"""The sections the rollout actor is built from: data, rollout (generation loop, rewards,
-filters), engine and eval."""
+"""The sections the rollout actor is built from besides `data` (engines/data/config.py) and
+`engine` (engines/inference/config.py): rollout (generation loop, rewards, filters) and eval."""
 
 from __future__ import annotations
 
@@ -7,45 +7,9 @@ from typing import Literal
 
 from pydantic import Field, field_serializer, model_validator
 
+from engines.data.config import DataConfig
 from storage.config import Section
 from storage.secrets import redact_url
-
-
-class DataConfig(Section):
-    prompt_data: str = Field(
-        ...,
-        description="Training prompts: a .jsonl/.json, .parquet or .arrow file; a directory or "
-        "glob of such shards (read in sorted order); a Hugging Face `save_to_disk` directory; "
-        "`hf://datasets/org/name[/config]` from the local hub cache. Local or s3:// (through "
-        "the storage section's endpoint and options). Read lazily: rows become samples when "
-        "drawn.",
-    )
-    split: str | None = Field(
-        None,
-        description="Split of a dataset that has several (a DatasetDict directory, a hub "
-        "dataset); default: its only split, else 'train'.",
-    )
-    input_key: str = Field("prompt", description="Column/key holding the prompt.")
-    label_key: str | None = Field("label", description="Column/key holding the label.")
-    metadata_key: str | None = Field("metadata", description="Column/key with a metadata dict.")
-    apply_chat_template: bool = Field(
-        False, description="Render prompts through the tokenizer's chat template."
-    )
-    rollout_max_prompt_len: int | None = Field(
-        None, ge=1,
-        description="Drop prompts longer than this many tokens (at load time, counted); "
-        "default: the model's context minus rollout.max_response_len.",
-    )
-    shuffle: bool = Field(True, description="Shuffle the dataset at every epoch.")
-    seed: int = Field(42, description="Seed of the per-epoch shuffle.")
-    preflight_token_rows: int = Field(
-        100_000, ge=0,
-        description="Rows that the check before step 0 also renders and tokenizes (chat "
-        "template, prompt length): every row of a set up to this size, the first rows of a "
-        "larger one, whose later rows are rendered when drawn (a too-long prompt is skipped "
-        "and counted then; a row the template cannot render fails the step, naming the row). "
-        "Every row's fields are checked either way.",
-    )
 
 
 class RolloutConfig(Section):
@@ -215,41 +179,6 @@ class RolloutConfig(Section):
             raise ValueError("rollout.over_sampling_batch_size must be >= rollout_batch_size "
                              "when rollout.over_sampling_filter_path is set")
         return self
-
-
-class EngineConfig(Section):
-    backend: Literal["embedded", "sglang", "mock"] = Field(
-        "embedded", description="Rollout engine: embedded (torch), sglang (HTTP), mock."
-    )
-    model_path: str | None = Field(None, description="HF-format model directory.")
-    num_engines: int = Field(1, ge=1)
-    host: str = Field("127.0.0.1", description="Interface the embedded HTTP server binds.")
-    urls: list[str] = Field(
-        default_factory=list, repr=False, description="External SGLang server URLs."
-    )
-
-    @field_serializer("urls")
-    def _redact_urls(self, urls: list[str]) -> list[str]:
-        return [redact_url(u) or u for u in urls]
-    max_batch_size: int = Field(1024, ge=1, description="Requests decoded together.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Embedded engine: the model's dtype (bfloat16 on GPUs)."
-    )
-    num_continuous_decode_steps: int = Field(
-        8, ge=1,
-        description="Embedded engine: tokens decoded per scheduler turn without returning to "
-        "Python (SGLang's --num-continuous-decode-steps, whose default is 1). Admissions, aborts "
-        "and weight updates wait for the turn to end; a turn ends early when a row finishes. "
-        "Used by the compiled CPU step, for rows without stop strings or top-p/top-k.",
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
-        description="Embedded engine: auto puts the model on the GPU the engine's process "
-        "sees (an engine placed on a GPU bundle sees its own GPU), else on the CPU.",
-    )
-    mock_response: str = Field(
-        "", description="Mock backend: fixed answer template; '' echoes the label."
-    )
 
 
 class EvalDataset(Section):

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engines.hooks import bad_return
-from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.hooks.loader import bad_return
+from engines.hooks.protocols import EvalFn, RewardFn
 from engines.rollout.config import EvalDataset, RolloutConfig
 from engines.rollout.generation import EngineClient, GenerationLoop
-from engines.rollout.protocols import EvalFn, RewardFn
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import resolve_reward_fn
 from storage.config import StorageConfig

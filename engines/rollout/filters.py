@@ -15,8 +15,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from engines.hooks import check_protocol, load_user_hook
-from engines.rollout.protocols import DynamicFilterFn, OverSamplingFilterFn
+from engines.hooks.loader import check_protocol, load_user_hook
+from engines.hooks.protocols import DynamicFilterFn, OverSamplingFilterFn
 from storage.sample import Group
 
 DynamicFilter = Callable[[Any, Group], bool]

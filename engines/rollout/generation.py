@@ -64,7 +64,7 @@ class GroupSource(Protocol):
 class HookArgs:
     """`args` of custom generate functions (and every hook the loop calls): the run config's
     attributes, plus where to send requests: `engine_url` is the router (or the first
-    engine), see `engines.rollout.protocols.engine_url`.
+    engine), see `engines.hooks.protocols.engine_url`.
 
     `config` is the whole run config, read through `engines.run_config.RunConfig` (its
     sections: `args.rollout.temperature`, `args.data.input_key`, ...); attribute access

@@ -14,10 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
-from engines.heap import freeze_actor_heap
-from engines.hooks import load_hook, load_user_hook, returned_groups
-from engines.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
+from engines.data.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
+from engines.data.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
+from engines.hooks.loader import load_hook, load_user_hook, returned_groups
+from engines.hooks.protocols import EvalFn, SampleFilterFn
+from engines.hooks.protocols import GenerateFn as GenerateFnProtocol
+from engines.process import freeze_actor_heap
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.dispatch import Dispatch, RouterDispatch
 from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
@@ -33,13 +35,11 @@ from engines.rollout.generation import (
     RolloutResult,
     is_finished,
 )
-from engines.rollout.protocols import EvalFn, SampleFilterFn
-from engines.rollout.protocols import GenerateFn as GenerateFnProtocol
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
 from engines.run_config import RunConfig as RollflowConfig
-from engines.weight_schedule import oldest_trainable_version
+from engines.weights.schedule import oldest_trainable_version
 from storage.batch_io import read_samples, write_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout, step_dir

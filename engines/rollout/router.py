@@ -28,8 +28,7 @@ from typing import Any
 
 import httpx
 
-from engines.cluster.head import free_port
-from engines.rollout.health import ServerExited, wait_for_health
+from engines.process import ServerExited, free_port, wait_for_health
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

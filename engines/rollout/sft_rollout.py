@@ -15,8 +15,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from engines.prompt_dataset import DatasetSpec, data_spec
-from engines.prompt_files import open_rows
+from engines.data.prompt_dataset import DatasetSpec, data_spec
+from engines.data.prompt_files import open_rows
 from engines.rollout.loss_mask import chat_loss_mask
 from storage.sample import Group, Sample, Status
 

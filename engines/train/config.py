@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from pydantic import Field, model_validator
 
 from engines.algorithms.config import AlgorithmConfig
-from engines.cluster.config import ClusterConfig
-from engines.rollout.config import RolloutConfig
 from storage.config import Section, StorageConfig
+
+if TYPE_CHECKING:  # section types for the view below; at run time it reads duck-typed
+    from engines.cluster.config import ClusterConfig
+    from engines.rollout.config import RolloutConfig
 
 
 class LoraConfig(Section):

@@ -73,7 +73,7 @@ def rendezvous_address() -> tuple[str, int]:
     """This node's IP and a free port on it: where rank 0 hosts the process-group store."""
     import ray
 
-    from engines.cluster.head import free_port
+    from engines.process import free_port
 
     ip = ray.util.get_node_ip_address()
     return ip, free_port(ip)

@@ -23,41 +23,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
 
 from engines.train.config import LoraConfig, TrainConfig
 from engines.train.torch_models import load_causal_lm
+from engines.weights.hf_export import peft_model_of, save_hf
 from storage.sample import Sample
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    pass
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-class NotHFModelError(TypeError):
-    """`save_hf` got a module that is neither a Hugging Face model nor a PeftModel."""
 
 
 class LoraResumeError(ValueError):
     """A checkpoint's LoRA adapter does not fit the run's `train.lora` (rank, alpha or the
     modules it adapts), or a LoRA checkpoint is resumed with LoRA off: the same on every
     retry; resume with the settings it was saved with."""
-
-
-def _peft_model(model: torch.nn.Module) -> PeftModel | None:
-    """`model` if it carries peft adapters. A PeftModel can only exist once peft was
-    imported, so a full fine-tuning run never pays for importing it here."""
-    peft = sys.modules.get("peft")
-    return model if peft is not None and isinstance(model, peft.PeftModel) else None
 
 
 @contextlib.contextmanager
@@ -166,49 +154,11 @@ def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-@torch.no_grad()
-def engine_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The weights an engine (or a plain HF load) expects, named as in the base model's
-    `state_dict`: the model's own for full fine-tuning; for LoRA, each adapted layer's
-    W + scale * B @ A (peft's `get_delta_weight`), without lora_A/B tensors or peft's
-    `base_model.model.` / `.base_layer.` parts of the names."""
-    peft_model = _peft_model(model)
-    if peft_model is None:
-        return model.state_dict()
-    from peft.tuners.lora import LoraLayer
-
-    inner = peft_model.get_base_model()
-    merged: dict[str, Tensor] = {}
-    for key, tensor in inner.state_dict().items():
-        if ".lora_" not in key:
-            merged[key.replace(".base_layer.", ".")] = tensor
-    for name, module in inner.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters:
-            layer: Any = module  # lora.Linear / Embedding / Conv: each has get_delta_weight
-            weight = layer.get_base_layer().weight
-            for adapter in layer.active_adapters:
-                weight = weight + layer.get_delta_weight(adapter)
-            merged[f"{name}.weight"] = weight
-    return merged
-
-
-def save_hf(model: torch.nn.Module, path: str) -> None:
-    """A directory `AutoModelForCausalLM.from_pretrained` loads as is (merged for LoRA)."""
-    peft_model = _peft_model(model)
-    if peft_model is None:
-        if not isinstance(model, PreTrainedModel):
-            raise NotHFModelError(f"{type(model).__name__} has no save_pretrained")
-        model.save_pretrained(path)
-        return
-    base = cast(PreTrainedModel, peft_model.get_base_model())
-    base.save_pretrained(path, state_dict=engine_state_dict(peft_model))
-
-
 def save_policy(model: torch.nn.Module, local_dir: str) -> None:
     """A checkpoint's policy: the HF model (`save_hf`), and for LoRA the adapter in PEFT
     format under `adapter/`, which `load_policy` resumes from."""
     save_hf(model, local_dir)
-    peft_model = _peft_model(model)
+    peft_model = peft_model_of(model)
     if peft_model is not None:
         peft_model.save_pretrained(os.path.join(local_dir, ADAPTER_DIR))
 
@@ -218,7 +168,7 @@ ScoreFn = Callable[[list[Sample]], list[Tensor]]
 
 def without_adapters(model: torch.nn.Module, score: ScoreFn) -> ScoreFn:
     """`score` run with `model`'s adapters off: the frozen base, i.e. the initial policy."""
-    peft_model = _peft_model(model)
+    peft_model = peft_model_of(model)
     if peft_model is None:
         raise TypeError("without_adapters needs a model with LoRA adapters")
 

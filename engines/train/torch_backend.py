@@ -46,6 +46,7 @@ from engines.train.torch_models import (
     response_log_probs,
     score_samples,
 )
+from engines.weights import hf_export
 from storage.sample import Sample
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -309,11 +310,11 @@ class TorchTrainBackend:
     def export_weights(self) -> dict[str, Tensor]:
         """The policy's weights as engines load them, on its device, named like the HF
         model's own state_dict (merged when training LoRA adapters)."""
-        return lora.engine_state_dict(self.model)
+        return hf_export.engine_state_dict(self.model)
 
     def save_hf(self, path: str) -> None:
         """`export_weights` as an HF model directory (disk weight sync)."""
-        lora.save_hf(self.model, path)
+        hf_export.save_hf(self.model, path)
 
     def state_dict_for_engine(self) -> dict[str, Tensor]:
         """A detached CPU copy of `export_weights`; never NaN/inf."""

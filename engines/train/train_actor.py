@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engines.heap import freeze_actor_heap
-from engines.torch_threads import actor_threads
+from engines.process import actor_threads, freeze_actor_heap
 from engines.train.checkpoint_staging import fetch_and_load, save_and_store
 from engines.train.config import TrainActorConfig
 from engines.train.step_settings import FIXED_AT_BUILD, StepSettings, settings_for_replay
@@ -144,7 +143,7 @@ class TrainActor:
         """Send the current weights to the engines over HTTP + a process group (or disk),
         pause -> push -> flush -> continue; returns the versions the engines report.
         Other ranks only join a collective export (once per push, as rank 0's sender)."""
-        from engines.train.weight_sender import build_weight_sender
+        from engines.weights.sender import build_weight_sender
 
         if self.rank != 0:
             if self._joins_export():

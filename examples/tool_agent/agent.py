@@ -11,7 +11,7 @@ until the model stops without a call, `max_tool_turns` calls were made, or the s
 token budget (`sampling_params["max_new_tokens"]`, tool tokens included) runs out. An abort
 returns the sample as it stands (status aborted); called again (partial rollout) it goes on
 from `sample.tokens` with the budget the loop hands it. The engine URL comes from
-`engines.rollout.protocols.engine_url(args, sample)`.
+`engines.hooks.protocols.engine_url(args, sample)`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol
 
-from engines.rollout.protocols import engine_url
+from engines.hooks.protocols import engine_url
 from engines.rollout.sglang_client import GenerateOutput, SGLangClient
 from examples.tool_agent.calculator import TRIGGER, observe
 from storage.sample import Sample, Status

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engines.cluster.head import free_port
+from engines.process import free_port
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from engines.cluster.head import free_port
+from engines.process import free_port
 from flows.server import PrefectServer, start_server
 from tests.conftest import REPO_ROOT
 from tests.flow.prefect_ui import artifacts, chain_edges, flow_runs, graph_edges

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.cluster.head import free_port
+from engines.process import free_port
 from engines.train.checkpoint_staging import fetch_and_load
 from storage.object_store import ObjectStore, open_store
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from engines.inference.engine_actor import EngineActor
 from engines.records import GenerateRecord
-from engines.rollout.engine_actor import EngineActor
 from engines.rollout.rollout_manager import RolloutManager
 from flows.config import RollflowConfig
 from storage.batch_io import read_samples, write_samples

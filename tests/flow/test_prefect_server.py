@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.cluster.head import free_port
+from engines.process import free_port
 from flows.config_loader import dump_config
 from flows.server import PrefectServer, start_server
 from tests.conftest import REPO_ROOT

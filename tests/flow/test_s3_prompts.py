@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.data_source import RolloutDataSourceWithBuffer
-from engines.prompt_dataset import DatasetError, DatasetSpec, open_prompt_dataset
+from engines.data.data_source import RolloutDataSourceWithBuffer
+from engines.data.prompt_dataset import DatasetError, DatasetSpec, open_prompt_dataset
 from flows.config import EvalDataset
 from storage.batch_io import read_samples
 from storage.object_store import open_store

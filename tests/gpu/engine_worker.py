@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from engines.rollout.engine_actor import EngineActor
+from engines.inference.engine_actor import EngineActor
 from flows.config import EngineConfig
 
 

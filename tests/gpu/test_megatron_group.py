@@ -27,7 +27,7 @@ from tests.gpu.test_megatron_parallel import NCCL_SAFE_ENV, REPO, needs_two
 pytestmark = [pytest.mark.gpu, needs_two]
 ENGINE_SCRIPT = """
 import sys
-from engines.rollout.engine_actor import EngineActor
+from engines.inference.engine_actor import EngineActor
 from flows.config import EngineConfig
 cfg = EngineConfig(backend="embedded", model_path=sys.argv[1], device="cpu")
 actor = EngineActor(cfg, 0, num_threads=2)
@@ -75,7 +75,7 @@ def _check(model_dir: str, w0: dict[str, torch.Tensor], w1: dict[str, torch.Tens
            versions: list[int], url: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engines.train.weight_sender import check_weight_update_equal
+    from engines.weights.sender import check_weight_update_equal
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     assert w0.keys() == hf.keys()

@@ -56,7 +56,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
 def test_nccl_weight_sync_matches_trainer(engine: tuple[str, str, str, int]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engines.train.weight_sender import DistributedWeightSender, check_weight_update_equal
+    from engines.weights.sender import DistributedWeightSender, check_weight_update_equal
 
     url, model_dir, dtype, bucket = engine
     torch.cuda.set_device(0)

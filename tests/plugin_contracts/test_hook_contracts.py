@@ -10,9 +10,9 @@ import pytest
 
 from engines.algorithms.losses import actor_loss
 from engines.algorithms.registry import ADVANTAGE_ESTIMATORS
-from engines.data_source import pop_first
-from engines.hooks import HOOKS, HookError, check_protocol, load_hook, validate_hooks
-from engines.rollout import protocols as p
+from engines.data.data_source import pop_first
+from engines.hooks import protocols
+from engines.hooks.loader import HOOKS, HookError, check_protocol, load_hook, validate_hooks
 from engines.rollout.filters import DYNAMIC_FILTERS, OVER_SAMPLING_FILTERS
 from engines.rollout.rewards import REWARD_FUNCTIONS, RemoteRewardModel, builtin_reward
 from engines.rollout.sft_rollout import sft_rollout
@@ -20,16 +20,16 @@ from examples.tool_agent.agent import generate as tool_agent_generate
 from flows.config import RollflowConfig
 
 BUILTINS: list[tuple[str, Any, type]] = [
-    ("sft_rollout", sft_rollout, p.RolloutFn),
-    ("tool_agent.generate", tool_agent_generate, p.GenerateFn),
-    ("remote_rm", RemoteRewardModel("http://x").score, p.RewardFn),
-    ("boxed_math", builtin_reward("boxed_math", "t"), p.RewardFn),
-    ("pop_first", pop_first, p.BufferFilterFn),
-    ("actor_loss", actor_loss, p.CustomLossFn),
-    *[(n, f, p.RewardFn) for n, f in REWARD_FUNCTIONS.items()],
-    *[(n, f, p.DynamicFilterFn) for n, f in DYNAMIC_FILTERS.items()],
-    *[(n, f, p.OverSamplingFilterFn) for n, f in OVER_SAMPLING_FILTERS.items()],
-    *[(n, f, p.CustomAdvantageFn) for n, f in ADVANTAGE_ESTIMATORS.items()],
+    ("sft_rollout", sft_rollout, protocols.RolloutFn),
+    ("tool_agent.generate", tool_agent_generate, protocols.GenerateFn),
+    ("remote_rm", RemoteRewardModel("http://x").score, protocols.RewardFn),
+    ("boxed_math", builtin_reward("boxed_math", "t"), protocols.RewardFn),
+    ("pop_first", pop_first, protocols.BufferFilterFn),
+    ("actor_loss", actor_loss, protocols.CustomLossFn),
+    *[(n, f, protocols.RewardFn) for n, f in REWARD_FUNCTIONS.items()],
+    *[(n, f, protocols.DynamicFilterFn) for n, f in DYNAMIC_FILTERS.items()],
+    *[(n, f, protocols.OverSamplingFilterFn) for n, f in OVER_SAMPLING_FILTERS.items()],
+    *[(n, f, protocols.CustomAdvantageFn) for n, f in ADVANTAGE_ESTIMATORS.items()],
 ]
 
 
@@ -84,19 +84,19 @@ async def async_any(*args: Any) -> None:
 
 
 GOOD: dict[type, str] = {
-    p.RolloutFn: "rollout_ok",
-    p.GenerateFn: "generate_ok",
-    p.RewardFn: "reward_ok",
-    p.GroupRewardFn: "group_reward_ok",
-    p.DynamicFilterFn: "two_args_ok",
-    p.OverSamplingFilterFn: "two_args_ok",
-    p.BufferFilterFn: "buffer_ok",
-    p.SampleFilterFn: "two_args_ok",
-    p.CustomLossFn: "three_args_ok",
-    p.CustomAdvantageFn: "two_args_ok",
-    p.EvalFn: "eval_ok",
+    protocols.RolloutFn: "rollout_ok",
+    protocols.GenerateFn: "generate_ok",
+    protocols.RewardFn: "reward_ok",
+    protocols.GroupRewardFn: "group_reward_ok",
+    protocols.DynamicFilterFn: "two_args_ok",
+    protocols.OverSamplingFilterFn: "two_args_ok",
+    protocols.BufferFilterFn: "buffer_ok",
+    protocols.SampleFilterFn: "two_args_ok",
+    protocols.CustomLossFn: "three_args_ok",
+    protocols.CustomAdvantageFn: "two_args_ok",
+    protocols.EvalFn: "eval_ok",
 }
-KEYS = [(k, proto) for k, proto in HOOKS.items()] + [("rollout.custom_rm_path", p.GroupRewardFn)]
+KEYS = [(k, proto) for k, proto in HOOKS.items()] + [("rollout.custom_rm_path", protocols.GroupRewardFn)]
 
 
 @pytest.mark.parametrize(("key", "protocol"), KEYS, ids=[f"{k}-{v.__name__}" for k, v in KEYS])
@@ -110,7 +110,7 @@ def test_user_hooks_are_checked_with_the_key_named(key: str, protocol: type) -> 
         load_hook(f"{mod}:missing_fn", key, protocol)
     with pytest.raises(HookError, match=rf"^{key}: one_arg cannot take \d positional arguments"):
         load_hook(f"{mod}:one_arg", key, protocol)
-    wants_async = protocol in (p.GenerateFn, p.RewardFn, p.GroupRewardFn, p.EvalFn)
+    wants_async = protocol in (protocols.GenerateFn, protocols.RewardFn, protocols.GroupRewardFn, protocols.EvalFn)
     wrong_kind = "sync_any" if wants_async else "async_any"
     with pytest.raises(HookError, match=rf"^{key}: {wrong_kind} must be"):
         load_hook(f"{mod}:{wrong_kind}", key, protocol)
@@ -137,7 +137,7 @@ def test_validate_hooks_checks_every_configured_key_at_startup() -> None:
             custom_rm_path=f"{mod}:group_reward_ok",
             group_rm=True,
             dynamic_sampling_filter_path="check_reward_nonzero_std",  # a built-in by name
-            buffer_filter_path="engines.data_source.pop_first",
+            buffer_filter_path="engines.data.data_source.pop_first",
         )
     )
     assert set(loaded) == {
@@ -197,7 +197,7 @@ def test_the_eval_function_is_checked_at_startup_and_its_metrics_named() -> None
 def test_hooks_that_return_groups_are_checked_and_named() -> None:
     """A buffer filter, over-sampling filter or rollout function that returns something other
     than groups fails as a HookError (not retried) naming it, not as a TypeError later."""
-    from engines.hooks import returned_groups
+    from engines.hooks.loader import returned_groups
     from storage.sample import Sample
 
     group = [Sample(index=0, group_index=0, prompt="p")]

@@ -9,15 +9,15 @@ import uuid
 import pytest
 import ray
 
-from engines import torch_threads
-from engines.rollout.engine_actor import EngineActor
-from engines.torch_threads import actor_threads, machine_cores
+from engines import process
+from engines.inference.engine_actor import EngineActor
+from engines.process import actor_threads, machine_cores
 from engines.train.train_actor import TrainActor
 from tests.flow.configs import arithmetic_config
 
 
 def test_configured_count_wins_and_none_splits_the_cores(monkeypatch):
-    monkeypatch.setattr(torch_threads, "machine_cores", lambda: 8)
+    monkeypatch.setattr(process, "machine_cores", lambda: 8)
     assert actor_threads(3) == 3
     assert actor_threads(3, sharers=4) == 3
     assert actor_threads(None) == 8

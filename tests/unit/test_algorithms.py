@@ -232,7 +232,7 @@ from engines.algorithms.registry import (  # noqa: E402
     compute_advantages,
     load_estimator,
 )
-from engines.hooks import HookError  # noqa: E402
+from engines.hooks.loader import HookError  # noqa: E402
 from engines.train.lr_schedule import lr_at  # noqa: E402
 
 

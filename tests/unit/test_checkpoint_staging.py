@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.cluster.head import free_port
+from engines.process import free_port
 from engines.train.checkpoint_io import write_manifest
 from engines.train.checkpoint_staging import GroupCheckpointError, save_and_store
 from storage import integrity

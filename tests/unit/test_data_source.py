@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.data_source import RolloutDataSourceWithBuffer
-from engines.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
+from engines.data.data_source import RolloutDataSourceWithBuffer
+from engines.data.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
 
@@ -88,7 +88,7 @@ def test_custom_buffer_filter_is_used():
 def test_a_buffer_filter_returning_no_groups_is_a_hook_error():
     """A wrong result is the same on every retry: a HookError naming the hook, not a
     TypeError from `len(None)` that the step task would retry."""
-    from engines.hooks import HookError
+    from engines.hooks.loader import HookError
 
     def forgot_return(args, rollout_id, buffer, n):
         del buffer[:n]

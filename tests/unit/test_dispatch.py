@@ -107,7 +107,7 @@ def test_a_loop_on_plain_clients_shares_requests_only_when_it_cannot_abort(filte
     """A GenerationLoop given plain engine clients (a custom rollout function's way) decides
     request sharing in run_dynamic as the rollout manager does: a step that may abort
     stragglers sends a request per group, so one slow sample cannot hold back the others."""
-    from engines.data_source import RolloutDataSourceWithBuffer
+    from engines.data.data_source import RolloutDataSourceWithBuffer
     from engines.rollout.config import RolloutConfig
     from engines.rollout.generation import GenerationLoop
     from storage.sample import Sample

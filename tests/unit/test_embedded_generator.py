@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from engines.rollout.embedded_generator import EmbeddedGenerator
-from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
-from engines.rollout.kv_decode import HFDecoder, LlamaDecoder
-from engines.rollout.mock_generator import MockGenerator
+from engines.inference.embedded_generator import EmbeddedGenerator
+from engines.inference.gen_types import GenRequest, GenResult, SamplingParams
+from engines.inference.kv_decode import HFDecoder, LlamaDecoder
+from engines.inference.mock_generator import MockGenerator
 from examples.arithmetic.build_model import save_tiny_model
 
 PROMPTS = ["1+2=", "12*34=?", "a", "what is 7+8? answer:"]

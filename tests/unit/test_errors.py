@@ -10,8 +10,8 @@ import pytest
 import ray
 from ray.exceptions import ActorDiedError, RayTaskError, UnserializableException
 
-from engines.hooks import HookError
-from engines.prompt_dataset import DatasetError
+from engines.data.prompt_dataset import DatasetError
+from engines.hooks.loader import HookError
 from flows.cli import main
 from flows.config import ConfigError
 from flows.errors import (

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from engines.rollout.engine_actor import EngineActor
+from engines.inference.engine_actor import EngineActor
 from engines.rollout.evaluation import eval_rollout_config, evaluate_datasets
 from engines.rollout.sglang_client import SGLangClient
 from flows.config import EngineConfig, EvalDataset, RolloutConfig

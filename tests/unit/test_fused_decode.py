@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from engines.rollout import fused_decode
-from engines.rollout.kv_decode import KVCache, LlamaDecoder
-from engines.rollout.sampling import SamplingRows, sample_tokens, seeded_uniform
+from engines.inference import fused_decode
+from engines.inference.kv_decode import KVCache, LlamaDecoder
+from engines.inference.sampling import SamplingRows, sample_tokens, seeded_uniform
 from examples.arithmetic.build_model import save_tiny_model
 
 
@@ -150,8 +150,8 @@ def test_the_engine_gives_the_compiled_step_two_threads_from_16_rows(model_dir: 
     """The compiled step wakes the thread pool once a step, so two threads pay from two
     blocks of 8 rows; the Python step's threshold (4,096 activations: 32 rows here) left
     batch 16 on one thread, ~40% slower."""
-    from engines.rollout.embedded_generator import EmbeddedGenerator
-    from engines.rollout.gen_types import GenRequest, SamplingParams
+    from engines.inference.embedded_generator import EmbeddedGenerator
+    from engines.inference.gen_types import GenRequest, SamplingParams
 
     before = torch.get_num_threads()
     gen = EmbeddedGenerator(model_dir, num_threads=2, device="cpu")

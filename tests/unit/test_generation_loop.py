@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from engines.data_source import RolloutDataSourceWithBuffer
-from engines.rollout.engine_actor import EngineActor
+from engines.data.data_source import RolloutDataSourceWithBuffer
+from engines.inference.engine_actor import EngineActor
 from engines.rollout.filters import (
     check_reward_nonzero_std,
     resolve_dynamic_filter,

@@ -1,4 +1,4 @@
-"""engines.heap: long-lived objects frozen out of full collections, where that is safe."""
+"""engines.process: long-lived objects frozen out of full collections, where that is safe."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import ray
 
-from engines.heap import freeze_actor_heap, long_lived_frozen
+from engines.process import freeze_actor_heap, long_lived_frozen
 
 
 def test_the_driver_freezes_for_the_run_and_gives_it_back() -> None:

@@ -16,15 +16,16 @@ from prefect.states import Failed
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engines.rollout.engine_actor import EngineActor
+from engines.inference.engine_actor import EngineActor
 from engines.train import lora
 from engines.train.torch_backend import TorchTrainBackend
-from engines.train.weight_sender import (
+from engines.weights import hf_export
+from engines.weights.sender import (
     DiskWeightSender,
     TensorWeightSender,
     check_weight_update_equal,
 )
-from engines.weight_sync import weights_checksum
+from engines.weights.sync import weights_checksum
 from flows.config import AlgorithmConfig, ConfigError, EngineConfig, TrainConfig
 from flows.config_loader import apply_overrides, config_from_dict
 from tasks.step_tasks import retry_transient
@@ -159,7 +160,7 @@ def test_checkpoint_holds_peft_adapter_and_a_plain_merged_model(trained: dict[st
         torch.testing.assert_close(exported(input_ids=ids).logits,
                                    with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
     # the export is the checkpoint step's merge (step 0), not the backend's current one
-    after_first = lora.engine_state_dict(with_adapter)
+    after_first = hf_export.engine_state_dict(with_adapter)
     assert all(torch.equal(exported.state_dict()[k], after_first[k]) for k in after_first)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from engines.prompt_dataset import DatasetSpec, load_prompt_samples
+from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.loss_mask import LossMaskError, chat_loss_mask
 from engines.rollout.sft_rollout import sft_rollout
 from flows.config import RollflowConfig

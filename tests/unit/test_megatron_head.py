@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from engines.algorithms.losses import entropy_from_logits
-from engines.cluster.head import free_port
+from engines.process import free_port
 from engines.train.batching import build_padded_batch, gather_response_logits, log_probs_from_logits
 from engines.train.megatron import token_stats as stats_module
 from engines.train.megatron.response_head import response_view, select_positions

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engines.hooks import HookError
-from engines.prompt_dataset import DatasetError
+from engines.data.prompt_dataset import DatasetError
+from engines.hooks.loader import HookError
 from engines.rollout.rewards.hub import RewardConfigError
 from flows.config import ConfigError
 from flows.config_loader import config_from_dict

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
+from engines.data.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
 from tests.unit.test_data_source import CharTokenizer, write_jsonl
 
 
@@ -75,7 +75,7 @@ def test_missing_or_unreadable_files_are_dataset_errors(tmp_path):
 def test_too_long_prompts_are_dropped_counted_and_logged(tmp_path, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "short"}, {"prompt": "x" * 50},
                                                {"prompt": "y" * 40}])
-    with caplog.at_level(logging.WARNING, logger="engines.prompt_dataset"):
+    with caplog.at_level(logging.WARNING, logger="engines.data.prompt_dataset"):
         loaded = load_prompt_samples(DatasetSpec(path, max_prompt_len=10), CharTokenizer())
     assert [s.prompt for s in loaded.samples] == ["short"]
     assert loaded.dropped_too_long == 2
@@ -127,7 +127,7 @@ def test_messages_read_as_locations_in_the_file(tmp_path):
 
 def test_all_prompts_too_long_fails_without_a_warning_first(tmp_path, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 50}])
-    with caplog.at_level(logging.WARNING, logger="engines.prompt_dataset"):
+    with caplog.at_level(logging.WARNING, logger="engines.data.prompt_dataset"):
         load_error(DatasetSpec(path, max_prompt_len=10))
     assert "dropped" not in caplog.text
 

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.data_source import RolloutDataSourceWithBuffer
-from engines.prompt_dataset import (
+from engines.data.data_source import RolloutDataSourceWithBuffer
+from engines.data.prompt_dataset import (
     DatasetError,
     DatasetSpec,
     check_prompt_dataset,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engines.hooks import HookError
+from engines.hooks.loader import HookError
 from engines.rollout.rewards import (
     RemoteRewardError,
     RewardConfigError,

@@ -11,10 +11,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from engines.rollout.decode_batch import DecodeBatch
-from engines.rollout.embedded_generator import EmbeddedGenerator
-from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
-from engines.rollout.scheduler import ContinuousScheduler
+from engines.inference.decode_batch import DecodeBatch
+from engines.inference.embedded_generator import EmbeddedGenerator
+from engines.inference.gen_types import GenRequest, GenResult, SamplingParams
+from engines.inference.scheduler import ContinuousScheduler
 
 TOKENS = 100
 

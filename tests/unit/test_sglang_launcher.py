@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.rollout.sglang_launcher import launch_command, wait_healthy
+from engines.inference.sglang_launcher import launch_command, wait_healthy
 from flows.config import EngineConfig
 
 
@@ -29,7 +29,7 @@ def test_wait_healthy_times_out_on_a_dead_url():
 
 
 def test_a_placed_multi_gpu_engine_sees_its_gpus_by_id():
-    from engines.rollout.sglang_launcher import server_env
+    from engines.inference.sglang_launcher import server_env
 
     cfg = EngineConfig(backend="sglang", model_path="/models/qwen")
     cmd = launch_command(cfg, port=31000, tp_size=2, base_gpu_id=4)

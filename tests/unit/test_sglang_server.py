@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.rollout.embedded_generator import EmbeddedGenerator
-from engines.rollout.engine_actor import EngineActor, build_generator
-from engines.rollout.gen_types import GenRequest, GenResult, SamplingParams
-from engines.rollout.mock_generator import MockGenerator
-from engines.rollout.scheduler import ContinuousScheduler
+from engines.inference.embedded_generator import EmbeddedGenerator
+from engines.inference.engine_actor import EngineActor, build_generator
+from engines.inference.gen_types import GenRequest, GenResult, SamplingParams
+from engines.inference.mock_generator import MockGenerator
+from engines.inference.scheduler import ContinuousScheduler
 from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output, tls_verify
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig

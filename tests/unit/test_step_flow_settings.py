@@ -64,7 +64,7 @@ def test_curves_every_plot_interval_and_at_the_last_step():
 def test_deterministic_failures_are_not_retried():
     from prefect.states import Failed
 
-    from engines.prompt_dataset import DatasetError
+    from engines.data.prompt_dataset import DatasetError
     from tasks.step_tasks import retry_transient
 
     bad_row = Failed(data=DatasetError("data.jsonl", 3, "prompt", "empty prompt"))

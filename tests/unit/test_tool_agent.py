@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.hooks import check_protocol
-from engines.rollout.engine_actor import EngineActor
+from engines.hooks.loader import check_protocol
+from engines.hooks.protocols import EngineUrlError, GenerateFn
+from engines.hooks.protocols import engine_url as resolve_engine_url
+from engines.inference.engine_actor import EngineActor
 from engines.rollout.generation import HookArgs
-from engines.rollout.protocols import EngineUrlError, GenerateFn
-from engines.rollout.protocols import engine_url as resolve_engine_url
 from engines.rollout.sglang_client import GenerateOutput, SGLangClient
 from examples.tool_agent import agent
 from examples.tool_agent.calculator import evaluate, find_call, observe

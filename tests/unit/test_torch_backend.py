@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.hooks import HookError
+from engines.hooks.loader import HookError
 from engines.train.batching import (
     build_padded_batch,
     log_probs_from_logits,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.weight_schedule import (
+from engines.weights.schedule import (
     oldest_trainable_version,
     pushes_weights,
     required_weight_version,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.rollout.engine_actor import EngineActor
-from engines.train.weight_sender import (
+from engines.inference.engine_actor import EngineActor
+from engines.weights.sender import (
     DiskWeightSender,
     DistributedWeightSender,
     TensorWeightSender,
@@ -24,14 +24,14 @@ from engines.train.weight_sender import (
     build_weight_sender,
     check_weight_update_equal,
 )
-from engines.weight_sync import buckets, decode_named_tensors, encode_named_tensors
+from engines.weights.sync import buckets, decode_named_tensors, encode_named_tensors
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig, TrainConfig
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 ENGINE_SCRIPT = """
 import sys, torch
-from engines.rollout.engine_actor import EngineActor
+from engines.inference.engine_actor import EngineActor
 from flows.config import EngineConfig
 actor = EngineActor(EngineConfig(backend="embedded", model_path=sys.argv[1]), 0, num_threads=1)
 print(actor.url(), flush=True)
@@ -115,7 +115,7 @@ def test_distributed_gloo_update_reaches_an_engine_in_another_process(model_dir:
 TRAINER_SCRIPT = """
 import sys
 from transformers import AutoModelForCausalLM
-from engines.train.weight_sender import DistributedWeightSender
+from engines.weights.sender import DistributedWeightSender
 sender = DistributedWeightSender([sys.argv[1]], bucket_bytes=64 * 1024, backend="gloo")
 sender.connect()
 print(sender.update(AutoModelForCausalLM.from_pretrained(sys.argv[2]), version=1), flush=True)

@@ -25,9 +25,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engines.hooks import bad_return, load_user_hook
+from engines.hooks.loader import bad_return, load_user_hook
+from engines.hooks.protocols import GroupRewardFn, Reward, RewardFn
 from engines.rollout.config import RolloutConfig
-from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
 from engines.rollout.rewards.deadline import (
     DEFAULT_TIMEOUT_S,
     SHARED_POOL,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.hooks import load_user_hook
-from engines.rollout.protocols import GroupRewardFn, Reward, RewardFn
+from engines.hooks.loader import load_user_hook
+from engines.hooks.protocols import GroupRewardFn, Reward, RewardFn
 from engines.rollout.rewards import (
     REWARD_FUNCTIONS,
     RewardConfigError,

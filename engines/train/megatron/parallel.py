@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engines.cluster.head import free_port
+from engines.process import free_port
 from engines.train.megatron.hf_convert import merge_stages, merge_tp, stage_layers
 
 

@@ -12,7 +12,7 @@ sampling in between (`decode_steps`, the engine's `num_continuous_decode_steps`)
 It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
 feature flags (a build cache shared with other machines never hands one code its CPU lacks)
 and a digest of the source, in a directory per Python environment (`build_directory`).
-`scripts/setup.sh` builds it ahead (`python -m engines.rollout.fused_decode`): a first build
+`scripts/setup.sh` builds it ahead (`python -m engines.inference.fused_decode`): a first build
 takes ~40-55 s here.
 Anything that stops the build (no compiler or Python headers, `ROLLFLOW_FUSED_DECODE=0`)
 leaves the Python step in use, said once in the log; the two give the same tokens and
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from engines.rollout import sampling
-from engines.rollout.sampling import SamplingRows
+from engines.inference import sampling
+from engines.inference.sampling import SamplingRows
 
 log = logging.getLogger(__name__)
 

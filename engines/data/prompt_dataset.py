@@ -1,6 +1,6 @@
 """Prompt sets as pending Samples: opened lazily, rows turned into Samples when drawn.
 
-`open_prompt_dataset` keeps the rows where `engines.prompt_files` put them (Arrow, or raw
+`open_prompt_dataset` keeps the rows where `engines.data.prompt_files` put them (Arrow, or raw
 JSON lines) and `PromptDataset.take(rows)` checks, renders and tokenizes just those rows, so a
 multi-million-row set costs no more start-up than a small one. `check_prompt_dataset` is the
 driver's check before step 0 (every row's fields; the first `data.preflight_token_rows` rows
@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.prompt_checks import FieldReport, check_fields
-from engines.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
-from engines.rollout.config import DataConfig
+from engines.data.config import DataConfig
+from engines.data.prompt_checks import FieldReport, check_fields
+from engines.data.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
 from storage.config import StorageConfig
 from storage.sample import Sample
 
@@ -135,7 +135,7 @@ def to_sample(spec: DatasetSpec, tokenizer: PromptTokenizer | None, file: str, l
 
 class PromptDataset:
     """A prompt set whose rows become Samples only when taken (`take`), for the data source.
-    Holds the rows as `engines.prompt_files` opened them, never a list of Samples."""
+    Holds the rows as `engines.data.prompt_files` opened them, never a list of Samples."""
 
     def __init__(self, spec: DatasetSpec, tokenizer: PromptTokenizer | None,
                  rows: PromptRows) -> None:

@@ -3,7 +3,7 @@
 Request and response shapes follow SGLang's io_struct: `PauseGenerationReqInput(mode)`,
 `ReleaseMemoryOccupationReqInput(tags)`, `UpdateWeightsFromTensorReqInput`
 (`serialized_named_tensors`: one entry per TP rank, here exactly one, encoded as base64 of
-`torch.save(list[(name, tensor)])` -- see `engines.weight_sync`), `UpdateWeightFromDiskReqInput`,
+`torch.save(list[(name, tensor)])` -- see `engines.weights.sync`), `UpdateWeightFromDiskReqInput`,
 `InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput(names, dtypes, shapes)`,
 `CheckWeightsReqInput(action="checksum")`. Weight updates answer `{"success", "message"}`
 (400 on failure); weight versions are strings in SGLang and ints in rollflow.
@@ -18,10 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.rollout.gen_types import MEMORY_TAGS, Generator
-from engines.rollout.scheduler import ContinuousScheduler
-from engines.rollout.sglang_protocol import error_response, json_body
-from engines.weight_sync import WeightUpdateGroup, decode_named_tensors
+from engines.inference.gen_types import MEMORY_TAGS, Generator
+from engines.inference.scheduler import ContinuousScheduler
+from engines.inference.sglang_protocol import error_response, json_body
+from engines.weights.sync import WeightUpdateGroup, decode_named_tensors
 
 Handler = Callable[[dict[str, Any]], Awaitable[str]]
 

@@ -1,7 +1,7 @@
 """The extension points of rollflow, one `typing.Protocol` each.
 
 User hooks arrive as import strings and are checked against these at start-up
-(`engines.hooks.load_hook`): the number of positional arguments the call site passes, and
+(`engines.hooks.loader.load_hook`): the number of positional arguments the call site passes, and
 `async def` versus `def`. Parameters are positional-only because call sites pass them by
 position, so a hook may name its parameters as it likes. `args` is the whole run config
 (`RollflowConfig`) for rollout-side hooks, as slime passes its namespace, and the algorithm

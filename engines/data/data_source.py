@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.hooks import returned_groups
+from engines.hooks.loader import returned_groups
 from storage.batch_io import read_samples, write_samples
 from storage.run_layout import RunLayout
 from storage.sample import Group, Sample, Status
@@ -36,7 +36,7 @@ def pop_first(args: Any, rollout_id: int, buffer: list[Group], num_samples: int)
 
 
 class PromptSource(Protocol):
-    """Rows drawn by number (`engines.prompt_dataset.PromptDataset`, or a list of Samples)."""
+    """Rows drawn by number (`engines.data.prompt_dataset.PromptDataset`, or a list of Samples)."""
 
     def __len__(self) -> int: ...
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.prompt_files import ArrowShard, DatasetSpec, JsonlShard, PromptRows, location
+from engines.data.prompt_files import ArrowShard, DatasetSpec, JsonlShard, PromptRows, location
 
 RowCheck = Callable[[DatasetSpec, str, int, dict[str, Any]], dict[str, Any]]
 """(spec, file, line, row) -> the row's metadata; raises DatasetError on a bad row."""

@@ -19,10 +19,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from engines.rollout.control_routes import add_control_routes
-from engines.rollout.gen_types import Generator, GenRequest, GenResult, SamplingParams
-from engines.rollout.scheduler import ContinuousScheduler
-from engines.rollout.sglang_protocol import (
+from engines.inference.control_routes import add_control_routes
+from engines.inference.gen_types import Generator, GenRequest, GenResult, SamplingParams
+from engines.inference.scheduler import ContinuousScheduler
+from engines.inference.sglang_protocol import (
     error_response,
     json_body,
     json_response,

@@ -18,7 +18,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.rollout.gen_types import Generator, GenRequest, GenResult, SamplingParams
+from engines.inference.gen_types import Generator, GenRequest, GenResult, SamplingParams
 
 _NEUTRAL_PARAMS: dict[str, Any] = {
     "frequency_penalty": 0.0,

@@ -23,9 +23,9 @@ from collections.abc import Collection, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.rollout import fused_decode
-from engines.rollout.decode_batch import DecodeBatch, ReqState
-from engines.rollout.gen_types import (
+from engines.inference import fused_decode
+from engines.inference.decode_batch import DecodeBatch, ReqState
+from engines.inference.gen_types import (
     GeneratorIdentity,
     GenRequest,
     GenResult,
@@ -34,8 +34,8 @@ from engines.rollout.gen_types import (
     never_abort,
     run_to_completion,
 )
-from engines.rollout.kv_decode import LlamaDecoder, make_decoder
-from engines.weight_sync import weights_checksum
+from engines.inference.kv_decode import LlamaDecoder, make_decoder
+from engines.weights.sync import weights_checksum
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,15 +17,13 @@ from collections.abc import Callable
 import torch
 import uvicorn
 
-from engines.heap import freeze_actor_heap
-from engines.rollout.config import EngineConfig
-from engines.rollout.embedded_generator import EmbeddedGenerator
-from engines.rollout.gen_types import Generator
-from engines.rollout.health import wait_for_health
-from engines.rollout.mock_generator import MockGenerator
-from engines.rollout.scheduler import ContinuousScheduler
-from engines.rollout.sglang_server import create_app
-from engines.torch_threads import actor_threads
+from engines.inference.config import EngineConfig
+from engines.inference.embedded_generator import EmbeddedGenerator
+from engines.inference.gen_types import Generator
+from engines.inference.mock_generator import MockGenerator
+from engines.inference.scheduler import ContinuousScheduler
+from engines.inference.sglang_server import create_app
+from engines.process import actor_threads, freeze_actor_heap, wait_for_health
 
 GeneratorFactory = Callable[[EngineConfig, int, int | None], Generator]
 _MOCK_VOCAB, _MOCK_EOS = 256, 0

@@ -15,9 +15,8 @@ from collections.abc import Mapping
 
 import httpx
 
-from engines.cluster.head import free_port
-from engines.rollout.config import EngineConfig
-from engines.rollout.health import wait_for_health
+from engines.inference.config import EngineConfig
+from engines.process import free_port, wait_for_health
 
 
 def launch_command(

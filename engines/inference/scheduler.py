@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from engines.rollout.gen_types import Generator, GenRequest, GenResult, aborted_result
+from engines.inference.gen_types import Generator, GenRequest, GenResult, aborted_result
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 T = TypeVar("T")

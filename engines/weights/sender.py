@@ -13,7 +13,7 @@ Buckets hold about `update_weight_buffer_size` bytes. Engines are addressed by U
 same sender works for embedded engines and real SGLang servers. What is sent is always the
 base model's HF-named weights, from a `WeightSource`: a train backend (`export_weights`;
 megatron's gathers TP shards and PP stages, a collective every rank joins) or an HF model
-(merged weights when it trains LoRA adapters, lora.py).
+(merged weights when it trains LoRA adapters, hf_export.py).
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ import httpx
 import torch
 from torch import Tensor
 
-from engines.cluster.head import free_port
-from engines.train.config import TrainConfig
-from engines.train.lora import NotHFModelError, engine_state_dict, save_hf
-from engines.weight_sync import (
+from engines.process import free_port
+from engines.weights.hf_export import NotHFModelError, engine_state_dict, save_hf
+from engines.weights.sync import (
     NamedTensors,
     WeightUpdateGroup,
     buckets,
@@ -261,7 +260,20 @@ class DiskWeightSender(_HTTPSender):
         self._last = path
 
 
-SenderFactory = Callable[[TrainConfig, list[str]], WeightSender]
+class SyncSettings(Protocol):
+    """The keys of the `train` section a sender is built from (`TrainConfig` has them)."""
+
+    @property
+    def weight_sync(self) -> str: ...
+    @property
+    def update_weight_buffer_size(self) -> int: ...
+    @property
+    def weight_sync_backend(self) -> str: ...
+    @property
+    def weight_sync_master_address(self) -> str: ...
+
+
+SenderFactory = Callable[[SyncSettings, list[str]], WeightSender]
 WEIGHT_SENDERS: dict[str, SenderFactory] = {
     "tensor": lambda cfg, urls: TensorWeightSender(urls, cfg.update_weight_buffer_size),
     "distributed": lambda cfg, urls: DistributedWeightSender(
@@ -271,7 +283,7 @@ WEIGHT_SENDERS: dict[str, SenderFactory] = {
 }
 
 
-def build_weight_sender(config: TrainConfig, engine_urls: list[str]) -> WeightSender:
+def build_weight_sender(config: SyncSettings, engine_urls: list[str]) -> WeightSender:
     """The sender `train.weight_sync` names; call `connect()` once, `update()` per step."""
     factory = WEIGHT_SENDERS.get(config.weight_sync)
     if factory is None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from engines.rollout.gen_types import (
+from engines.inference.gen_types import (
     GeneratorIdentity,
     GenRequest,
     GenResult,
@@ -27,7 +27,7 @@ from engines.rollout.gen_types import (
     finish_text,
     never_abort,
 )
-from engines.weight_sync import weights_checksum
+from engines.weights.sync import weights_checksum
 
 
 class _IdsTokenizer:

@@ -17,19 +17,39 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engines.rollout.config import EvalConfig, RolloutConfig
-from engines.train.config import TrainConfig
+
+class RolloutKeys(Protocol):
+    """The `rollout` keys the schedule reads (`RolloutConfig` has them)."""
+
+    @property
+    def num_rollout(self) -> int: ...
+    @property
+    def off_policy_async(self) -> bool: ...
+    @property
+    def max_staleness(self) -> int: ...
+
+
+class TrainKeys(Protocol):
+    @property
+    def update_weights_interval(self) -> int: ...
+
+
+class EvalKeys(Protocol):
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def eval_interval(self) -> int | None: ...
 
 
 class ScheduleConfig(Protocol):
     """The sections the schedule reads; the run config is one."""
 
     @property
-    def rollout(self) -> RolloutConfig: ...
+    def rollout(self) -> RolloutKeys: ...
     @property
-    def train(self) -> TrainConfig: ...
+    def train(self) -> TrainKeys: ...
     @property
-    def eval(self) -> EvalConfig: ...
+    def eval(self) -> EvalKeys: ...
 
 
 def required_weight_version(cfg: ScheduleConfig, rollout_id: int) -> int:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from engines.rollout.gen_types import GenRequest
-from engines.rollout.kv_decode import KVCache, RowFinish
-from engines.rollout.sampling import SamplingRows, uniform_table
+from engines.inference.gen_types import GenRequest
+from engines.inference.kv_decode import KVCache, RowFinish
+from engines.inference.sampling import SamplingRows, uniform_table
 
 _COMPACT_BELOW = 0.75
 _ROOM = 64  # free cache columns given to a new or rebuilt cache (at most what rows can use)

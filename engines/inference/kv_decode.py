@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from engines.rollout import fused_decode
-from engines.rollout.sampling import SamplingRows
+from engines.inference import fused_decode
+from engines.inference.sampling import SamplingRows
 
 _CHUNK = 64  # columns added when a cache fills up (plus half its size, for amortized growth)
 

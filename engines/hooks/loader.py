@@ -1,7 +1,7 @@
 """User hooks by import string ("pkg.mod:fn" or "pkg.mod.fn"), checked at start-up.
 
 A hook that does not import, or whose signature does not fit its protocol
-(`engines.rollout.protocols`), fails immediately with the config key that named it, not at
+(`engines.hooks.protocols`), fails immediately with the config key that named it, not at
 step 37. `validate_hooks(cfg)` checks every hook a config names in one go.
 """
 
@@ -14,7 +14,7 @@ import reprlib
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from engines.rollout import protocols as p
+from engines.hooks import protocols
 from storage.sample import Group, Sample
 
 
@@ -25,16 +25,16 @@ class HookError(ValueError):
 
 # Config key -> the protocol its hook must satisfy. Keys whose field a config lacks are skipped.
 HOOKS: dict[str, type] = {
-    "rollout.function_path": p.RolloutFn,
-    "rollout.custom_generate_function_path": p.GenerateFn,
-    "rollout.custom_rm_path": p.RewardFn,
-    "rollout.dynamic_sampling_filter_path": p.DynamicFilterFn,
-    "rollout.over_sampling_filter_path": p.OverSamplingFilterFn,
-    "rollout.buffer_filter_path": p.BufferFilterFn,
-    "rollout.sample_filter_path": p.SampleFilterFn,
-    "algorithm.custom_loss_function_path": p.CustomLossFn,
-    "algorithm.custom_advantage_function_path": p.CustomAdvantageFn,
-    "eval.eval_function_path": p.EvalFn,
+    "rollout.function_path": protocols.RolloutFn,
+    "rollout.custom_generate_function_path": protocols.GenerateFn,
+    "rollout.custom_rm_path": protocols.RewardFn,
+    "rollout.dynamic_sampling_filter_path": protocols.DynamicFilterFn,
+    "rollout.over_sampling_filter_path": protocols.OverSamplingFilterFn,
+    "rollout.buffer_filter_path": protocols.BufferFilterFn,
+    "rollout.sample_filter_path": protocols.SampleFilterFn,
+    "algorithm.custom_loss_function_path": protocols.CustomLossFn,
+    "algorithm.custom_advantage_function_path": protocols.CustomAdvantageFn,
+    "eval.eval_function_path": protocols.EvalFn,
 }
 
 
@@ -285,7 +285,7 @@ def configured_hooks(cfg: Any) -> dict[str, tuple[str, type]]:
         if not path:
             continue
         if key == "rollout.custom_rm_path" and getattr(cfg.rollout, "group_rm", False):
-            protocol = p.GroupRewardFn
+            protocol = protocols.GroupRewardFn
         found[key] = (str(path), protocol)
     return found
 

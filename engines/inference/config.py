@@ -1,0 +1,45 @@
+"""The `engine` section: what each inference engine serves and how (embedded, SGLang or mock)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_serializer
+
+from storage.config import Section
+from storage.secrets import redact_url
+
+
+class EngineConfig(Section):
+    backend: Literal["embedded", "sglang", "mock"] = Field(
+        "embedded", description="Rollout engine: embedded (torch), sglang (HTTP), mock."
+    )
+    model_path: str | None = Field(None, description="HF-format model directory.")
+    num_engines: int = Field(1, ge=1)
+    host: str = Field("127.0.0.1", description="Interface the embedded HTTP server binds.")
+    urls: list[str] = Field(
+        default_factory=list, repr=False, description="External SGLang server URLs."
+    )
+
+    @field_serializer("urls")
+    def _redact_urls(self, urls: list[str]) -> list[str]:
+        return [redact_url(u) or u for u in urls]
+    max_batch_size: int = Field(1024, ge=1, description="Requests decoded together.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Embedded engine: the model's dtype (bfloat16 on GPUs)."
+    )
+    num_continuous_decode_steps: int = Field(
+        8, ge=1,
+        description="Embedded engine: tokens decoded per scheduler turn without returning to "
+        "Python (SGLang's --num-continuous-decode-steps, whose default is 1). Admissions, aborts "
+        "and weight updates wait for the turn to end; a turn ends early when a row finishes. "
+        "Used by the compiled CPU step, for rows without stop strings or top-p/top-k.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Embedded engine: auto puts the model on the GPU the engine's process "
+        "sees (an engine placed on a GPU bundle sees its own GPU), else on the CPU.",
+    )
+    mock_response: str = Field(
+        "", description="Mock backend: fixed answer template; '' echoes the label."
+    )
