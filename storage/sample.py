@@ -133,9 +133,10 @@ class Sample:
             )
 
     def clone(self) -> Sample:
-        """An independent copy, as `copy.deepcopy` makes it, ~10x faster (a data source makes
-        n_samples_per_prompt clones per prompt): the id lists are copied as lists and only
-        the fields that may nest (chat prompt, dict reward, metadata) go through deepcopy."""
+        """An independent copy, as `copy.deepcopy` makes it, but faster (a data source makes
+        n_samples_per_prompt clones per prompt; bench/RESULTS.md, "Train step"): the id lists
+        are copied as lists and only the fields that may nest (chat prompt, dict reward,
+        metadata) go through deepcopy."""
         return Sample(
             index=self.index,
             group_index=self.group_index,

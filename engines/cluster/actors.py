@@ -8,7 +8,7 @@ group (named after the run) is reserved first, train rank i goes to train bundle
 engine i to its first bundle, each asking for its share of the bundle (colocated runs split
 a bundle between trainer and engine). Off, actors ask for no resources at all. More than
 one train rank (`actor_num_nodes x actor_num_gpus_per_node`) makes the trainer a
-data-parallel `TrainGroup`; one rank is the plain actor, exactly as before.
+data-parallel `TrainGroup`; one rank is the plain `TrainActor`.
 """
 
 from __future__ import annotations
@@ -172,8 +172,9 @@ def get_or_create_actors(cfg: RunConfig) -> RunActors:
 
 
 # Handles this process looked up, by (namespace, run, actor suffix). The train flow looks
-# its actors up once; each step (or step flow run) then reuses the handles instead of ~10 Ray
-# round trips (GCS lookups, placement, two actor calls: 0.05-0.5 s, most of a mock step).
+# its actors up once; each step (or step flow run) then reuses the handles instead of about
+# ten Ray round trips (GCS lookups, placement, two actor calls), most of a mock step
+# (bench/RESULTS.md, "Orchestration").
 # An actor that died since fails its task, whose retry looks everything up again.
 _ATTACHED: dict[tuple[str, str, str], RunActors] = {}
 

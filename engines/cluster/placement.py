@@ -18,8 +18,8 @@ colocated:           train and rollout both use [0, actor_num_nodes x actor_num_
 The group is detached and named after the run, so a rerun of the driver finds it again
 instead of reserving the resources twice. The bundle order is probed once, when the group is
 created, and kept in Ray's KV store next to it: a probe needs a free slot in its bundle, and
-once the trainer and engines fill their bundles a second probe would wait forever (this is
-what hung the first wiring attempt on every flow run after the first).
+once the trainer and engines fill their bundles a second probe would wait forever, hanging
+every flow run after the first.
 """
 
 from __future__ import annotations

@@ -285,13 +285,11 @@ class EmbeddedGenerator(GeneratorIdentity):
         """One intra-op thread for a forward whose activations (tokens x hidden size) are
         under `_PARALLEL_ELEMENTS`, the configured count otherwise. A small step's ops are
         too short to split: each op's fork/join (a wake-up of sleeping OpenMP workers) costs
-        more than it saves. On the example model (hidden 128): batches 4-16 ~25% less time
-        per token on one thread than on two; at batch 64, since attention is two batched
-        matmuls, two threads take 7-30% less time per token for 10-20% more CPU (three
-        alternating pairs on the 2-core box). It applies to the calling thread only: the
-        scheduler's. A decoder that splits its step itself (`parallel_rows`: the fewest rows
-        worth two threads; the compiled step wakes the pool once a step, and at batch 16 takes
-        ~40% less time on two) sets its own threshold."""
+        more than it saves. On the example model small batches run faster on one thread and
+        batch 64 faster on two (bench/RESULTS.md, "Embedded engine vs HF generate"). It
+        applies to the calling thread only: the scheduler's. A decoder that splits its step
+        itself (`parallel_rows`: the fewest rows worth two threads; the compiled step wakes
+        the pool once a step, so smaller batches gain from two) sets its own threshold."""
         work = tokens * self._hidden
         parallel = work >= _PARALLEL_ELEMENTS if parallel_rows is None else tokens >= parallel_rows
         want = self._threads if parallel or self.device.type != "cpu" else 1

@@ -12,8 +12,8 @@ sampling in between (`decode_steps`, the engine's `num_continuous_decode_steps`)
 It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
 feature flags (a build cache shared with other machines never hands one code its CPU lacks)
 and a digest of the source, in a directory per Python environment (`build_directory`).
-`scripts/setup.sh` builds it ahead (`python -m engines.inference.fused_decode`): a first build
-takes ~40-55 s here.
+`scripts/setup.sh` builds it ahead (`python -m engines.inference.fused_decode`), so that a
+first run does not wait for the build.
 Anything that stops the build (no compiler or Python headers, `ROLLFLOW_FUSED_DECODE=0`)
 leaves the Python step in use, said once in the log; the two give the same tokens and
 log-probs within 1e-6.
@@ -79,8 +79,8 @@ def sample_tokens(
     module: Any | None, logits: torch.Tensor, rows: SamplingRows, uniform: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampling.sample_tokens` as one compiled call where it applies (the module `load`
-    gave, float32 CPU logits, no row truncating with top-p/top-k), ~12 aten ops and 0.4 ms
-    a step at batch 64 before. The same draw: the token where the float32 distribution's CDF
+    gave, float32 CPU logits, no row truncating with top-p/top-k), instead of ~12 aten ops
+    (bench/RESULTS.md, "Embedded engine vs HF generate"). The same draw: the token where the float32 distribution's CDF
     passes the row's uniform; only float rounding at a CDF step can tell the two apart."""
     if (module is None or rows.truncates or logits.dtype != torch.float32
             or logits.device.type != "cpu"):
@@ -92,7 +92,7 @@ def sample_tokens(
 def build_directory(name: str) -> Path:
     """Where it is built: torch's extension cache, one directory per Python environment and
     torch version. A build records the include paths of the torch it was built against, so
-    two venvs sharing one directory rebuilt it in turn (~50 s at each one's first load)."""
+    two venvs sharing one directory would rebuild it in turn, at each one's first load."""
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     env = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:6]
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{env}"
@@ -113,8 +113,8 @@ def _clear_stale_lock(directory: Path) -> None:
 
 def _source_copy(directory: Path, code: bytes) -> Path:
     """The source, copied into its build directory: the build records its sources' paths,
-    so two checkouts of one source built from their own paths would rebuild in turn (~40 s
-    at each first load), each the other's build being "out of date"."""
+    so two checkouts of one source built from their own paths would rebuild in turn at each
+    first load, each the other's build being "out of date"."""
     copy = directory / SOURCE.name
     if not copy.exists() or copy.read_bytes() != code:
         partial = directory / f".{SOURCE.name}.{os.getpid()}"

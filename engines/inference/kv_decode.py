@@ -172,8 +172,8 @@ def _decode_attention(
 ) -> torch.Tensor:
     """Attention of one new token per row, `q` `[rows, heads, 1, d]` over `keys`/`values`
     `[rows, kv_heads, length, d]`, as two batched matmuls around a softmax. SDPA's CPU kernel
-    (flash attention, built for long queries) took ~0.9 ms a call at batch 64, a third of
-    a decode step, for ~1M multiply-adds. The q heads that share a kv head (HF's
+    (flash attention, built for long queries) took a third of a decode step at batch 64 for
+    about 1M multiply-adds (bench/RESULTS.md, "Embedded engine vs HF generate"). The q heads that share a kv head (HF's
     `repeat_kv`: kv head i serves q heads i*g .. i*g+g-1) are one matrix of g rows."""
     rows, heads, _, d = q.shape
     kv_heads = keys.shape[1]

@@ -30,8 +30,9 @@ T = TypeVar("T")
 
 class _Submission:
     """The requests of one `submit` call: one future for all of their results, in order.
-    A batched `/generate` of 1,024 requests used to get a future per request, each wrapped
-    for the server's event loop: ~60 ms of the engine's CPU a call, a fifth of the decode.
+    A future per request, each wrapped for the server's event loop, would cost a batched
+    `/generate` of 1,024 requests a fifth of its decode (bench/RESULTS.md, "Engine HTTP
+    throughput").
     `record` runs under the scheduler's lock (aborts resolve from other threads)."""
 
     __slots__ = ("future", "results", "pending")

@@ -4,8 +4,8 @@ Request parsing follows `GenerateReqInput` (single or batched `text` / `input_id
 per-request `sampling_params`, `rid`, `return_logprob`); responses carry SGLang's
 `meta_info`. Bad input raises ValueError naming the field, which the server turns into
 SGLang's `{"error": {"message"}}` with status 400. Bodies are parsed and written with
-orjson: a 1,024-sample batch took the stdlib ~15 ms each way, under 2 ms with orjson
-(whose floats round-trip exactly, as the log-probs need).
+orjson, several times faster than the stdlib's json on a large batch (bench/RESULTS.md,
+"Engine HTTP throughput"), whose floats round-trip exactly, as the log-probs need.
 """
 
 from __future__ import annotations

@@ -75,11 +75,11 @@ class _Unit:
 class RoundRobinDispatch:
     """Direct to the engines, in turn. Groups sent in the same turn of the event loop share
     one batched request while it holds at most `max_request_samples` samples: a step's
-    groups all start together, and the main job's generate stage took 0.40 s per step
-    (median) as one request against 0.61 s as 128 (HTTP and JSON per request, and prefills
-    of the requests that reached the engine after the first). Each sample keeps its own
-    rid, seed and budget, so aborts and outputs are per sample as before; a group's result
-    arrives with its request's. The default, 1, is a request per group."""
+    groups all start together, and one request saves the HTTP and JSON of each of the
+    others and the prefills of those that would reach the engine after the first
+    (bench/RESULTS.md, "vs TRL", one request per step). Each sample keeps its own rid, seed
+    and budget, so aborts and outputs stay per sample; a group's result arrives with its
+    request's. The default, 1, is a request per group."""
 
     per_sample = False
 

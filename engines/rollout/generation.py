@@ -52,7 +52,7 @@ FINISH_TO_STATUS = {
 }
 FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
-# Kept for evaluation.py and older callers: anything with `generate_batch` is an engine.
+# An engine client, for the generation loop and evaluation.py: anything with `generate_batch`.
 EngineClient = Any
 
 
@@ -373,8 +373,8 @@ class GenerationLoop:
         """abort_all on every engine until nothing is in flight. Repeated, because a request
         can reach an engine just after an abort (sent before the step had its groups); it
         then runs to completion unless aborted again. The first repeats come soon
-        (`_REABORT_WAITS`): with one abort a second, such a request on a small model had
-        ~10x the time it takes to finish 100 tokens."""
+        (`_REABORT_WAITS`): with one abort a second, such a request on a small model would
+        have many times the time it takes to finish its tokens."""
         if not pending:
             return []
         drained: list[Group] = []

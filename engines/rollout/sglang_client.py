@@ -5,10 +5,11 @@ front of several) serves, so swapping the embedded engine for SGLang changes a U
 code. Retries belong to the caller (the generation loop knows what is safe to repeat).
 
 The transport is aiohttp: a GRPO step sends one request per group all at once (128 at a
-time in the main job), and httpx's async client spent 0.6-0.8 s of the rollout actor's CPU
-on 128 such requests against aiohttp's 0.06-0.09 s (same engine, same bodies), which was most
-of the step's generation time for short responses. Bodies go through orjson: for a
-1,024-sample batch, the stdlib's dumps and loads took ~20 ms of it against ~3 ms.
+time in the main job), and httpx's async client spent far more of the rollout actor's CPU
+on such a burst than aiohttp (same engine, same bodies): most of the step's generation time
+for short responses.
+Bodies go through orjson, several times faster than the stdlib's json on a large batch
+(bench/RESULTS.md, "Engine HTTP throughput").
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def _tls_context() -> ssl.SSLContext:
 
 def tls_verify(url: str) -> ssl.SSLContext | bool:
     """httpx's `verify` for a client of `url`: one certificate context for every https client
-    (httpx builds a new one per client by default, parsing the CA bundle: ~27 ms of CPU, and
-    the remote reward model opens one client per sample); none at all for plain http."""
+    (httpx builds a new one per client by default, parsing the CA bundle each time, and the
+    remote reward model opens one client per sample; bench/RESULTS.md, "Engine HTTP
+    throughput"); none at all for plain http."""
     return _tls_context() if url.startswith("https://") else False
 
 

@@ -103,8 +103,8 @@ def padded_rows(
     """Rows of different lengths as one `[len(rows), width]` tensor, right-padded with `fill`.
 
     One tensor from padded Python lists: filling a preallocated tensor row by row costs a
-    small tensor and a copy per row (~10 us each), which was ~10% of the arithmetic example's
-    train step (12 batch builds of 256-1024 samples per step)."""
+    small tensor and a copy per row, a visible share of the arithmetic example's train step
+    (bench/RESULTS.md, "Train step")."""
     return torch.tensor([[*r, *[fill] * (width - len(r))] for r in rows], dtype=dtype)
 
 

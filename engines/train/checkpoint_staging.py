@@ -1,10 +1,10 @@
 """Where a train group's ranks stage a checkpoint on local disk before it goes to storage.
 
 A collective save (megatron's `dist_checkpointing`) has every rank write its own shard files
-into one directory, and it needs that directory to be the same path on every rank. Each rank
-used to stage in a temporary directory of its own, and only rank 0's was uploaded: the
-other ranks' shards were deleted with theirs, so a TP/PP/DP > 1 checkpoint could not be
-loaded. Now:
+into one directory, and it needs that directory to be the same path on every rank. Were each
+rank to stage in a temporary directory of its own with only rank 0's uploaded, the other
+ranks' shards would be deleted with theirs and a TP/PP/DP > 1 checkpoint could not be
+loaded. So:
 
 * rank 0 names one staging path and every rank saves into it;
 * the ranks find which of them share a disk by the files they can see (a marker per rank),
@@ -14,11 +14,11 @@ loaded. Now:
   all of them are in (`storage/run_layout.py` scans by manifest);
 * loading from an object store downloads a checkpoint once per disk, not once per rank;
 * a step that fails on some ranks only (a full disk, an upload error) fails on every rank,
-  at the same point (`_agreed`): a rank that raised alone used to leave the others in the
-  next barrier forever, or pair that barrier with a later one, so they moved LATEST over a
-  checkpoint some of whose files were never stored.
+  at the same point (`_agreed`): a rank that raised alone would leave the others in the
+  next barrier forever, or pair that barrier with a later one, so they would move LATEST
+  over a checkpoint some of whose files were never stored.
 
-Without a process group (one rank), it is a plain temporary directory, as before.
+Without a process group (one rank), it is a plain temporary directory.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ class TrainConfig(Section):
         "gradients up to float rounding, ~2x less work for 8 short responses per prompt). "
         "Used when the model's attention is sdpa; false: one padded row per sample. "
         "Default (null): on the CPU only. On a GPU the masked attention cannot take the "
-        "flash kernels that causal padded rows use, and it measured slower (H200, "
-        "Qwen2-0.5B shape, seq 1k: 36.2k vs 53.0k tok/s).",
+        "flash kernels that causal padded rows use, and it measured slower "
+        "(bench/RESULTS.md, \"Megatron GRPO\").",
     )
     pack_sequences: bool = Field(
         False,

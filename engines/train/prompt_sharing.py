@@ -10,8 +10,8 @@ under an attention mask that lets a prompt token see the earlier prompt tokens a
 response token see the whole prompt and its own earlier tokens, nothing else. Every token
 then sees exactly the keys (at the same positions) it would see in its own padded row, so
 log-probs, entropies and gradients are those of the padded batch up to float rounding, for
-~P x (n - 1) fewer tokens per group: on the arithmetic example (6-token prompts, ~4-token
-responses, 8 per prompt) a forward + backward costs ~2.3x less.
+~P x (n - 1) fewer tokens per group: short responses to a longer prompt gain the most
+(bench/RESULTS.md, "Train step").
 
 Needs attention that takes a custom 4-D mask and explicit position ids: Hugging Face's
 `sdpa` (the default on CPU and GPU) does. `supports_prompt_sharing` says when to use it; the

@@ -1,4 +1,4 @@
-// One Llama decode step (float32, CPU) in a single call: see engines/rollout/fused_decode.py.
+// One Llama decode step (float32, CPU) in a single call: see engines/inference/fused_decode.py.
 //
 // The Python step (kv_decode.LlamaDecoder) issues ~140 aten calls a step; at batch 64 on
 // the example model their dispatch, the temporaries between them and a thread-pool wake-up

@@ -40,8 +40,8 @@ def _write_results_in_process() -> None:
     """megatron's file writer hands back its write results through a queue it makes once
     per process: a `multiprocessing` Manager of the spawn context, i.e. a new interpreter
     that re-imports the process's main module (in a Ray actor, Ray's worker) and then serves
-    the queue for the rank's lifetime. On an H100 machine that made a rank's first save take
-    6.8 s instead of 0.1 s (the main job's final checkpoint: 7.8 s of a 81 s GRPO run).
+    the queue for the rank's lifetime. Starting it made a rank's first save many times
+    slower than the save itself (bench/RESULTS.md, "GPU end to end").
     `dist_checkpointing.save` writes synchronously, in this process, so a thread queue
     carries the same results; megatron's async save (a separate writer process), which
     needs the Manager, is not used here. A queue megatron already made is kept."""
