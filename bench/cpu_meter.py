@@ -3,11 +3,11 @@
 The meter polls from a thread of the benchmark's own process, while the measured trainer
 keeps both cores busy with torch's OpenMP threads. Every wake-up of the meter preempts one
 of them, and its partner then spins at the next barrier, so the poll's cost is paid twice
-over in the run's wall time. The first version walked every process on the machine
-(`/proc/*/cmdline` and the parent map) ten times a second, ~6 ms a poll: a Ray actor's
-train step took 1.7-2.3 s instead of 1.0-1.2 s while it ran, and TRL, measured
-in-process, never paid it. So discovery (the expensive walk) runs once a second, the poll
-reads only the followed processes' CPU times, and readings between polls are interpolated.
+over in the run's wall time. Walking every process on the machine (`/proc/*/cmdline` and
+the parent map) at each poll slowed a Ray actor's train step markedly while TRL, measured
+in-process, never paid it (bench/RESULTS.md, "vs TRL"). So discovery (the expensive walk)
+runs once a second, the poll reads only the followed processes' CPU times, and readings
+between polls are interpolated.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ time. Before timing, each batch
 size checks that greedy outputs equal HF's token for token and that the engine's log-probs
 are within 1e-5 of a full-sequence forward; a failed check exits non-zero.
 OpenMP threads sleep while idle (`OMP_WAIT_POLICY=PASSIVE` unless set): spinning workers on
-a shared 2-core machine made both sides ~10x slower and the figures mostly noise.
+a shared machine made both sides far slower and the figures mostly noise (bench/RESULTS.md,
+"Embedded engine vs HF generate").
 Usage:
   python -m bench.generation --batch-sizes 1 16 64 --new-tokens 64
 """
@@ -57,7 +58,8 @@ def prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
 class EngineRunner:
     """One batched `/generate` over HTTP per call; returns the parsed outputs. The client
     (and its HTTP session) lives across calls in one event loop, as a rollout's does: a
-    session and loop made per call cost ~30 ms, a tenth of a 64x64 batch."""
+    session and loop made per call cost a visible share of a batch (bench/RESULTS.md,
+    "Embedded engine vs HF generate")."""
 
     def __init__(self, url: str, ids: list[list[int]], new_tokens: int, temperature: float):
         from engines.rollout.sglang_client import SGLangClient

@@ -15,38 +15,12 @@ more step.
 MFU counts the model FLOPs of the tokens the backend needs to compute (`step_flops`): 6N per
 token plus 12·h per attended query/key pair and layer (forward + backward), N the
 non-embedding matmul parameters, plus 6H per response token for the LM head H (both
-backends project the response positions only; until the megatron head did so too, the LM
-head was counted at every token); a prompt shared by its group's responses
+backends project the response positions only); a prompt shared by its group's responses
 (the torch backend's `share_prompts`) once; padding never; and the no-grad old-log-prob
-forward only where the step runs it. Until this revision the formula also counted that
-forward (2N per token) although the step takes the old log-probs from the first training
-forward on one DP rank and one stage, and counted every shared prompt once per response:
-the figures below are restated under the new accounting (same tokens/s).
+forward only where the step runs it (the step takes the old log-probs from the first
+training forward on one DP rank and one stage).
 
-Measured on one H200 (nvidia-h200, megatron-core 0.19.2 without apex/TE, torch 2.11; 64
-samples: 8 prompts x 8 responses, steps after the first; MFU under the current accounting):
-
-    prompt 1024, response 1536-3072 (seq 4k)   tok/s    MFU     step s   peak GiB
-    torch (shared prompts)                     27.5k    0.072   7.97     66.5
-    megatron padded, before this revision      64.9k    0.224*  3.38     70.6
-    + response-only output layer               72.3k    0.250*  3.03     38.9
-    + fused log-prob/entropy (torch.compile),
-      megatron's swiglu fusion                101.2k    0.324   2.17     31.0
-    + no host syncs per micro-batch, batches
-      built as the schedule asks (now)        107.2-108.4k  0.344-0.347  2.02-2.05  31.0
-    megatron varlen-packed (now)               72.9k    0.234   3.01     31.4
-    (* printed under the accounting before this revision's LM-head term)
-
-    prompt 256, response 384-768 (seq 1k): torch 38.7k (0.087), megatron padded 97.4k (0.278)
-
-Packing saves nothing on megatron here: the padded micro-batches already hold similar
-lengths (222,106 slots for 219,243 tokens), and megatron's `thd` RoPE runs one sequence at a
-time on the CPU (a loop per layer), which costs more than the 1.3% padding. Earlier
-(nvidia-h200-x2, before packing and group-kept micro-batches, seq 1k): torch 57.7k,
-megatron TP=1 39.3k, TP=2 on 2 GPUs 45.6k. Token slots of one step of the default batch (52,789 real tokens;
-`python -m bench.packing --layout-only --groups 8 --hidden 896 --prompt-len 256
---response-len 768 --micro-tokens 16384`): torch shared prompts 83,893 with groups split by
-length, 44,843 with groups kept together (now); megatron padded 55,468, packed 52,789.
+Results, and why packing saves nothing on megatron here: bench/RESULTS.md, "Megatron GRPO".
 """
 
 from __future__ import annotations

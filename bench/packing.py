@@ -12,14 +12,7 @@ rows x width summed over one step's micro-batches (padding included): what the m
 its matmuls on. Unless --layout-only, each torch layout trains `--steps` GRPO steps (after a
 warm-up) from the same weights on one thread; CPU seconds per step are printed.
 
-Measured (6a0b809, 2-core CPU under load 5-7, so +-15%): defaults (hidden 256, 32 samples,
-4,794 tokens) padded 5,186 slots 2.78 s/step, shared 5,402 3.64 s, packed 5,283 2.35 s,
-packed+shared 4,280 2.89 s: a small model's masked attention over rows of a whole group
-costs about what the shared prompt saves. The Qwen2-0.5B GRPO batch of bench.megatron_grpo
-(--layout-only --groups 8 --hidden 896 --micro-tokens 16384; 52,789 real tokens): padded
-55,468, shared 44,843 (83,893 before groups were kept together), packed 55,744,
-packed+shared 49,262, varlen (megatron) 52,789; at --prompt-len 1024 --response-len 3072
-(219,243 real): padded 222,106, shared 170,091 (242,587 before), varlen 219,243.
+Results: bench/RESULTS.md, "Sequence packing".
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ policy at fixed sample counts, and the greedy exact-match evaluator both sides a
 TRL (`pip install -e .[bench]`) is imported lazily: rollflow never depends on it.
 
 Why these settings: `bf16=False, gradient_checkpointing=False` because GRPOConfig's defaults
-(bf16 autocast, checkpointing) are made for GPUs and run ~10x slower on a CPU; everything else
+(bf16 autocast, checkpointing) are made for GPUs and run far slower on a CPU (bench/RESULTS.md,
+"vs TRL"); everything else
 is TRL's default (AdamW, linear LR decay, loss_type, scale_rewards, no KL) except what the task
 fixes: 8 completions per prompt, at most `max_completion_length` new tokens, temperature 1.
 """

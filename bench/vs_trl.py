@@ -1,7 +1,7 @@
 """rollflow vs TRL on the main job: time to held-out accuracy, side by side, one invocation.
 
     pip install -e .[bench]            # TRL, only for this benchmark
-    python -m bench.vs_trl             # ~5 min on 2 cores; --help for the knobs
+    python -m bench.vs_trl             # minutes on a CPU (bench/RESULTS.md, "vs TRL"); --help
 
 Both sides start from the same checkpoint, rollflow's own SFT warm start of the arithmetic
 main job (`examples/arithmetic/run.py`: made once under `--runs`, then reused), train on the
@@ -9,7 +9,7 @@ same RL prompts and are scored on the same 500 held-out problems (greedy, exact 
 one evaluator (`trl_baseline.greedy_accuracy`), on the same machine, back to back:
 
 * TRL: `GRPOTrainer`, 64 completions (8 prompts x 8) per optimizer step, fp32, no gradient
-  checkpointing (its GPU defaults are ~10x slower on a CPU); weights copied every
+  checkpointing (its GPU defaults are far slower on a CPU); weights copied every
   `--snapshot-every` samples (the copy is off the clock).
 * rollflow: the GRPO phase of `scripts/main.sh` (examples/arithmetic/grpo.yaml, `--set` to
   override), a fresh run of the `train` flow with a checkpoint every `--snapshot-every`
@@ -178,7 +178,7 @@ SETTLED_SNAPSHOTS = 3
 
 def settled_accuracy(curve: Curve, last: int = SETTLED_SNAPSHOTS) -> float:
     """The mean accuracy of a run's last `last` snapshots. One snapshot of 500 problems moves
-    by 1-2 points from the next (TRL's last three here: 86.2 / 87.0 / 87.8%), so "the final
+    by a point or two from the next (bench/RESULTS.md, "vs TRL"), so "the final
     accuracy" read off one snapshot is partly the luck of where the run stopped."""
     tail = [p.accuracy for p in curve.points[1:]][-last:]
     return sum(tail) / len(tail) if tail else curve.points[-1].accuracy
@@ -264,7 +264,7 @@ def main() -> None:
                         help="torch threads of TRL and of each rollflow actor (cluster."
                         "actor_num_threads), the same on both sides; default: torch's default "
                         "here (all cores). On a loaded machine use 1: torch's OpenMP threads "
-                        "spin, and 2 threads on 2 busy cores ran ~15x slower than 1")
+                        "spin, and 2 threads on 2 busy cores run many times slower than 1")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for rollflow's GRPO phase, e.g. train.lr=2e-4")
     args = parser.parse_args()

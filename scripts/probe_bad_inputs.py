@@ -1,7 +1,7 @@
 """Probe `rollflow train` with one bad input at a time, the way a user meets them.
 
-Issue 9 asks for a table of bad inputs: when each fails (seconds; before or after step 0)
-and the first line it prints. This script makes that table, reproducibly. In a fresh temp
+It makes a table of bad inputs, reproducibly: when each fails (seconds; before or after
+step 0) and the first line it prints. In a fresh temp
 directory outside the repository it writes a small valid task (a tiny 2-layer Llama, 64
 two-digit additions), then for each case a config and data with exactly one mistake, runs
 `rollflow train --config <file>` there as a subprocess with relative paths, as a user does,
@@ -16,7 +16,7 @@ torch. The local Ray head is the user's default: the first case starts it on dem
 to it; a run that failed after its actors started is stopped with `rollflow runs stop`. At the
 end `rollflow cluster down` stops the head and the temp directory is removed.
 
-    .venv/bin/python scripts/probe_bad_inputs.py                   # every case (~15 min here)
+    .venv/bin/python scripts/probe_bad_inputs.py                   # every case (bench/RESULTS.md)
     .venv/bin/python scripts/probe_bad_inputs.py --only empty_prompt --only yaml_invalid
     .venv/bin/python scripts/probe_bad_inputs.py --list            # the cases, what each expects
 

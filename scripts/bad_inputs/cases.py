@@ -228,7 +228,7 @@ bad_hook("reward_returns_none", "reward hook forgets to return (None)",
          "rollout.custom_rm_path",
          "async def score(args, sample):\n    float(sample.response == sample.label)\n",
          "{mod}:score", "reward", expect="loud")
-bad_hook("reward_nan", "reward hook returns NaN for 1 sample in 5 (embedded+torch; issue 10)",
+bad_hook("reward_nan", "reward hook returns NaN for 1 sample in 5 (embedded+torch)",
          "rollout.custom_rm_path",
          "async def score(args, sample):\n    if sample.index % 5 == 0:\n"
          "        return float('nan')\n    return float(sample.response.strip() == "

@@ -1,4 +1,4 @@
-"""The whole system through the real `train` flow (issue 12, item 4): a local Ray head that
+"""The whole system through the real `train` flow: a local Ray head that
 sees the machine's GPUs, Prefect (ephemeral), the embedded engine and the trainer each on
 their placement-group bundle, weights over `train.weight_sync`. `scripts/gpu/e2e.sh` runs the
 parts on a 2-GPU machine; each also runs on a CPU (`--quick`, gloo instead of NCCL).

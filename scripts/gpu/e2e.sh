@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole system end to end on a 2-GPU machine (nvidia-h200-x2), through the real `train`
-# flow (issue 12, item 4): the local Ray head rollflow starts on demand (it sees both GPUs),
+# flow: the local Ray head rollflow starts on demand (it sees both GPUs),
 # Prefect's ephemeral server, placement groups putting the trainer on GPU 0 and the embedded
 # engine on GPU 1, weights over NCCL (`train.weight_sync=distributed`).
 #
@@ -13,34 +13,11 @@
 #       since NCCL refuses two ranks on one GPU)
 #   (d) the arithmetic GRPO with a megatron TP=2 train group on both GPUs, the engine colocated:
 #       6 steps with a checkpoint every 3, the run's actors stopped, then the same run resumed
-#       to 8 steps, its fresh group loading the TP=2 checkpoint (not run by default).
-#       Measured on nvidia-h200-x2 (d8604f0): 6 steps 54.1 s (step 0: train 8.2 s, first weight
-#       sync 13.3 s; then 0.73-1.0 s a step), held-out 43.8% -> 68.8%; resumed from checkpoint 5
-#       to 8 steps, 70.0%, reward means continuing (0.506 -> 0.502, 0.539), engine log-probs ==
-#       trainer's at every step; the resumed run's trainer: rebuilt, version 6, nothing replayed
-#       (a second invocation: the same figures). The first weight sync, 13.3 s, is 10.3 s of the
-#       group's first collective export and 3.5 s of the engine's first update. Before ba3cd3c,
-#       a TP=2 checkpoint held rank 0's shards only and such a resume failed to load.
+#       to 8 steps, its fresh group loading the TP=2 checkpoint (not run by default). The
+#       resumed run's trainer is rebuilt at the checkpoint's version with nothing to replay.
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
-# weight-sync seconds, generation and training tokens/s, MFU.
-#
-# Measured on nvidia-h200-x2 (f630c2c; torch 2.11, transformers 5.17; logs of `e2e.sh b c a`):
-#   (a) SFT 43.7 s; GRPO 20 steps 50.1 s, 0.87 s per step; held-out exact match 50.4% ->
-#       81.4% (+31.0 points; this checkout's CPU run of scripts/main.sh: 55.0% -> 83.0%);
-#       NCCL weight sync 0.54 s first, then 0.016 s; engine log-probs == trainer's (fp32)
-#   (b) 4 steps of 256 samples x 256 tokens, bf16: per step (steps 1-3) generate 4.9-6.5 s,
-#       train 3.0-3.4 s, NCCL weight sync of the fp32 weights 0.044-0.050 s (0.63 s first),
-#       13.5k generated tok/s, 22k train tok/s, MFU 0.085-0.091; step 0 26 s (warm-up)
-#   (c) colocated: the same generate/train times, weight sync through the object store plus
-#       engine release/resume 11.4-13.0 s per step; 27.5 s per step
-#   Machine start about 30 s; parts b+c+a 435 s.
-# Part (a) with the megatron trainer, on nvidia-h100-x2 (023a2dc; megatron-core 0.19.2, local spec,
-# no TE/apex): one SFT checkpoint, then GRPO twice from it. torch: 20 steps 40.1 s (0.51 s a step,
-# train 0.25-0.43 s); megatron: 80.7 s (1.14 s a step, train 0.40-0.60 s; step 0 7.5 s of set-up,
-# the last commit 7.8 s: its first distributed checkpoint, since cut to 0.22 s; then on 2 H200s:
-# torch 37.1 s, megatron 57.9 s, 0.65 s a step). Both: held-out 43.8% -> 80.0%, the same
-# reward means at every step, engine log-probs == trainer's (train.skip_zero_gradient_samples on,
-# its default). megatron_checks.sh (backend, parity, group, parallel, nccl) passed there too.
+# weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
+# run: bench/RESULTS.md, "GPU end to end".
 # Packages the image lacks travel as .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh:
 # Ray, Prefect and their dependencies) plus any .gpu_wheels/*/megatron_core*.whl; E2E_WHEELS
 # points elsewhere (e.g. when this runs from a snapshot of the repo). E2E_ARGS go to every

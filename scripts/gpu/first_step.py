@@ -1,5 +1,5 @@
-"""Where the megatron backend's first train step goes (the main job's step 0 took 7.5-8.4 s
-of set-up on the GPU against ~0.5 s for later steps): times the backend's construction and
+"""Where the megatron backend's first train step goes (the main job's step 0 takes several
+seconds of set-up on the GPU, later steps a fraction of one): times the backend's construction and
 steps 0-2 on the arithmetic model, with torch.compile's own compile times and the top
 functions of step 0 by cumulative time.
 
@@ -7,16 +7,11 @@ functions of step 0 by cumulative time.
     torchrun --nproc-per-node 2 scripts/gpu/first_step.py --exports 3   # TP=2, rank 0 prints
 
 `--exports N` also times N weight exports (`export_weights`, the engines' copy: TP shards
-gathered) before step 0 and after the last step, the first of them profiled. On 2 H200s at
-TP=2: the first export 0.18 s (0.15 s of it the first NCCL all_gather of the TP group), then
-0.02 s; backend init 4.0 s; step 0 3.4 s with the Inductor cache warm (10.9 s cold). So the
-13.3 s first weight sync of `e2e.sh` part (d) is not the export's own work; likely (not
-measured) it is rank 0 waiting inside the collective for the other rank to finish starting.
+gathered) before step 0 and after the last step, the first of them profiled.
 
-Measured on an H100 (megatron-core 0.19.2, fp32): backend init 4.6 s; step 0 with cold
-caches compiles four graphs (token_stats' stats and grad, megatron's swiglu forward and
-backward), 8.7 s of torch.compile; with the Inductor/Triton caches a previous process left
-on the machine, step 0 takes 2.8 s; later steps 0.03 s.
+Step 0 with cold caches compiles four graphs (token_stats' stats and grad, megatron's swiglu
+forward and backward); the Inductor/Triton caches a previous process left on the machine
+make it much shorter. Results: bench/RESULTS.md, "Megatron's first step".
 """
 
 from __future__ import annotations
