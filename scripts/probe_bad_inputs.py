@@ -16,7 +16,7 @@ torch. The local Ray head is the user's default: the first case starts it on dem
 to it; a run that failed after its actors started is stopped with `rollflow runs stop`. At the
 end `rollflow cluster down` stops the head and the temp directory is removed.
 
-    .venv/bin/python scripts/probe_bad_inputs.py                   # every case (bench/RESULTS.md)
+    .venv/bin/python scripts/probe_bad_inputs.py                   # every case (minutes)
     .venv/bin/python scripts/probe_bad_inputs.py --only empty_prompt --only yaml_invalid
     .venv/bin/python scripts/probe_bad_inputs.py --list            # the cases, what each expects
 

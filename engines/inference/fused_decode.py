@@ -7,7 +7,8 @@ matmuls; the compiled step keeps ATen's matmuls and runs everything between them
 over the same buffers, each pool thread taking a block of rows through the whole step.
 The same extension samples (`sample_rows`, `sample_tokens` here) and runs several steps with
 sampling in between (`decode_steps`, the engine's `num_continuous_decode_steps`): at batch
-64, sampling in ~12 aten ops and the Python between steps had become a quarter of the time.
+64, sampling in ~12 aten ops and the Python between steps had become a large share of the
+time (bench/RESULTS.md, "Embedded engine vs HF generate").
 
 It is built for this machine's CPU (`-march=native`), under a name that carries the CPU's
 feature flags (a build cache shared with other machines never hands one code its CPU lacks)
