@@ -22,9 +22,8 @@ from bench.orchestration import summary  # first: importing it sets Prefect's en
 # isort: split
 from prefect import flow, task
 
-from flows.rollout_step import child_flow_heartbeats_off
-from flows.run_labels import untagged_tasks
-from tasks.step_tasks import TASK_OPTIONS
+from flows.prefect_workarounds import child_flow_heartbeats_off, untagged_tasks
+from tasks.retries import TASK_OPTIONS
 
 STEP_TASKS = 7  # sample_prompts, generate, filter, reward, train, broadcast_weights, commit
 

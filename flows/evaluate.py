@@ -22,7 +22,8 @@ from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_paths import resolve_paths
 from flows.rollout_step import open_layout
 from flows.storage_credentials import with_storage_credentials
-from tasks import step_tasks as t
+from tasks.step_context import StepContext
+from tasks.step_tasks import evaluate_version, sync_engine_weights
 
 
 def eval_config(config: RollflowConfig) -> RollflowConfig:
@@ -49,8 +50,8 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
     actors = get_or_create_actors(config)
     restored = ray.get(actors.trainer.ensure_version.remote(version))
     warn_if_replayed_under_changed_config(restored, layout, config)
-    t.sync_engine_weights(actors, weight_sync=config.train.weight_sync)
-    metrics = t.evaluate(t.StepContext(config, layout, actors), version)
+    sync_engine_weights(actors, weight_sync=config.train.weight_sync)
+    metrics = evaluate_version(StepContext(config, layout, actors), version)
     if not config.cluster.keep_actors:
         kill_run_actors(config)
     return {"run_dir": layout.uri, "weight_version": version, "restored": restored,

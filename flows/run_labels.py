@@ -1,8 +1,7 @@
 """Labels that tell trainings apart in the Prefect UI, where several share one server: the
 tags every flow run of a training carries (filter the runs list by `run:<name>`), and the
-train flow run's own tags, set once it has started. Task runs carry none (`untagged_tasks`):
-Prefect checks each tag of a task run against tag concurrency limits, two API calls and a
-lease thread per task."""
+train flow run's own tags, set once it has started. The step's task runs carry none
+(flows/prefect_workarounds.py says why)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prefect import tags
-from prefect.context import FlowRunContext, TagsContext
+from prefect.context import FlowRunContext
 
 from flows.config import RollflowConfig
 
@@ -39,19 +38,9 @@ def tag_current_flow_run(labels: list[str]) -> None:
 
 
 @contextmanager
-def untagged_tasks() -> Iterator[None]:
-    """Within: task runs start without tags. A tagged task run acquires (and then releases)
-    a slot of every `tag:<tag>` concurrency limit through the API before it runs, whether or
-    not such a limit exists: measured ~0.1 s per task, most of a mock step's orchestration
-    cost. The flow run around them keeps its tags, and the UI shows its task runs."""
-    with TagsContext(current_tags=set()):
-        yield
-
-
-@contextmanager
 def labelled(cfg: RollflowConfig) -> Iterator[list[str]]:
     """Within: the current flow run and every flow run started carry the tags (task runs
-    inside the rollout steps do not: `untagged_tasks`)."""
+    inside the rollout steps do not: flows/prefect_workarounds.py)."""
     labels = run_tags(cfg)
     tag_current_flow_run(labels)
     with tags(*labels):

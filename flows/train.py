@@ -1,6 +1,5 @@
-"""The driver loop: one rollout step per rollout_id, resuming where the run left off.
-
-Like slime's train.py, the loop fits on a screen; the work lives in tasks and actors.
+"""The train flow and its loop: one rollout step per rollout_id, resuming where the run
+left off. The step itself (its seven tasks in order) is flows/rollout_step.py.
 """
 
 from __future__ import annotations
@@ -33,27 +32,71 @@ from flows.run_labels import labelled
 from flows.storage_credentials import with_storage_credentials
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from storage.secrets import register
-from tasks import step_tasks as t
 from tasks.artifact_sender import artifacts_in_background
 from tasks.artifacts import ProgressArtifact
+from tasks.step_context import StepContext
+from tasks.step_tasks import evaluate_version, sync_engine_weights
 
 
-def _progress_bar(cfg: RollflowConfig, start: int) -> Any:
-    from tqdm.auto import tqdm
+@flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False,
+      on_failure=[notify_failure])
+def train(config: RollflowConfig) -> dict[str, Any]:
+    register(config.secret_values())  # deployments pass the config without the CLI
+    config = with_storage_credentials(resolve_paths(config))  # (registers the merged ones)
+    # tags run/algo/backends on this run and all it starts; artifacts sent off the steps' path
+    with labelled(config), artifacts_in_background():
+        return run_training(config)
 
-    total = cfg.rollout.num_rollout
-    return tqdm(total=total, initial=start, desc="rollout steps", disable=not cfg.logging.progress)
+
+def run_training(config: RollflowConfig) -> dict[str, Any]:
+    """Attach the run's actors, resume at its first uncommitted step, run every step (with
+    evaluations on schedule), then release the actors."""
+    checked = preflight_once(config)
+    layout = open_layout(config)
+    take_over(layout, layout.uri, current_flow_run_id())
+    if finished(config, layout):
+        save_config(layout, config)
+        free_kept_actors(config, layout)
+        return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
+    connect(config.cluster)
+    ctx, start, restored = start_run(config, layout)
+    save_config(layout, config)  # (once it started: a config that cannot start is no history)
+    warn_if_replayed_under_changed_config(restored, layout, config)
+    # A trainer already past `start` (it trained that step, the driver died before recording
+    # it) put its newer weights on the engines: they are not version `start`'s to evaluate.
+    if config.eval.enabled and config.eval.before_train and restored["version"] <= start:
+        evaluate_version(ctx, start)
+
+    pipelined = config.rollout.off_policy_async
+    reporter = StepReporter(config, layout, start)
+
+    def step_done(rollout_id: int, metrics: dict[str, Any]) -> None:
+        reporter.log(rollout_id, metrics)
+        if evaluates_after(config, rollout_id) and not pipelined:  # (async: in the step)
+            evaluate_version(ctx, rollout_id + 1)
+
+    try:
+        with long_lived_frozen():  # no full GC pause of Prefect's, Ray's, torch's heap in a step
+            (run_pipelined if pipelined else run_sequential)(ctx, start, step_done)
+    finally:
+        reporter.close()  # a failure's first line must not run on from the progress bar
+    if config.eval.enabled:
+        evaluate_version(ctx, config.rollout.num_rollout)
+    result = _result(config, layout, checked, start, restored)
+    release_actors(config, layout)
+    return result
 
 
 StepDone = Callable[[int, dict[str, Any]], None]
 
 
-def run_sequential(ctx: t.StepContext, start: int, done: StepDone) -> None:
+def run_sequential(ctx: StepContext, start: int, done: StepDone) -> None:
+    """Synchronous: one step after the other."""
     for rollout_id in range(start, ctx.cfg.rollout.num_rollout):
         done(rollout_id, run_rollout_step(ctx, rollout_id))
 
 
-def run_pipelined(ctx: t.StepContext, start: int, done: StepDone) -> None:
+def run_pipelined(ctx: StepContext, start: int, done: StepDone) -> None:
     """One-step off-policy: step k+1 starts once step k's generation is committed (the data
     source state it draws from), so its generation overlaps step k's training; gates in
     tasks/step_gates.py keep the order of weights. Each step runs in its own thread, in
@@ -79,43 +122,20 @@ def run_pipelined(ctx: t.StepContext, start: int, done: StepDone) -> None:
             done(rollout_id, in_flight[rollout_id].result())  # re-raises the first failure
 
 
-def save_config(layout: RunLayout, config: RollflowConfig) -> None:
-    """config.yaml is the config the run goes on with; a rerun with a changed config keeps
-    the one it replaces as configs/<n>.yaml, so the run directory tells its whole story."""
-    text = dump_config(config)
-    if layout.store.exists("config.yaml"):
-        old = layout.store.read_text("config.yaml")
-        if old == text:
-            return
-        n = len(layout.store.list("configs"))
-        layout.store.write_text(old, "configs", f"{n:03d}.yaml")
-    layout.store.write_text(text, "config.yaml")
-
-
-def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[t.StepContext, int, Any]:
+def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[StepContext, int, Any]:
     """Actors attached (or created) and the trainer at the version the run resumes from.
     A run that fails here tears its actors down: there is nothing warm worth keeping, and
     they would hold the machine's memory until `rollflow cluster down`."""
     try:
-        ctx = t.StepContext(config, layout, get_or_create_actors(config))
+        ctx = StepContext(config, layout, get_or_create_actors(config))
         ctx.save_settings()
         start = layout.next_rollout_id()
         restored = ray.get(ctx.actors.trainer.ensure_version.remote(start))
-        t.sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)
+        sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)
     except BaseException:
         kill_run_actors(config)
         raise
     return ctx, start, restored
-
-
-@flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False,
-      on_failure=[notify_failure])
-def train(config: RollflowConfig) -> dict[str, Any]:
-    register(config.secret_values())  # deployments pass the config without the CLI
-    config = with_storage_credentials(resolve_paths(config))  # (registers the merged ones)
-    # tags run/algo/backends on this run and all it starts; artifacts sent off the steps' path
-    with labelled(config), artifacts_in_background():
-        return _train(config)
 
 
 def finished(config: RollflowConfig, layout: RunLayout) -> bool:
@@ -147,52 +167,47 @@ def free_kept_actors(config: RollflowConfig, layout: RunLayout) -> None:
     layout.store.delete(ACTORS_KEPT)
 
 
-def _train(config: RollflowConfig) -> dict[str, Any]:
-    checked = preflight_once(config)
-    layout = open_layout(config)
-    take_over(layout, layout.uri, current_flow_run_id())
-    if finished(config, layout):
-        save_config(layout, config)
-        free_kept_actors(config, layout)
-        return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
-    connect(config.cluster)
-    ctx, start, restored = start_run(config, layout)
-    save_config(layout, config)  # (once it started: a config that cannot start is no history)
-    warn_if_replayed_under_changed_config(restored, layout, config)
+def save_config(layout: RunLayout, config: RollflowConfig) -> None:
+    """config.yaml is the config the run goes on with; a rerun with a changed config keeps
+    the one it replaces as configs/<n>.yaml, so the run directory tells its whole story."""
+    text = dump_config(config)
+    if layout.store.exists("config.yaml"):
+        old = layout.store.read_text("config.yaml")
+        if old == text:
+            return
+        n = len(layout.store.list("configs"))
+        layout.store.write_text(old, "configs", f"{n:03d}.yaml")
+    layout.store.write_text(text, "config.yaml")
 
-    evaluate_now = config.eval.enabled
-    # A trainer already past `start` (it trained that step, the driver died before recording
-    # it) put its newer weights on the engines: they are not version `start`'s to evaluate.
-    if evaluate_now and config.eval.before_train and restored["version"] <= start:
-        t.evaluate(ctx, start)
-    total = config.rollout.num_rollout
-    progress = ProgressArtifact(artifact_key(config.storage.run_name, "steps"),
-                                "rollout steps committed")
-    progress.set(100.0 * start / total)
-    bar = _progress_bar(config, start)
-    sinks = open_sinks(config.logging, layout, config.storage.run_name)
 
-    def step_done(rollout_id: int, metrics: dict[str, Any]) -> None:
-        sinks.log(metrics, step=rollout_id)
-        bar.update(1)
-        bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
-        progress.set(100.0 * (rollout_id + 1) / total)
-        if evaluates_after(config, rollout_id) and not pipelined:  # (async: in the step)
-            t.evaluate(ctx, rollout_id + 1)
+class StepReporter:
+    """Where a committed step's metrics go: the metric sinks (`logging.sinks`), the progress
+    bar, and the progress artifact the Prefect UI shows."""
 
-    pipelined = config.rollout.off_policy_async
-    run_steps = run_pipelined if pipelined else run_sequential
-    try:
-        with long_lived_frozen():  # Prefect, Ray, torch: a full collection took up to 0.57 s
-            run_steps(ctx, start, step_done)
-    finally:
-        sinks.close()
-        bar.close()  # a failure's first line must not run on from the bar
-    if evaluate_now:
-        t.evaluate(ctx, total)
-    result = _result(config, layout, checked, start, restored)
-    release_actors(config, layout)
-    return result
+    def __init__(self, config: RollflowConfig, layout: RunLayout, start: int) -> None:
+        self.total = config.rollout.num_rollout
+        self.progress = ProgressArtifact(artifact_key(config.storage.run_name, "steps"),
+                                         "rollout steps committed")
+        self.progress.set(100.0 * start / self.total)
+        self.bar = _progress_bar(config, start)
+        self.sinks = open_sinks(config.logging, layout, config.storage.run_name)
+
+    def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        self.sinks.log(metrics, step=rollout_id)
+        self.bar.update(1)
+        self.bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
+        self.progress.set(100.0 * (rollout_id + 1) / self.total)
+
+    def close(self) -> None:
+        self.sinks.close()
+        self.bar.close()
+
+
+def _progress_bar(cfg: RollflowConfig, start: int) -> Any:
+    from tqdm.auto import tqdm
+
+    total = cfg.rollout.num_rollout
+    return tqdm(total=total, initial=start, desc="rollout steps", disable=not cfg.logging.progress)
 
 
 def _result(

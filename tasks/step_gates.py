@@ -36,10 +36,10 @@ from collections.abc import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from engines.run_config import RunConfig as RollflowConfig
+from engines.run_config import RunConfig
 from engines.weights.schedule import pushes_weights, required_weight_version
 from storage.run_layout import RunLayout
-from tasks.step_tasks import step_run_name
+from tasks.retries import step_run_name
 
 
 class UpstreamStepFailed(RuntimeError):
@@ -61,13 +61,13 @@ def wait_until(
     return time.perf_counter() - start
 
 
-def weights_ready_step(cfg: RollflowConfig, rollout_id: int) -> int:
+def weights_ready_step(cfg: RunConfig, rollout_id: int) -> int:
     """The step whose commit puts weights fresh enough for generating `rollout_id`."""
     return required_weight_version(cfg, rollout_id) - 1
 
 
 @task(name="wait_for_weights", task_run_name=step_run_name("wait_for_weights"), cache_policy=NO_CACHE)
-def wait_for_weights(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
+def wait_for_weights(layout: RunLayout, cfg: RunConfig, rollout_id: int) -> float:
     step = weights_ready_step(cfg, rollout_id)
     if step < 0:
         return 0.0
@@ -84,7 +84,7 @@ def wait_for_previous_commit(layout: RunLayout, rollout_id: int) -> float:
 
 
 @task(name="wait_for_next_generate", task_run_name=step_run_name("wait_for_next_generate"), cache_policy=NO_CACHE)
-def wait_for_next_generate(layout: RunLayout, cfg: RollflowConfig, rollout_id: int) -> float:
+def wait_for_next_generate(layout: RunLayout, cfg: RunConfig, rollout_id: int) -> float:
     """Weights change only between generations (slime waits for the next rollout too).
     Not when the next generation needs this step's weights (`max_staleness: 0`): it waits
     for this commit, so waiting for it here would deadlock."""

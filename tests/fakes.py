@@ -31,7 +31,7 @@ from engines.cluster.actors import RunActors
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from flows.config_loader import apply_overrides, config_from_dict
 from storage.run_layout import RunLayout
-from tasks.step_tasks import StepContext
+from tasks.step_context import StepContext
 
 
 class remote:  # noqa: N801 - used as a decorator, like ray.remote

@@ -27,10 +27,11 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engines.hooks.protocols import GenerateFn
 from engines.rollout.config import RolloutConfig
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
 from engines.rollout.filters import DynamicFilter
@@ -51,7 +52,6 @@ FINISH_TO_STATUS = {
     "abort": Status.ABORTED,
 }
 FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
-GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
 # An engine client, for the generation loop and evaluation.py: anything with `generate_batch`.
 EngineClient = Any
 

@@ -17,8 +17,7 @@ from typing import Any
 from engines.data.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
 from engines.data.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.hooks.loader import load_hook, load_user_hook, returned_groups
-from engines.hooks.protocols import EvalFn, SampleFilterFn
-from engines.hooks.protocols import GenerateFn as GenerateFnProtocol
+from engines.hooks.protocols import EvalFn, GenerateFn, RolloutFn, SampleFilterFn
 from engines.process import freeze_actor_heap
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.dispatch import Dispatch, RouterDispatch
@@ -29,7 +28,6 @@ from engines.rollout.filters import (
     resolve_over_sampling_filter,
 )
 from engines.rollout.generation import (
-    GenerateFn,
     GenerationLoop,
     HookArgs,
     RolloutResult,
@@ -38,14 +36,12 @@ from engines.rollout.generation import (
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
-from engines.run_config import RunConfig as RollflowConfig
+from engines.run_config import RunConfig
 from engines.weights.schedule import oldest_trainable_version
 from storage.batch_io import read_samples, write_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Group, Status, flatten
-
-RolloutFn = Callable[[Any, int, Any, bool], list[Group]]
 
 
 class StepDataSource:
@@ -84,7 +80,7 @@ class LoopHooks:
     custom_generate: GenerateFn | None
 
 
-def tokenizer_path(cfg: RollflowConfig) -> str | None:
+def tokenizer_path(cfg: RunConfig) -> str | None:
     return cfg.engine.model_path or cfg.train.model_path or cfg.train.load
 
 
@@ -114,7 +110,7 @@ class ProgressFile:
 
 
 class RolloutManager:
-    def __init__(self, cfg: RollflowConfig) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.layout = RunLayout.open(
             cfg.storage.uri,
@@ -151,7 +147,7 @@ class RolloutManager:
             dynamic_filter=resolve_dynamic_filter(r.dynamic_sampling_filter_path),
             custom_generate=(
                 load_hook(r.custom_generate_function_path,
-                          "rollout.custom_generate_function_path", GenerateFnProtocol)
+                          "rollout.custom_generate_function_path", GenerateFn)
                 if r.custom_generate_function_path else None
             ),
         )
@@ -371,7 +367,7 @@ class RolloutManager:
 
 # Module-level on purpose: an `async def` method would turn the Ray actor into an async actor.
 async def run_generation(
-    cfg: RollflowConfig,
+    cfg: RunConfig,
     urls: list[str],
     router_url: str | None,
     hooks: LoopHooks,
@@ -401,7 +397,7 @@ async def run_generation(
 
 
 async def run_evaluation(
-    cfg: RollflowConfig, urls: list[str], router_url: str | None, tokenizer: Any,
+    cfg: RunConfig, urls: list[str], router_url: str | None, tokenizer: Any,
     rewards: RewardHub, eval_fn: EvalFn | None, weight_version: int,
 ) -> dict[str, float]:
     """The held-out sets' metrics, then the custom eval function's (`eval.eval_function_path`)."""

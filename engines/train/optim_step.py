@@ -22,7 +22,7 @@ TRAINED_LOSS = "__trained_loss__"  # summed over ranks with the metrics, then dr
 
 
 @dataclass(slots=True)
-class Optimized:
+class OptimizedModel:
     """A trainable module with its optimizer and LR scheduler. `module` is what runs the
     forward (DDP-wrapped when data parallel); `params` what is clipped."""
 
@@ -35,7 +35,7 @@ class Optimized:
 
 
 def optimizer_step(
-    opt: Optimized,
+    opt: OptimizedModel,
     micro_batches: list[MicroBatch],
     loss_fn: MicroBatchLoss,
     dp: DataParallel,

@@ -30,7 +30,7 @@ from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite
 from engines.train.lr_schedule import make_scheduler, retarget
-from engines.train.optim_step import Optimized, optimizer_step
+from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
 from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.rollout_prep import Scorers
@@ -128,14 +128,14 @@ class TorchTrainBackend:
         model = load_causal_lm(path, self.device)
         return model.requires_grad_(False).eval()
 
-    def _optimized(self, module: torch.nn.Module, lr: float) -> Optimized:
+    def _optimized(self, module: torch.nn.Module, lr: float) -> OptimizedModel:
         cfg = self.train_cfg
         opt = torch.optim.AdamW(
             lora.trainable_parameters(module), lr=lr, betas=cfg.adam_betas,
             weight_decay=cfg.weight_decay,
         )
         wrapped = self.dp.wrap(module, self.device)
-        return Optimized(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad,
+        return OptimizedModel(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad,
                          cfg.max_consecutive_skipped_steps)
 
     def _build_trainables(self, source: str) -> None:
@@ -145,7 +145,7 @@ class TorchTrainBackend:
         self.model = lora.load_policy(cfg, self._initial, source, self.device)
         self.actor = self._optimized(self.model, cfg.lr)
         self.critic_model: ValueModel | None = None
-        self.critic: Optimized | None = None
+        self.critic: OptimizedModel | None = None
         if self.algo_cfg.uses_critic:
             saved = os.path.join(source, CRITIC_DIR)
             path = saved if os.path.isdir(saved) else (cfg.critic_model_path or self._initial)

@@ -37,7 +37,7 @@ def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
     prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
 ):
     from flows.rollout_step import open_layout, run_rollout_step
-    from tasks.step_tasks import StepContext
+    from tasks.step_context import StepContext
 
     cfg = arithmetic_config(
         run_name=f"reuse-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),

@@ -161,7 +161,7 @@ def test_a_failed_training_leaves_a_failure_notice(make_cfg):
 def test_chain_is_the_tasks_of_a_step():
     from tasks import step_tasks as t
 
-    names = [t.sample_prompts, t.generate, t.filter_groups, t.reward, t.train,
+    names = [t.sample_prompts, t.generate, t.filter_groups, t.reward, t.train_step,
              t.broadcast_weights, t.commit]
     assert tuple(task.name for task in names) == CHAIN
     # no random suffixes: the step and the task

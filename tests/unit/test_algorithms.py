@@ -373,7 +373,7 @@ def test_a_custom_advantage_with_too_few_rows_is_reported_at_once() -> None:
     HookError naming the hook, which the step task does not retry."""
     from prefect.states import Failed
 
-    from tasks.step_tasks import retry_transient
+    from tasks.retries import retry_transient
 
     path = "tests.unit.test_algorithms:_hook_one_row_short"
     with pytest.raises(HookError) as raised:

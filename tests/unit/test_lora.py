@@ -28,7 +28,7 @@ from engines.weights.sender import (
 from engines.weights.sync import weights_checksum
 from flows.config import AlgorithmConfig, ConfigError, EngineConfig, TrainConfig
 from flows.config_loader import apply_overrides, config_from_dict
-from tasks.step_tasks import retry_transient
+from tasks.retries import retry_transient
 from tests.unit.test_torch_backend import make_backend, make_samples
 
 LORA = {"rank": 4, "alpha": 8}

@@ -13,7 +13,7 @@ from torch import Tensor
 from engines.algorithms.losses import LossInputs
 from engines.train.distributed import DataParallel
 from engines.train.finite import STALE_VERSION, NonFiniteError
-from engines.train.optim_step import Optimized, optimizer_step
+from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.step_model import MicroBatch
 from flows.config import AlgorithmConfig
 from storage.batch_io import write_samples
@@ -59,15 +59,15 @@ def test_a_batch_with_a_nan_reward_is_never_written(tmp_path: Path) -> None:
 
 
 # -- the optimizer step ---------------------------------------------------------------------
-def linear_opt() -> Optimized:
+def linear_opt() -> OptimizedModel:
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 1)
     opt = torch.optim.AdamW(module.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
-    return Optimized(module, opt, sched, clip_grad=1.0)
+    return OptimizedModel(module, opt, sched, clip_grad=1.0)
 
 
-def step(opt: Optimized, nan_grads: bool = False, nan_loss: bool = False) -> dict[str, float]:
+def step(opt: OptimizedModel, nan_grads: bool = False, nan_loss: bool = False) -> dict[str, float]:
     def loss_fn(rows: list[int]) -> tuple[Tensor, dict[str, Tensor]]:
         x = torch.ones(len(rows), 3)
         loss = opt.module(x).pow(2).mean() * (math.nan if nan_loss else 1.0)

@@ -170,7 +170,7 @@ async def unreachable_reward(args: Any, s: Sample) -> float:
 def test_a_custom_reward_that_raises_is_a_hook_error_that_is_not_retried() -> None:
     from prefect.states import Failed
 
-    from tasks.step_tasks import retry_transient
+    from tasks.retries import retry_transient
 
     hub = RewardHub.from_config(cfg(custom_rm_path=f"{__name__}.buggy_reward"))
     bad = sample("seven", None, 4, source_line=5, source_file="train.jsonl")

@@ -7,7 +7,7 @@ from prefect.settings import get_current_settings
 
 import flows.rollout_step as rs
 from flows.config_loader import config_from_dict
-from tasks.step_tasks import StepContext
+from tasks.step_context import StepContext
 
 
 def cfg(**logging):
@@ -49,7 +49,7 @@ def test_step_task_runs_are_named_after_their_step():
     from tasks import step_tasks as t
 
     names = [t.sample_prompts, gates.wait_for_weights, t.generate, t.filter_groups, t.reward,
-             gates.wait_for_previous_commit, t.train, gates.wait_for_next_generate,
+             gates.wait_for_previous_commit, t.train_step, gates.wait_for_next_generate,
              t.broadcast_weights, t.commit]
     assert [task.task_run_name.format(rollout_id=3) for task in names] == [
         f"rollout-3/{task.name}" for task in names]
@@ -65,7 +65,7 @@ def test_deterministic_failures_are_not_retried():
     from prefect.states import Failed
 
     from engines.data.prompt_dataset import DatasetError
-    from tasks.step_tasks import retry_transient
+    from tasks.retries import retry_transient
 
     bad_row = Failed(data=DatasetError("data.jsonl", 3, "prompt", "empty prompt"))
     flaky = Failed(data=ConnectionError("engine briefly unreachable"))

@@ -145,10 +145,10 @@ def test_generate_brings_engines_up_to_date_first(tmp_path):
 def test_train_always_asks_the_trainer_and_keeps_the_first_record(tmp_path):
     ctx = step_context(tmp_path)
     trainer: FakeTrainer = ctx.actors.trainer
-    first = t.train.fn(ctx, 0)
+    first = t.train_step.fn(ctx, 0)
     assert not first.from_storage and first.metrics["weight_version"] == 1.0
     assert ctx.layout.task_record(0, "train") == first.to_json()
-    again = t.train.fn(ctx, 0)  # the trainer, already past step 0, skips it
+    again = t.train_step.fn(ctx, 0)  # the trainer, already past step 0, skips it
     assert again.from_storage and again.metrics == first.metrics
     assert [c[0] for c in trainer.calls] == ["train_step", "train_step"]
 
@@ -159,7 +159,7 @@ def test_a_whole_step_commits_its_records_metrics(tmp_path):
     generated = t.generate.fn(ctx, 0)
     filtered = t.filter_groups.fn(ctx, 0)
     rewarded = t.reward.fn(ctx, 0, filtered.kept_groups)
-    trained = t.train.fn(ctx, 0)
+    trained = t.train_step.fn(ctx, 0)
     pushed = t.broadcast_weights.fn(ctx, 0)
     records = [sampled, generated, filtered, rewarded, trained, pushed]
     metrics = t.commit.fn(ctx, 0, records)
@@ -184,7 +184,7 @@ def test_a_whole_step_commits_its_records_metrics(tmp_path):
     assert metrics["train/seconds"] == trained.seconds  # the task's time, not the trainer's
     assert "checkpoint" not in metrics  # save_interval=2: step 1 is the first
 
-    step1 = [t.sample_prompts.fn(ctx, 1), t.generate.fn(ctx, 1), t.train.fn(ctx, 1)]
+    step1 = [t.sample_prompts.fn(ctx, 1), t.generate.fn(ctx, 1), t.train_step.fn(ctx, 1)]
     metrics1 = t.commit.fn(ctx, 1, step1)
     assert metrics1["checkpoint"] == "mem://checkpoints/000001"
     assert [c for c in ctx.actors.trainer.calls if c[0] != "train_step"][-2:] == [
@@ -239,6 +239,6 @@ def test_broadcast_follows_the_weight_push_schedule(tmp_path):
 def test_evaluate_reuses_a_saved_evaluation(tmp_path):
     ctx = step_context(tmp_path)
     ctx.layout.save_eval(2, {"eval/arithmetic/accuracy": 0.5})
-    assert t.evaluate.fn(ctx, 2) == {"eval/arithmetic/accuracy": 0.5}
-    assert t.evaluate.fn(ctx, 3) == {"eval/arithmetic/accuracy": 0.25}
+    assert t.evaluate_version.fn(ctx, 2) == {"eval/arithmetic/accuracy": 0.5}
+    assert t.evaluate_version.fn(ctx, 3) == {"eval/arithmetic/accuracy": 0.25}
     assert ctx.actors.rollout.calls == [("evaluate", (3,))]

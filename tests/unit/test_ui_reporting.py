@@ -23,7 +23,7 @@ from flows.reporting import (
 from flows.run_labels import run_tags
 from storage.run_layout import RunLayout
 from tasks.artifacts import artifact_key, eval_rows, for_people
-from tasks.step_tasks import failure_line
+from tasks.retries import failure_line
 
 
 def test_for_people_rounds_floats_to_four_significant_digits():

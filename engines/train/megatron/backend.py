@@ -57,7 +57,7 @@ META_FILE = ckpt.META_FILE
 
 
 @dataclass
-class Trained:
+class OptimizedModel:
     """One trained part: DDP-wrapped model, distributed optimizer, its LR schedule position."""
 
     model: Any
@@ -109,7 +109,7 @@ class MegatronTrainBackend:
         self.model, self.optimizer = self.actor.model, self.actor.optimizer
         self.ref_model = self._frozen(train_cfg.model_path) if algo_cfg.uses_reference else None
         self.teacher_model = self._frozen(algo_cfg.opd_teacher_path) if algo_cfg.use_opd else None
-        self.critic: Trained | None = None
+        self.critic: OptimizedModel | None = None
         if algo_cfg.uses_critic:
             path = train_cfg.critic_model_path or train_cfg.model_path
             self.critic = self._trainable(path, train_cfg.critic_lr or train_cfg.lr, critic=True)
@@ -172,7 +172,7 @@ class MegatronTrainBackend:
         self._load_hf(model, hf_path, shape, critic=False)
         return model.requires_grad_(False).eval()
 
-    def _trainable(self, hf_path: str, lr: float, critic: bool) -> Trained:
+    def _trainable(self, hf_path: str, lr: float, critic: bool) -> OptimizedModel:
         """Model in megatron DDP + its distributed optimizer (torch Adam without apex)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -192,9 +192,9 @@ class MegatronTrainBackend:
             bf16=self._dtype == torch.bfloat16, params_dtype=self._dtype,
             use_distributed_optimizer=True,
         )
-        return Trained(ddp, get_megatron_optimizer(opt_cfg, [ddp]), lr)
+        return OptimizedModel(ddp, get_megatron_optimizer(opt_cfg, [ddp]), lr)
 
-    def _parts(self) -> dict[str, Trained]:
+    def _parts(self) -> dict[str, OptimizedModel]:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
 
     # -- StepModel --------------------------------------------------------------------------
