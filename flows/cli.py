@@ -60,7 +60,7 @@ def _no_such_run(args: argparse.Namespace) -> bool:
 def cmd_replay(args: argparse.Namespace) -> int:
     from flows.config_loader import cli_storage
 
-    # a mistyped run is named at once: before the replay flow's imports (~13 s here) and a
+    # a mistyped run is named at once: before the replay flow's imports (seconds) and a
     # Prefect server start (unless the root's credentials are in a block, read from it)
     block = cli_storage(args.root, args.endpoint_url, args.set).credentials_block
     if block is None and _no_such_run(args):

@@ -34,7 +34,7 @@ class LoggingConfig(Section):
         None,
         description="Run each rollout step as a child flow run of its own, "
         "`{run}/rollout-{id}`, which groups the step's tasks in the UI (runs list, one graph "
-        "per step); costs Prefect ~0.3 s per step. Off: the step's tasks run in the train "
+        "per step), at a cost per step (bench/RESULTS.md, 'Prefect floor'). Off: the step's tasks run in the train "
         "flow run, named `rollout-{id}/<task>`, whose graph the UI stops drawing past the "
         "server's 10,000 nodes (~1,400 steps, ~1,000 in async mode). Default (null): on for "
         "runs of more than 900 rollouts, off otherwise.",

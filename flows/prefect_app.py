@@ -9,8 +9,8 @@ run, so every rollout step, makes first) reads the flow run, then inserts; when 
 run recorder commits between the two, SQLite answers SQLITE_BUSY_SNAPSHOT at once (waiting
 cannot help a stale snapshot), the server answers 503 and Prefect's client sleeps 2 s before
 it retries. That was about one step in ten. Begun IMMEDIATE, a write transaction takes the
-write lock first and waits its turn (busy_timeout) instead: measured on mock steps (first
-steps left out), 0 of 210 over 0.9 s against 11 of 180 over 2 s, at the same median.
+write lock first and waits its turn (busy_timeout) instead (bench/RESULTS.md,
+"Orchestration").
 PostgreSQL needs none of this.
 """
 

@@ -11,9 +11,9 @@ from collections.abc import Mapping, MutableMapping
 SERVER_SETTINGS: dict[str, str] = {
     # The task run recorder writes task run states from events. Prefect's default writes
     # each event in its own SQLite transaction; a step's 7 tasks make ~21 of them, and the
-    # next step's subflow waits ~2 s for the database behind them (POST /task_runs: 2.0 s
-    # median, 0.02 s with batches). Batches of up to 100, flushed every second, keep the UI
-    # at most about a second behind.
+    # next step's subflow waits for the database behind them (bench/RESULTS.md,
+    # "Orchestration"). Batches of up to 100, flushed every second, keep the UI at most
+    # about a second behind.
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
 }

@@ -260,8 +260,8 @@ def _fingerprint(cfg: RollflowConfig) -> str:
 
 def preflight_once(cfg: RollflowConfig) -> PreflightReport:
     """`preflight`, skipped when this process already checked the same config and inputs:
-    the CLI checks before starting Prefect (a mistake then fails in seconds, not after the
-    ~10 s a Prefect server takes to start), and the train flow, which deployments start
+    the CLI checks before starting Prefect (a mistake then fails before a Prefect server has
+    started), and the train flow, which deployments start
     without the CLI, checks again."""
     key = _fingerprint(cfg)
     if key not in _last_passed:

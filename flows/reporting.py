@@ -94,7 +94,8 @@ def eval_history(evals: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
 
 # Inlined in the markdown artifact: 2/3 of the file's size, and with 32 colours (line plots
 # need no more) about 20 KB instead of 60-130 KB per step's flow run. Scaled from the file's
-# image, not drawn again: a matplotlib draw costs ~0.4 s here, at every plotted step.
+# image, not drawn again: a matplotlib draw is the dearest part of a plotted step
+# (bench/RESULTS.md, "Orchestration").
 UI_PLOT_SCALE = 60 / PLOT_DPI
 
 

@@ -138,8 +138,8 @@ def open_layout(cfg: RollflowConfig) -> RunLayout:
 
 
 def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:
-    """Every `logging.plot_interval` steps and at the last: a plot (~0.45 s) every step
-    would cost more than the step's bookkeeping."""
+    """Every `logging.plot_interval` steps and at the last: a plot every step would
+    cost more than the step's bookkeeping (bench/RESULTS.md, "Orchestration")."""
     interval = cfg.logging.plot_interval
     if not cfg.logging.plot or interval is None:
         return False

@@ -5,7 +5,7 @@ Prefect UI, so a replay, a `rollflow train` resume from config.yaml or a retry f
 had to be given them again. With `storage.credentials_block: NAME`, the config carries only
 the block's name: the flow reads the block (a JSON object of storage options, e.g.
 `{"key": ..., "secret": ...}` for S3) from the Prefect server it reports to, every time it
-starts, and the actors get the options with the config, as before. Keys set in
+starts, and the actors get the options with the config. Keys set in
 `storage_options` itself win over the block's, so one setting can be overridden per run.
 
     prefect block create secret   # or, in Python:
@@ -13,8 +13,8 @@ starts, and the actors get the options with the config, as before. Keys set in
 
 The driver's `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN` go the same
 way for an s3:// root: actors run in worker processes of a Ray head that may have started
-before they were exported (the run then failed 40 s in, in the first actor to touch the
-bucket, after the driver's own storage check had passed).
+before they were exported (the run would fail in the first actor to touch the bucket,
+after the driver's own storage check had passed).
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[StepContext, i
 def finished(config: RollflowConfig, layout: RunLayout) -> bool:
     """Every step committed and, if the run evaluates, its last version's metrics stored:
     a rerun has nothing to compute. It then starts no actors: loading models it would not
-    use made a rerun of the finished main job take ~30 s per phase."""
+    use would make a rerun of a finished job cost as much as its start."""
     total = config.rollout.num_rollout
     if layout.next_rollout_id() < total:
         return False

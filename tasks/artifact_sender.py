@@ -1,12 +1,13 @@
 """Prefect artifacts sent from one background thread while a training runs.
 
-Each artifact costs the thread that creates it a new API client and a request: measured on
-`bench.orchestration`, a mock step's three (generation progress, step metrics, run progress)
-took ~65 ms of its ~300 ms of orchestration, and nothing in a run reads them back. Inside
+Each artifact costs the thread that creates it a new API client and a request, a visible
+share of a step's orchestration (bench/RESULTS.md, "Orchestration"), and nothing in a run
+reads them back: a step's three (generation progress, step metrics, run progress) need not
+wait for them. Inside
 `artifacts_in_background()` they go, in order, through one worker thread that runs each in a
 copy of the caller's context, so it lands on the flow or task run that made it; leaving the
 block waits for them. Outside it (a unit test calling a task's `.fn`, a one-off evaluation)
-`send_artifact` sends at once, as before.
+`send_artifact` sends at once.
 
 A failed artifact is logged, not raised: a progress bar the API refused must not fail a
 training step. The run directory, not the UI, is the record (metrics.json, curves.png).

@@ -27,7 +27,7 @@ class StepContext:
 
     A plain class, not a dataclass: Prefect walks a dataclass (or pydantic) task argument
     field by field, the whole config included, looking for futures to resolve and upstream
-    runs to draw, twice per task (~170 objects each time, ~2 ms of a task's start)."""
+    runs to draw, twice per task (bench/RESULTS.md, "Orchestration")."""
 
     __slots__ = ("actors", "cfg", "layout", "settings")
 
@@ -45,7 +45,7 @@ class StepContext:
         """Handles for this task attempt. A retry gets fresh ones (recreating any actor that
         died), so it works even after the failure that made it retry killed an engine or
         the trainer; a first attempt keeps the flow run's handles, since looking the actors
-        up again costs ~0.1 s per task (0.4 s of a mock step)."""
+        up again costs several Ray round trips per task (bench/RESULTS.md, "Orchestration")."""
         task_run = TaskRunContext.get()
         if task_run is None or task_run.task_run.run_count <= 1:  # None: called as .fn()
             return self.actors

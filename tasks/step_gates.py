@@ -12,9 +12,9 @@
 With `max_staleness: 0` the run stays on-policy: step k+1's flow run starts and draws its
 prompts while step k trains, and generates once commit k has put v_{k+1} in the engines (so
 step k's broadcast does not wait for that generation). What overlaps is the flow-run and
-prompt bookkeeping, not compute; on the 2-core example machine that made the main job slower
-(4.8 against 3.2 s per step), as two live flow runs share two busy cores and Prefect's
-SQLite database.
+prompt bookkeeping, not compute; on a 2-core machine that makes the main job slower
+(bench/RESULTS.md, "vs TRL", tried and not kept), as two live flow runs share two busy
+cores and Prefect's SQLite database.
 
 Each gate waits on what the other flow run wrote to storage (records, COMMITTED), so the flow
 runs stay independent and restartable; a step that fails writes FAILED, which releases every
