@@ -138,6 +138,13 @@ class RolloutConfig(Section):
         description="When a partial sample is continued, set the loss mask of the tokens an "
         "older policy generated to 0.",
     )
+    journal_groups: bool = Field(
+        True,
+        description="Store each group generation finishes (and each draw) as it happens, "
+        "under steps/{id}/groups/, so a rerun of a step that crashed mid-generate keeps the "
+        "finished groups and generates only those in flight (False: a rerun regenerates "
+        "the whole step).",
+    )
     max_groups_per_step: int | None = Field(
         None, ge=1,
         description="Dynamic sampling gives up after drawing this many groups in one step "

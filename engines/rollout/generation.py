@@ -15,6 +15,9 @@
       abort_all on every engine, drain pending ──► unfinished groups (partial tokens) and
       surplus finished groups go back to the buffer whole; kept groups, sorted by index
 ```
+Every draw and every group the loop is done with (kept, dropped, returned, drained) is
+appended to the step's group journal as it happens, so a rerun of a crashed step takes those
+groups back and sends again only what was in flight (engines/rollout/restore.py).
 Each sample carries `sampling_seed = rollout.seed + sample.index`, so its response depends only
 on its index and the weights; a resumed run regenerates what an uninterrupted one would have.
 A partial sample is continued by sending prompt + partial response as `input_ids` with the
@@ -27,14 +30,25 @@ import asyncio
 import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from engines.hooks.protocols import GenerateFn
 from engines.rollout.config import RolloutConfig
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
 from engines.rollout.filters import DynamicFilter
+from engines.rollout.restore import (
+    DRAIN,
+    LOOP,
+    GroupSource,
+    NullLog,
+    Outcome,
+    Restored,
+    StepLog,
+    cursor_of,
+)
 from engines.rollout.rewards.deadline import TIMEOUT_FLAG
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import RewardFn
@@ -54,10 +68,6 @@ FINISH_TO_STATUS = {
 FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
 # An engine client, for the generation loop and evaluation.py: anything with `generate_batch`.
 EngineClient = Any
-
-
-class GroupSource(Protocol):
-    def get_samples(self, num_groups: int) -> list[Group]: ...
 
 
 @dataclass(slots=True)
@@ -89,6 +99,9 @@ class GenerationStats:
     seconds: float = 0.0
     abort_seconds: float = 0.0
     reward_timeouts: int = 0  # samples whose rule reward passed rollout.rm_rule_timeout_s
+    tokens_restored: int = 0  # held by groups an earlier attempt committed
+    tokens_regenerated: int = 0  # for groups an earlier attempt had in flight
+    journal: dict[str, float] = field(default_factory=dict)
     response_lengths: list[int] = field(default_factory=list)
 
     def add_groups(self, groups: list[Group]) -> None:
@@ -117,6 +130,9 @@ class GenerationStats:
             "rollout/seconds": self.seconds,
             "rollout/abort_seconds": self.abort_seconds,
             "rollout/reward_timeouts": float(self.reward_timeouts),
+            "rollout/tokens_restored": float(self.tokens_restored),
+            "rollout/tokens_regenerated": float(self.tokens_regenerated),
+            **self.journal,
         }
 
 
@@ -227,6 +243,7 @@ class GenerationLoop:
         self._semaphore = asyncio.Semaphore(cfg.sglang_server_concurrency * self.dispatch.num_engines)
         self._aborting = False
         self.generated_tokens = 0
+        self._group_tokens: Counter[int] = Counter()  # generated_tokens by group_index
         self.resumed_samples = 0
         self.reward_timeouts = 0  # every group scored, kept or not: each one stalled the step
 
@@ -251,6 +268,7 @@ class GenerationLoop:
                 before = samples[0].response_length
                 await self.custom_generate(self.hook_args, samples[0], params[0])
                 self.generated_tokens += samples[0].response_length - before
+                self._group_tokens[samples[0].group_index] += samples[0].response_length - before
                 return
             outs = await self.dispatch.generate(
                 [s.tokens for s in samples], params, [f"sample-{s.index}" for s in samples]
@@ -258,6 +276,7 @@ class GenerationLoop:
         for s, out in zip(samples, outs, strict=True):
             apply_output(s, out)
             self.generated_tokens += len(out.output_ids)
+            self._group_tokens[s.group_index] += len(out.output_ids)
 
     def _regenerate_stale(self, group: Group) -> None:
         """Reset samples whose first token came from a policy older than allowed."""
@@ -300,59 +319,78 @@ class GenerationLoop:
     def _accepts(self, group: Group) -> bool:
         return self.dynamic_filter is None or bool(self.dynamic_filter(self.hook_args, group))
 
-    async def run_dynamic(self, source: GroupSource, target: int) -> RolloutResult:
-        """Keep `target` groups that pass the dynamic filter, then abort the rest."""
+    async def run_dynamic(
+        self, source: GroupSource, target: int, journal: StepLog | None = None,
+        restored: Restored | None = None,
+    ) -> RolloutResult:
+        """Keep `target` groups that pass the dynamic filter, then abort the rest. Each draw
+        and each group the loop is done with goes to `journal` as it happens; `restored` is
+        the state of an earlier attempt of this step (engines/rollout/restore.py): its
+        groups count as done, its in-flight ones are sent again."""
         if self._clients is not None:
             cap = request_cap(self.cfg, self.dynamic_filter is not None, target)
             self.dispatch = RoundRobinDispatch(self._clients, cap)
+        log_ = journal or NullLog()
+        r = restored or Restored()
         start = time.perf_counter()
         limit = self.cfg.max_groups_per_step or 10 * target
         pending: dict[asyncio.Task[Group], Group] = {}
-        kept: list[Group] = []
-        returned: list[Group] = []
+        kept, returned = list(r.kept), list(r.returned)
         counts = dict.fromkeys(("drawn", "dropped", "failed", "aborted", "surplus"), 0)
+        counts.update(r.counts, drawn=r.drawn)
+        for g in r.in_flight:
+            pending[asyncio.ensure_future(self.generate_group(g))] = g
+        again = {g[0].group_index for g in r.in_flight}
         try:
-            while len(kept) < target:
-                while len(kept) + len(pending) < target and counts["drawn"] < limit:
-                    n = min(self.cfg.submit_batch_size, limit - counts["drawn"])
-                    for g in source.get_samples(n):
-                        counts["drawn"] += 1
-                        pending[asyncio.ensure_future(self.generate_group(g))] = g
-                if not pending:
-                    log.warning("dynamic sampling drew %d groups and kept only %d of %d",
-                                counts["drawn"], len(kept), target)
-                    break
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: first_index(pending[t])):
-                    group = pending.pop(task)
-                    task.result()
-                    if not is_finished(group):  # aborted by someone else: keep the work
-                        returned.append(group)
-                    elif any(s.status == Status.FAILED for s in group):
-                        counts["failed"] += 1
-                    elif not self._accepts(group):
-                        counts["dropped"] += 1
-                    else:
-                        kept.append(group)
-                if self.progress is not None:
-                    self.progress(len(kept), target)
-        except BaseException:
-            await self._abort_and_drain(pending)  # leave no request running on the engines
-            raise
-        kept.sort(key=first_index)
-        surplus = kept[target:]
-        del kept[target:]
-        abort_start = time.perf_counter()
-        for group in await self._abort_and_drain(pending):
-            if not is_finished(group):
+            try:
+                while len(kept) < target:
+                    while len(kept) + len(pending) < target and counts["drawn"] < limit:
+                        n = min(self.cfg.submit_batch_size, limit - counts["drawn"])
+                        drawn = source.get_samples(n)
+                        log_.drawn(n, drawn, cursor_of(source))
+                        for g in drawn:
+                            counts["drawn"] += 1
+                            pending[asyncio.ensure_future(self.generate_group(g))] = g
+                    if not pending:
+                        log.warning("dynamic sampling drew %d groups and kept only %d of %d",
+                                    counts["drawn"], len(kept), target)
+                        break
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in sorted(done, key=lambda t: first_index(pending[t])):
+                        group = pending.pop(task)
+                        task.result()
+                        outcome = self._loop_outcome(group)
+                        log_.finished(group, outcome, LOOP)
+                        if outcome == Outcome.KEPT:
+                            kept.append(group)
+                        elif outcome == Outcome.RETURNED:  # aborted by someone else: keep the work
+                            returned.append(group)
+                        else:
+                            counts[outcome] += 1
+                    if self.progress is not None:
+                        self.progress(len(kept), target)
+            except BaseException:
+                await self._abort_and_drain(pending)  # leave no request running on the engines
+                raise
+            kept.sort(key=first_index)
+            surplus = kept[target:]
+            del kept[target:]
+            abort_start = time.perf_counter()
+            drained = list(r.drained)
+            for group in await self._abort_and_drain(pending):
+                outcome = self._drain_outcome(group)
+                log_.finished(group, outcome, DRAIN)
+                drained.append((group, outcome))
+        finally:
+            await log_.flush()
+        for group, outcome in drained:
+            if outcome == Outcome.SURPLUS:
+                surplus.append(group)
+            elif outcome == Outcome.ABORTED:
                 counts["aborted"] += 1
                 returned.append(group)
-            elif any(s.status == Status.FAILED for s in group):
-                counts["failed"] += 1
-            elif self._accepts(group):
-                surplus.append(group)
             else:
-                counts["dropped"] += 1
+                counts[outcome] += 1
         counts["surplus"] = len(surplus)
         returned.extend(surplus)
         if not self.cfg.partial_rollout:
@@ -360,14 +398,32 @@ class GenerationLoop:
                 reset_to_prompt(s)
         counts["kept"] = len(kept)
         counts["returned"] = len(returned)
+        counts["restored"] = r.groups
         stats = GenerationStats(seconds=time.perf_counter() - start)
         stats.add_groups(kept)
         stats.generated_tokens = self.generated_tokens
+        stats.tokens_restored = r.tokens
+        stats.tokens_regenerated = sum(self._group_tokens.get(gi, 0) for gi in again)
         stats.reward_timeouts = self.reward_timeouts
         stats.abort_seconds = time.perf_counter() - abort_start
+        stats.journal = log_.metrics()
         counts["resumed_samples"] = self.resumed_samples
         counts["stale_regenerated_samples"] = self.stale_regenerated
         return RolloutResult(kept, sorted(returned, key=first_index), stats, counts)
+
+    def _loop_outcome(self, group: Group) -> Outcome:
+        if not is_finished(group):
+            return Outcome.RETURNED
+        if any(s.status == Status.FAILED for s in group):
+            return Outcome.FAILED
+        return Outcome.KEPT if self._accepts(group) else Outcome.DROPPED
+
+    def _drain_outcome(self, group: Group) -> Outcome:
+        if not is_finished(group):
+            return Outcome.ABORTED
+        if any(s.status == Status.FAILED for s in group):
+            return Outcome.FAILED
+        return Outcome.SURPLUS if self._accepts(group) else Outcome.DROPPED
 
     async def _abort_and_drain(self, pending: dict[asyncio.Task[Group], Group]) -> list[Group]:
         """abort_all on every engine until nothing is in flight. Repeated, because a request

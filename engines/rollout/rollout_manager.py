@@ -9,9 +9,10 @@ state before drawing, so the in-memory state never has to survive a restart.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from engines.data.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
@@ -33,15 +34,27 @@ from engines.rollout.generation import (
     RolloutResult,
     is_finished,
 )
+from engines.rollout.restore import (
+    JournalLog,
+    JournalMismatch,
+    NullLog,
+    Restored,
+    StepLog,
+    replay,
+    settings_fingerprint,
+)
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
 from engines.run_config import RunConfig
 from engines.weights.schedule import oldest_trainable_version
 from storage.batch_io import read_samples, write_samples
+from storage.group_journal import GroupJournal
 from storage.object_store import open_store
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Group, Status, flatten
+
+log = logging.getLogger(__name__)
 
 
 class StepDataSource:
@@ -64,6 +77,12 @@ class StepDataSource:
 
     def add_samples(self, groups: list[Group]) -> None:
         self._source.add_samples(groups)
+
+    def cursor(self) -> dict[str, Any]:
+        """Where the next draw starts: what is left of sample_prompts' groups, the data
+        source's state and its buffer (a replayed draw must end at the same place)."""
+        return {"prompts_left": len(self._drawn), **asdict(self._source.state),
+                "buffer_groups": len(self._source.buffer)}
 
     def unused(self) -> list[Group]:
         """Groups sample_prompts drew that the rollout never asked for (back to the buffer)."""
@@ -249,16 +268,16 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> GenerateRecord:
         """Generate, then in one commit (the data-source JSON): rollout.arrow with the kept
         groups, and every other drawn group back in the buffer, whole. A re-run after that
-        commit returns the committed record instead of drawing again."""
+        commit returns the committed record instead of drawing again; a re-run before it
+        takes back the groups the step's journal holds and generates only the rest."""
         if self.cfg.rollout.debug_train_only:
             return self._copy_debug_batch(rollout_id)
+        journal = GroupJournal(self.layout.store, step_dir(rollout_id))
         meta = self.data_source.load(self.layout, rollout_id)
         if meta.get("stage") == "generate":
+            journal.clear()  # left by a crash between the commit and its removal
             return GenerateRecord.from_json(meta["extra"])
-        drawn = groups_in_order(
-            read_samples(self.layout.store, step_dir(rollout_id), "prompts.arrow")
-        )
-        step_source = StepDataSource(drawn, self.data_source, rollout_id)
+        step_source = self._step_source(rollout_id)
         target = self._keep_target()
         metrics: dict[str, float] = {}
         if self.rollout_fn is not None:
@@ -267,10 +286,12 @@ class RolloutManager:
                 returned_groups(self.rollout_fn, "rollout.function_path", groups), target
             )
         else:
+            step_source, restored, step_log = self._resume(rollout_id, step_source, journal)
             result = asyncio.run(run_generation(
                 self.cfg, self.engine_urls, self.router_url(), self.hooks, step_source, target,
                 self.tokenizer, progress=ProgressFile(self.layout, rollout_id),
                 min_weight_version=oldest_trainable_version(self.cfg, rollout_id),
+                journal=step_log, restored=restored,
             ))
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
@@ -287,7 +308,40 @@ class RolloutManager:
                                 rollout_metrics=metrics)
         self.data_source.save(self.layout, rollout_id, self._compression(), "generate",
                               record.to_json())
+        journal.clear()  # committed: rollout.arrow and the buffer hold all it had
         return record
+
+    def _step_source(self, rollout_id: int) -> StepDataSource:
+        """The step's source as sample_prompts left it (the data source is already loaded
+        from that stage's state)."""
+        drawn = groups_in_order(
+            read_samples(self.layout.store, step_dir(rollout_id), "prompts.arrow")
+        )
+        return StepDataSource(drawn, self.data_source, rollout_id)
+
+    def _resume(
+        self, rollout_id: int, source: StepDataSource, journal: GroupJournal
+    ) -> tuple[StepDataSource, Restored | None, StepLog]:
+        """Replay what an earlier attempt of this step committed to its journal, and the
+        log this attempt appends to. A journal that does not replay (other settings, other
+        draws) is removed and the step generated from the start, from a fresh source."""
+        if not self.cfg.rollout.journal_groups:
+            journal.clear()  # a stale one would be replayed once the switch is back on
+            return source, None, NullLog()
+        fingerprint = settings_fingerprint(self.cfg)
+        entries = journal.entries()
+        restored = None
+        if entries:
+            try:
+                restored = replay(entries, source, fingerprint)
+            except JournalMismatch as err:
+                log.warning("step %d: not replaying its group journal (%s); generating the "
+                            "step from the start", rollout_id, err)
+                journal.clear()
+                self.data_source.load(self.layout, rollout_id)
+                source = self._step_source(rollout_id)
+        next_seq = restored.next_seq if restored is not None else 0
+        return source, restored, JournalLog(journal, fingerprint, next_seq)
 
     def _copy_debug_batch(self, rollout_id: int) -> GenerateRecord:
         source = self._debug_source_layout()
@@ -376,6 +430,8 @@ async def run_generation(
     tokenizer: Any = None,
     progress: Callable[[int, int], None] | None = None,
     min_weight_version: int | None = None,
+    journal: StepLog | None = None,
+    restored: Restored | None = None,
 ) -> RolloutResult:
     """One step's dynamic-sampling generation through the router (or the engines directly)."""
     engines = [SGLangClient(url) for url in urls]
@@ -391,7 +447,7 @@ async def run_generation(
             custom_generate=hooks.custom_generate, dynamic_filter=hooks.dynamic_filter,
             progress=progress, min_weight_version=min_weight_version,
         )
-        return await loop.run_dynamic(source, target)
+        return await loop.run_dynamic(source, target, journal, restored)
     finally:
         await asyncio.gather(*(c.aclose() for c in [*engines, *([router] if router else [])]))
 
