@@ -5,26 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# The browser test (tests/flow/test_browser_ui.py, marker `browser`) drives Debian's Chromium
-# through Playwright; where it cannot be installed that test is skipped, nothing else needs it.
-install_chromium() {
-  [ -x /usr/bin/chromium ] && return 0
-  command -v apt-get >/dev/null 2>&1 || return 0
-  local sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo -n"
-  if ! { $sudo apt-get update -q && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-      chromium; } >.venv/chromium-install.log 2>&1; then
-    echo "setup: could not install chromium (see .venv/chromium-install.log);" \
-      "the browser test will be skipped" >&2
-  fi
-}
 stamp=.venv/.rollflow-installed
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[dev,router]"
-  install_chromium
   echo "$want" > "$stamp"
 fi
 # The embedded engine's compiled decode step, built once per machine (~30 s) rather than in a

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
 # Lint, type-check, check the import layers and run the test suite (GPU tests are skipped
-# without a GPU).
+# without a GPU). Arguments go to pytest: `scripts/test.sh tests/unit/test_cli.py -n 0`.
+#
+# Each test is marked by its cost (from its directory, tests/conftest.py):
+#   unit         no processes, no Ray: `scripts/test.sh -m unit` is the fast subset (~2 min)
+#   integration  starts processes or a Ray head, trains no run
+#   flow         trains runs against the session's Ray head and Prefect server
+#   e2e          embedded engines and the torch trainer on a tiny model
+#   browser      drives Chromium through Playwright (skipped where it is missing)
+#   gpu          needs a CUDA GPU (deselected here; `pytest -m gpu tests/gpu` on a GPU machine)
+# The tests run side by side in ROLLFLOW_TEST_WORKERS pytest-xdist workers (default 3: the
+# flow tests mostly wait), each with its own Ray head, Prefect server, moto server and
+# temporary directories; a module whose tests share a fixture stays on one worker. `-n 0`
+# runs everything in this process. The 15 slowest tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/install_chromium.sh
 export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_AUTH_MODE=disabled
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/lint-imports  # flows -> tasks -> engines -> storage (pyproject [tool.importlinter])
-exec .venv/bin/python -m pytest -q -m "not gpu" "$@"
+exec .venv/bin/python -m pytest -q -m "not gpu" -n "${ROLLFLOW_TEST_WORKERS:-3}" \
+  --dist loadgroup --durations=15 "$@"

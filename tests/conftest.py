@@ -1,15 +1,28 @@
 """Session-wide real infrastructure for tests: a local Ray head, one Prefect test harness,
 a tiny HF model and the arithmetic datasets. Everything runs on 127.0.0.1 and is torn down
-at the end of the session."""
+at the end of the session; under pytest-xdist each worker has its own of each (its own Ray
+head, Prefect server, moto server, ROLLFLOW_HOME and temporary directories).
+
+Each test gets a cost marker from its directory (`unit`, `integration`, `flow`, `e2e`; see
+pyproject.toml) and that tier's timeout unless it sets its own. Tests run costliest tier
+first, so that under xdist the long ones do not start last.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
-from pathlib import Path
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import psutil
 import pytest
+
+from tests.support import REPO_ROOT
+from tests.support.configs import arithmetic_config
+from tests.support.servers import FaultMatrix
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -17,9 +30,47 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rollflow's own state (local-head record, Ray token, error logs) stays out of ~/.rollflow;
-# short, under /tmp, because Ray's socket paths are limited in length
-os.environ.setdefault("ROLLFLOW_HOME", tempfile.mkdtemp(prefix="rf-test-", dir="/tmp"))
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# short, under /tmp, because Ray's socket paths are limited in length. An xdist worker
+# inherits the controller's environment, so it makes its own.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    os.environ["ROLLFLOW_HOME"] = tempfile.mkdtemp(prefix=f"rf-test-{_WORKER}-", dir="/tmp")
+else:
+    os.environ.setdefault("ROLLFLOW_HOME", tempfile.mkdtemp(prefix="rf-test-", dir="/tmp"))
+
+# directory -> (cost marker, default per-test timeout in seconds, order: costliest first)
+TIERS = {
+    "e2e": ("e2e", 600, 0),
+    "flow": ("flow", 420, 1),
+    "integration": ("integration", 240, 2),
+    "gpu": ("gpu", 900, 3),
+    "unit": ("unit", 120, 4),
+    "plugin_contracts": ("unit", 120, 4),
+}
+
+
+def _tier(item: pytest.Item) -> tuple[str, int, int]:
+    parts = item.path.relative_to(REPO_ROOT / "tests").parts
+    return TIERS.get(parts[0], ("unit", 120, 4))
+
+
+def _shares_module_fixtures(item: pytest.Item) -> bool:
+    defs = getattr(item, "_fixtureinfo", None)
+    return defs is not None and any(
+        d.scope in ("module", "class", "package")
+        for name in item.fixturenames for d in defs.name2fixturedefs.get(name, ()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker, timeout, _ = _tier(item)
+        item.add_marker(marker)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(timeout))
+        if _shares_module_fixtures(item):  # one xdist worker runs the module (--dist loadgroup)
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    # stable: file order within a tier; an e2e test elsewhere counts as e2e
+    items.sort(key=lambda item: 0 if item.get_closest_marker("e2e") else _tier(item)[2])
 
 
 @pytest.fixture(scope="session")
@@ -59,34 +110,112 @@ def prefect_api() -> Iterator[str]:
         yield str(PREFECT_API_URL.value())
 
 
+@pytest.fixture
+def run_ray_address() -> str:
+    """The Ray address a test's configs name: none for unit tests (tests/flow, tests/e2e and
+    tests/integration override it with the session's head)."""
+    return "unused"
+
+
+@pytest.fixture
+def make_config(
+    run_ray_address: str, arithmetic_data: dict[str, str], tiny_model_dir: str, tmp_path: Any
+) -> Callable[..., Any]:
+    """`make_config(name, *overrides, backend="mock", runs_root=None, unique=True)`: the
+    arithmetic run config (tests/support/configs.py) with `--set`-style overrides, its run
+    `name-xxxxxx` (`name` itself with unique=False: the same run again) in tmp_path/runs;
+    `backend` "embedded" pairs the embedded engine with the torch trainer."""
+
+    def make(name: str = "run", *overrides: str, backend: str = "mock",
+             runs_root: str | None = None, unique: bool = True) -> Any:
+        return arithmetic_config(
+            run_name=f"{name}-{uuid.uuid4().hex[:6]}" if unique else name,
+            runs_root=runs_root or str(tmp_path / "runs"),
+            data=arithmetic_data, model_dir=tiny_model_dir, ray_address=run_ray_address,
+            backend=backend, overrides=list(overrides),
+        )
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def mock_engines() -> Iterator[list[str]]:
+    """The URLs of two mock engines (SGLang's HTTP protocol, in this process)."""
+    from engines.inference.engine_actor import EngineActor
+    from flows.config import EngineConfig
+
+    engines = [EngineActor(EngineConfig(backend="mock"), i) for i in range(2)]
+    yield [e.url() for e in engines]
+    for e in engines:
+        e.shutdown()
+
+
+# -- what a test leaves running ------------------------------------------------------------
+def _named_actors() -> set[tuple[str, str]]:
+    import ray
+
+    if not ray.is_initialized():
+        return set()
+    return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+
+
+# Helpers that multiprocessing starts once and keeps for the session (the grading pool's
+# workers are the fork server's children): never a test's leftovers.
+_KEPT = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def _kept(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(k in " ".join(proc.cmdline()) for k in _KEPT)
+    return True
+
+
+def _kill_tree(proc: psutil.Process) -> None:
+    with contextlib.suppress(psutil.Error):
+        procs = [proc, *proc.children(recursive=True)]
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def kill_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that may start processes: kill the named Ray actors and the child
+    processes it started and left alive (a failed run keeps its actors for a resume; an
+    assertion can fire before a test's own cleanup)."""
+    if request.node.get_closest_marker("unit"):
+        yield
+        return
+    me = psutil.Process()
+    children = {p.pid for p in me.children()}
+    actors = _named_actors()
+    yield
+    import ray
+
+    for namespace, name in _named_actors() - actors:
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    for child in me.children():
+        if child.pid not in children and not _kept(child):
+            _kill_tree(child)
+
+
 # -- the fault matrix ----------------------------------------------------------------------
-# Fault tests record what happened (`fault_matrix.add(...)`); the session ends with the table:
-# fault -> when it was detected -> outcome -> samples identical to an uninterrupted run.
-class FaultMatrix:
-    COLUMNS = ("fault", "detected", "outcome", "samples identical")
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str, str, str]] = []
-
-    def add(self, fault: str, detected: str, outcome: str, identical: bool | None) -> None:
-        same = "n/a" if identical is None else ("yes" if identical else "NO")
-        self.rows.append((fault, detected, outcome, same))
-
-    def table(self) -> str:
-        lines = ["| " + " | ".join(self.COLUMNS) + " |", "|" + "---|" * len(self.COLUMNS)]
-        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
-        return "\n".join(lines)
+FAULT_ROWS: list[tuple[str, ...]] = []
 
 
-FAULTS = FaultMatrix()
+@pytest.fixture
+def fault_matrix(request: pytest.FixtureRequest) -> FaultMatrix:
+    return FaultMatrix(request.node.user_properties)
 
 
-@pytest.fixture(scope="session")
-def fault_matrix() -> FaultMatrix:
-    return FAULTS
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        FAULT_ROWS.extend(row for key, row in report.user_properties if key == FaultMatrix.KEY)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    if FAULTS.rows:
+    if FAULT_ROWS:
         terminalreporter.write_sep("=", "fault matrix")
-        terminalreporter.write_line(FAULTS.table())
+        terminalreporter.write_line(FaultMatrix.table(FAULT_ROWS))

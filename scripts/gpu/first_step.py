@@ -47,7 +47,7 @@ def main() -> None:
     from engines.algorithms.config import AlgorithmConfig
     from engines.train.config import TrainConfig
     from examples.arithmetic.build_model import save_tiny_model
-    from tests.gpu._data import grpo_samples
+    from tests.support.gpu import grpo_samples
 
     t0 = time.perf_counter()
     model_dir = os.path.join(tempfile.gettempdir(), "first-step-tiny-llama")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 pytestmark = pytest.mark.e2e
 

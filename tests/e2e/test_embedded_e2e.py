@@ -10,7 +10,7 @@ import ray
 from engines.cluster.registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,5 @@
-"""A moto S3 server on 127.0.0.1 for the S3 flow tests (session-wide).
+"""The flow tests' configs name the session's Ray head, and a moto S3 server on 127.0.0.1
+serves the S3 flow tests (session-wide).
 
 Credentials reach the Ray actors through the config (`storage.storage_options`), not through
 environment variables: actors run in worker processes that were started before this fixture,
@@ -9,29 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
 from engines.process import free_port
+from tests.support.servers import S3Server
 
 
-@dataclass(frozen=True)
-class S3Server:
-    endpoint_url: str
-    storage_options: dict[str, Any]
-
-    def bucket(self, name: str) -> str:
-        """Create bucket `name` and return its s3:// URI."""
-        import boto3
-
-        client = boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-            aws_access_key_id="testing", aws_secret_access_key="testing",
-        )
-        client.create_bucket(Bucket=name)
-        return f"s3://{name}"
+@pytest.fixture
+def run_ray_address(ray_address: str) -> str:
+    return ray_address
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from engines.cluster.actors import attached_actors, get_or_create_actors, kill_r
 from engines.cluster.head import connect
 from flows.run_labels import labelled
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def step_run_tags(name: str) -> tuple[list[str], list[list[str]]]:

@@ -9,7 +9,7 @@ import pytest
 
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 @pytest.fixture(scope="module")

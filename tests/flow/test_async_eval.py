@@ -8,7 +8,7 @@ import uuid
 
 from flows.config import EvalDataset
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def test_async_mode_evaluates_every_interval_on_the_version_it_names(
@@ -21,7 +21,7 @@ def test_async_mode_evaluates_every_interval_on_the_version_it_names(
         data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
         overrides=["rollout.num_rollout=4", "rollout.off_policy_async=true",
                    "rollout.max_staleness=1", "eval.eval_interval=1", "eval.before_train=true",
-                   "eval.eval_function_path=tests.flow.eval_hooks:engine_versions"],
+                   "eval.eval_function_path=tests.support.hooks:engine_versions"],
     )
     cfg.eval.datasets = [EvalDataset(name="test", path=arithmetic_data["test"],
                                      label_key="label", max_prompts=8)]

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +30,8 @@ import pytest
 
 from engines.process import free_port
 from flows.server import PrefectServer, start_server
-from tests.conftest import REPO_ROOT
-from tests.flow.prefect_ui import artifacts, chain_edges, flow_runs, graph_edges
+from tests.support import REPO_ROOT
+from tests.support.prefect_ui import artifacts, chain_edges, flow_runs, graph_edges
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -106,7 +105,7 @@ def trainings(server, ray_address, arithmetic_data, tiny_model_dir,
     tag = uuid.uuid4().hex[:4]
     alpha, beta = f"alpha-{tag}", f"beta-{tag}"
     for name, extra in ((alpha, ["logging.step_flow_runs=true", "rollout.rm_type=null",
-                                 "rollout.custom_rm_path=tests.flow.faults:reward_failing_once"]),
+                                 "rollout.custom_rm_path=tests.support.hooks:reward_failing_once"]),
                         (beta, ["logging.step_flow_runs=true",
                                 "algorithm.advantage_estimator=rloo"])):
         done = trainer.run(name, *extra)
@@ -196,10 +195,12 @@ def test_train_and_step_pages_tell_the_story(server, trainings, page, shots):
 
 class Webhook(http.server.BaseHTTPRequestHandler):
     received: list[dict[str, Any]] = []
+    arrived = threading.Event()
 
     def do_POST(self) -> None:  # noqa: N802 - the http.server hook's name
         body = self.rfile.read(int(self.headers.get("content-length", 0)))
         Webhook.received.append(json.loads(body or b"{}"))
+        Webhook.arrived.set()
         self.send_response(200)
         self.end_headers()
 
@@ -210,6 +211,7 @@ class Webhook(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def webhook() -> Iterator[str]:
     Webhook.received = []
+    Webhook.arrived.clear()
     hook = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Webhook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     try:
@@ -228,7 +230,7 @@ def test_a_failed_training_is_reported_and_notified(server, trainings, page, sho
         made.stderr[-3000:]
     run = f"broken-{uuid.uuid4().hex[:4]}"
     failed = trainer.run(run, "rollout.rm_type=null",
-                         "rollout.custom_rm_path=tests.flow.faults:reward_nan_after_step_0")
+                         "rollout.custom_rm_path=tests.support.hooks:reward_nan_after_step_0")
     assert failed.returncode == 1 and "RewardError" in failed.stderr, failed.stderr[-3000:]
 
     train = flow_runs(server.api_url, [f"train-{run}"])[f"train-{run}"]
@@ -238,10 +240,8 @@ def test_a_failed_training_is_reported_and_notified(server, trainings, page, sho
     page.get_by_text("step 1, task generate", exact=False).first.wait_for(timeout=WAIT_MS)
     page.screenshot(path=str(shots / "6-failure-notice.png"))
 
-    deadline = time.monotonic() + 120  # events -> trigger -> action run as server services
-    while not Webhook.received and time.monotonic() < deadline:
-        time.sleep(1)
-    assert Webhook.received, "no notification within 120 s"
+    # events -> trigger -> action run as server services
+    assert Webhook.arrived.wait(timeout=120), "no notification within 120 s"
     sent = Webhook.received[0]
     assert sent["subject"] == f"rollflow: training {run} failed"
     assert "step 1, task `generate`" in sent["body"] and "RewardError" in sent["body"]

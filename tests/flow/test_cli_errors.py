@@ -12,8 +12,8 @@ from pathlib import Path
 
 from engines.cluster.actors import kill_run_actors
 from flows.config_loader import dump_config
-from tests.conftest import REPO_ROOT
-from tests.flow.configs import arithmetic_config
+from tests.support import REPO_ROOT
+from tests.support.configs import arithmetic_config
 
 BROKEN_REWARD = '''
 async def broken(args, sample):

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.support.procs import python, rollflow_env
 
 PROBE = ("import os, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
          "print('uid', ray.get(ray.remote(lambda: os.getuid()).remote()))")
@@ -35,16 +33,6 @@ def machine_address() -> str:
             if a.family.name == "AF_INET" and not a.address.startswith("127."):
                 return str(a.address)
     pytest.skip("no non-loopback IPv4 address on this machine")
-
-
-def rollflow_env(home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    return {**env, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO_ROOT), **extra}
-
-
-def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def test_a_client_without_the_token_cannot_run_code_on_rollflows_head(fault_matrix):

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tests.flow.test_cluster_auth import python, rollflow_env
+from tests.support.procs import python, rollflow_env
 
 # A rollflow driver that starts the head and leaves a named detached actor on it.
 DRIVER = ("from engines.cluster.config import ClusterConfig; "

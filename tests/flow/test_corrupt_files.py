@@ -1,4 +1,4 @@
-"""Issue 10's corrupted-file case through real flows: step 0's batch truncated and
+"""The corrupted-file case through real flows: step 0's batch truncated and
 checkpoints/LATEST deleted. The run still resumes (from the newest complete checkpoint, which
 does not need step 0), and a replay of step 0 fails naming the file before copying anything."""
 
@@ -11,7 +11,7 @@ import pytest
 from flows.replay import replay, replay_config
 from storage.integrity import CorruptFileError
 from storage.run_layout import RunLayout, step_dir
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def test_truncated_batch_and_missing_latest(

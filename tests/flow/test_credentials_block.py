@@ -15,7 +15,7 @@ from flows.config_loader import dump_config
 from flows.storage_credentials import with_storage_credentials
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def _save_secret(value: object) -> str:

@@ -104,7 +104,7 @@ def test_a_train_refused_for_a_run_in_use_raises_no_failure_alert(
 
     from flows.train import train
     from tasks.artifacts import artifact_key
-    from tests.flow.configs import arithmetic_config
+    from tests.support.configs import arithmetic_config
 
     cfg = arithmetic_config(run_name=f"busy-{uuid.uuid4().hex[:6]}",
                             runs_root=str(tmp_path / "runs"), data=arithmetic_data,

@@ -12,7 +12,7 @@ from engines.cluster.registry import get_run_actor
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import regroup
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def test_dynamic_filter_drops_and_over_sampling_refills(
@@ -25,9 +25,9 @@ def test_dynamic_filter_drops_and_over_sampling_refills(
         data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
         overrides=[
             "rollout.n_samples_per_prompt=2", "rollout.over_sampling_batch_size=6",
-            "rollout.dynamic_sampling_filter_path=tests.flow.filter_hooks:drop_odd_groups",
+            "rollout.dynamic_sampling_filter_path=tests.support.hooks:drop_odd_groups",
             "rollout.over_sampling_filter_path=sort_by_reward_std",
-            "rollout.sample_filter_path=tests.flow.filter_hooks:train_on_first_of_group",
+            "rollout.sample_filter_path=tests.support.hooks:train_on_first_of_group",
             "cluster.keep_actors=true",
         ],
     )

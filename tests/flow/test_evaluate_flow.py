@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 TEST_SET = "eval.datasets=[{{name: test, path: {}, temperature: 0.0}}]"
 

@@ -1,4 +1,4 @@
-"""Issue 10's faults through real flows (mock or torch trainers, real Ray and Prefect); each
+"""Faults through real flows (mock or torch trainers, real Ray and Prefect); each
 records its row of the fault matrix printed at the end of the session (tests/conftest.py),
 next to the rows of the other fault tests."""
 
@@ -11,7 +11,7 @@ import pytest
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import RewardError
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def trained(cfg) -> list[tuple[int, float]]:
 
 
 def hook(name: str) -> list[str]:
-    return ["rollout.rm_type=null", f"rollout.custom_rm_path=tests.flow.faults:{name}"]
+    return ["rollout.rm_type=null", f"rollout.custom_rm_path=tests.support.hooks:{name}"]
 
 
 def test_a_nan_reward_fails_the_step_and_a_fixed_rerun_trains_what_it_should(make, fault_matrix):
@@ -49,7 +49,7 @@ def test_a_nan_reward_fails_the_step_and_a_fixed_rerun_trains_what_it_should(mak
     assert "line" in str(err.value)  # the prompt's line in the data file
 
     fixed = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-        update={"custom_rm_path": "tests.flow.faults:reward_exact"})})
+        update={"custom_rm_path": "tests.support.hooks:reward_exact"})})
     result = train(fixed)
     assert result["resumed_at"] == 1
     same = trained(fixed) == trained(reference)
@@ -66,7 +66,7 @@ def test_a_nan_gradient_skips_one_optimizer_step(make, fault_matrix):
     reference = make("grad-ref", engine_mock_torch)
     train(reference)
     cfg = make("grad-nan", [*engine_mock_torch, "algorithm.loss_type=custom_loss",
-                            "algorithm.custom_loss_function_path=tests.flow.faults:nan_grad_loss_once"])
+                            "algorithm.custom_loss_function_path=tests.support.hooks:nan_grad_loss_once"])
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     assert layout.step_metrics(0)["train/skipped_steps"] == 1.0
@@ -82,9 +82,9 @@ def test_a_driver_lost_after_the_trainer_trained_a_step_records_that_training(
 ):
     """The driver dies while the train task runs: the (kept) trainer finished step 2, so it
     is at version 3, but the step recorded nothing. The rerun resumes at step 2 and keeps
-    the trainer (no rebuild). Its train task used to record `{"skipped": 1.0}` instead of
-    the step's losses, and its before-training evaluation ran the engines, which now hold
-    version 3, and stored the scores as version 2's."""
+    the trainer (no rebuild). Its train task records the step's losses, not
+    `{"skipped": 1.0}`, and its before-training evaluation does not score the engines, which
+    now hold version 3, as version 2."""
     from engines.cluster.actors import kill_run_actors
     from flows.train import train
 

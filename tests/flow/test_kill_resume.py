@@ -1,7 +1,7 @@
 """Kill the driver after a step commits (kill -9, or SIGTERM as a scheduler sends it), run it
 again: it resumes at the next step, redoes no committed step, and trains exactly the samples
-an uninterrupted run trains. SIGTERM ends the driver in one line (exit 143), where Ray's core
-worker used to abort it (exit 134, a C++ stack dump)."""
+an uninterrupted run trains. SIGTERM ends the driver in one line (exit 143), not in an abort of
+Ray's core worker (exit 134, a C++ stack dump)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from engines.cluster.registry import get_run_actor
 from flows.config_loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.conftest import REPO_ROOT
-from tests.flow.configs import arithmetic_config
+from tests.support import REPO_ROOT
+from tests.support.configs import arithmetic_config
 
 
 def trained_indices(layout: RunLayout) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT
 
 DRIVER = """
 import json, sys, time

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.flow.test_faults import kill, make_config, run_with_fault, trained_indices
+from tests.support.faults import THREE_STEPS, kill, run_with_fault, trained_indices
 
 pytestmark = pytest.mark.e2e
 
@@ -35,12 +35,11 @@ def checkpoint(cfg, k: int) -> str:
 
 
 def test_lora_run_syncs_merged_weights_and_resumes_exactly(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix
+    prefect_api, make_config, tiny_model_dir, fault_matrix
 ):
     from flows.train import train
 
-    env = (prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path)
-    reference = make_config(env, "lora-ref", backend="embedded", overrides=LORA)
+    reference = make_config("lora-ref", *THREE_STEPS, *LORA, backend="embedded")
     train(reference)
     layout = RunLayout.open(reference.storage.uri, reference.storage.run_name)
     assert layout.committed_steps() == [0, 1, 2]
@@ -65,8 +64,8 @@ def test_lora_run_syncs_merged_weights_and_resumes_exactly(
     # The same run with the trainer killed mid step 1 (after checkpoint 0), pushing merged
     # weights through a gloo process group instead of the Ray object store: the rebuilt
     # trainer joins the engine again under the group name its predecessor left behind.
-    cfg = make_config(env, "lora-kill", backend="embedded",
-                      overrides=[*LORA, "train.weight_sync=distributed"])
+    cfg = make_config("lora-kill", *THREE_STEPS, *LORA, "train.weight_sync=distributed",
+                      backend="embedded")
     run_with_fault(cfg, lambda lay: lay.task_record(1, "reward") is not None,
                    lambda: kill(cfg, "trainer"))
     assert RunLayout.open(cfg.storage.uri, cfg.storage.run_name).committed_steps() == [0, 1, 2]

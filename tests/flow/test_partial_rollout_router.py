@@ -23,7 +23,7 @@ from flows.config import RollflowConfig
 from storage.batch_io import read_samples, write_samples
 from storage.run_layout import step_dir
 from storage.sample import Group, Status, regroup
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 MAX_LEN, SEEDED = 100, 90
 

@@ -2,8 +2,8 @@
 bundles): two mock steps with a two-rank train group and one engine, each actor pinned to
 its bundle, the run's placement group reused by every attach and released with the actors.
 
-The first wiring attempt hung here: each attach re-probed the bundles, and a probe asking
-for 0.01 CPU waits forever in a bundle whose CPU an actor already holds.
+An attach must not probe the bundles again: a probe asking for 0.01 CPU waits forever in a
+bundle whose CPU an actor already holds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engines.cluster.registry import actor_name, get_run_actor
 from flows.config import ClusterConfig
 from storage.config import ConfigError
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_two_steps_with_actors_pinned_to_the_runs_bundles(mock_config):
             "engine-0": (pg_id, placement.engine_bundles(0)[0]),
             "rollout": None,  # CPU-light coordinator: outside the bundles
         }
-        # a rerun attaches to the same group and actors (this is where the old wiring hung)
+        # a rerun attaches to the same group and actors, without probing the bundles
         start = time.perf_counter()
         actors = get_or_create_actors(cfg)
         reattach_s = time.perf_counter() - start

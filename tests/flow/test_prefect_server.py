@@ -19,8 +19,8 @@ import pytest
 from engines.process import free_port
 from flows.config_loader import dump_config
 from flows.server import PrefectServer, start_server
-from tests.conftest import REPO_ROOT
-from tests.flow.configs import arithmetic_config
+from tests.support import REPO_ROOT
+from tests.support.configs import arithmetic_config
 
 TASKS = {"sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit"}
 

@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from tests.flow.configs import arithmetic_config
-from tests.flow.prefect_ui import (
+from tests.support.configs import arithmetic_config
+from tests.support.prefect_ui import (
     CHAIN,
     artifacts,
     chain_edges,
@@ -130,7 +130,7 @@ def test_a_retried_task_says_what_failed(make_cfg):
     from flows.train import train
 
     cfg = make_cfg("ui-flaky", "rollout.rm_type=null",
-                   "rollout.custom_rm_path=tests.flow.faults:reward_failing_once")
+                   "rollout.custom_rm_path=tests.support.hooks:reward_failing_once")
     run = cfg.storage.run_name
     train(cfg)
     flush_logs()
@@ -144,7 +144,7 @@ def test_a_failed_training_leaves_a_failure_notice(make_cfg):
     from flows.train import train
 
     cfg = make_cfg("ui-broken", "rollout.rm_type=null",
-                   "rollout.custom_rm_path=tests.flow.faults:reward_nan_after_step_0")
+                   "rollout.custom_rm_path=tests.support.hooks:reward_nan_after_step_0")
     run = cfg.storage.run_name
     with pytest.raises(Exception):  # noqa: B017 - the failure itself is tested elsewhere
         train(cfg)

@@ -16,7 +16,7 @@ from flows.cli import main
 from flows.config import ConfigError
 from flows.replay import parse_steps, plan_replay, replay, replay_config
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def test_parse_steps():

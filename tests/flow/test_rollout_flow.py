@@ -12,7 +12,7 @@ from engines.cluster.registry import get_run_actor
 from flows.reporting import artifact_key
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 STEP_FILES = ["prompts.arrow", "rollout.arrow", "train.arrow", "metrics.json", "COMMITTED"]
 TASKS = ["sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit"]

@@ -15,7 +15,7 @@ from flows.cli import main
 from storage.batch_io import read_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 STEP_FILES = ["COMMITTED", "generate.progress.json", "metrics.json", "prompts.arrow",
               "rollout.arrow", "tasks", "train.arrow"]
@@ -120,8 +120,8 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
 def test_replay_reads_an_s3_run_with_the_credentials_given_by_set(s3_config, s3_server,
                                                                   monkeypatch, capsys):
     """Without AWS_* in the environment, `--set storage.storage_options=...` reaches the
-    command's own read of the source run (it used to open the store before any `--set`:
-    NoCredentialsError), then the replay flow's actors with the config; `runs list` takes
+    command's own read of the source run (the store opens after every `--set`, or it
+    fails with NoCredentialsError), then the replay flow's actors with the config; `runs list` takes
     the same `--set`."""
     from flows.train import train
 

@@ -17,7 +17,7 @@ from flows.config import EvalDataset
 from storage.batch_io import read_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def rows(start: int, n: int) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from storage.run_layout import RunLayout
 from tasks.records import TrainRecord
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 ROLLOUT_KEYS = {
     "rollout/abort_seconds", "rollout/aborted", "rollout/generated_tokens", "rollout/groups",
@@ -30,7 +30,7 @@ TRAIN_KEYS = {f"train/{k}" for k in (
     "skipped_steps", "train_tokens_per_s", "weight_version",
 )}
 STAGES = ("sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights")
-# The keys of metrics.json of a mock step, as the code before typed records wrote them.
+# The keys of metrics.json of a mock step.
 EXPECTED_KEYS = {
     "rollout_id", "time/commit",
     *(f"time/{s}" for s in STAGES), *(f"{s}/seconds" for s in STAGES),

@@ -24,7 +24,7 @@ from examples.tool_agent.calculator import observe
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 LOGIT = 24.0  # any other token after a digit (or a non-digit after anything): p < 1e-8
 

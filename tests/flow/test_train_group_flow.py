@@ -11,7 +11,7 @@ import ray
 from engines.cluster.actors import kill_run_actors, rank_names
 from engines.cluster.registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def test_steps_with_two_train_ranks_and_a_lost_rank(

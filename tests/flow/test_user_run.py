@@ -22,7 +22,7 @@ from engines.cluster.registry import run_actors
 from flows.cli import main
 from flows.driver_record import DriverRecord
 from storage.run_layout import ACTORS_KEPT, RunLayout
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT
 
 NAMESPACE = "rollflow-tests"
 REWARD_FILE = '''

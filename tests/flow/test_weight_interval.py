@@ -6,7 +6,7 @@ import uuid
 
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.flow.configs import arithmetic_config
+from tests.support.configs import arithmetic_config
 
 
 def test_weights_reach_the_engines_every_second_step(

@@ -26,6 +26,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def qwen2_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A randomly initialised Qwen2-shaped model (GQA, q/k/v biases, untied head)."""
-    from tests.gpu._data import save_qwen2_tiny
+    from tests.support.gpu import save_qwen2_tiny
 
     return save_qwen2_tiny(str(tmp_path_factory.mktemp("qwen2-tiny")))

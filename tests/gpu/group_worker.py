@@ -13,34 +13,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def group_config(runs_root: str, model_dir: str, run_name: str, weight_sync: str) -> Any:
-    """A run config for a TP=2 megatron trainer of the tiny Qwen2 model (2 ranks)."""
-    from flows.config_loader import config_from_dict
-
-    return config_from_dict({
-        "data": {"prompt_data": "unused.jsonl"},
-        "rollout": {"num_rollout": 1, "rollout_batch_size": 4, "n_samples_per_prompt": 2},
-        "engine": {"backend": "mock"},
-        "train": {"backend": "megatron", "tensor_parallel": 2, "model_path": model_dir,
-                  "lr": 1e-3, "max_tokens_per_micro_batch": 64, "weight_sync": weight_sync,
-                  "weight_sync_backend": "gloo"},
-        "storage": {"uri": runs_root, "run_name": run_name},
-    })
-
-
-def write_step(cfg: Any, rollout_id: int = 0) -> None:
-    from storage.batch_io import write_samples
-    from storage.run_layout import RunLayout, step_dir
-    from tests.gpu._data import grpo_samples
-
-    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
-    write_samples(layout.store, grpo_samples(), step_dir(rollout_id), "train.arrow")
+from tests.support.gpu import group_config, write_step
 
 
 def main() -> None:

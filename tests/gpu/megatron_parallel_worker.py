@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flows.config import AlgorithmConfig, TrainConfig
-from tests.gpu._data import grpo_samples
+from tests.support.gpu import grpo_samples
 
 # KL to a reference and an entropy bonus: exercises the ref model and vocab-parallel entropy.
 ALGO = {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01}

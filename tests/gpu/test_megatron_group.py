@@ -1,4 +1,4 @@
-"""Megatron TP=2 behind the train group (issue 12, 2 GPUs): every rank joins the weight
+"""Megatron TP=2 behind the train group (2 GPUs): every rank joins the weight
 export (a collective over the TP ranks), rank 0's HF-named weights equal the HF model's
 exactly, a train step moves them, `push_weights` (distributed sync, here over gloo to an
 embedded engine on the CPU) leaves the engine holding exactly the trainer's weights, and
@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from storage.run_layout import RunLayout
-from tests.gpu.group_worker import group_config, write_step
-from tests.gpu.test_megatron_parallel import NCCL_SAFE_ENV, REPO, needs_two
+from tests.support.gpu import NCCL_SAFE_ENV, REPO, group_config, needs_two, write_step
 
 pytestmark = [pytest.mark.gpu, needs_two]
 ENGINE_SCRIPT = """

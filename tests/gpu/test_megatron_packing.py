@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flows.config import AlgorithmConfig, TrainConfig
-from tests.gpu._data import grpo_samples
+from tests.support.gpu import grpo_samples
 
 pytestmark = pytest.mark.gpu
 

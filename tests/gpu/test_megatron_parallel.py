@@ -18,23 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.gpu._data import save_qwen2_tiny
+from tests.support.gpu import NCCL_SAFE_ENV, REPO, needs_two, save_qwen2_tiny
 
 pytestmark = pytest.mark.gpu
-REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 MODEL_NAMES = ("untied", "tied")
 # Max |layout - one GPU| / |update| per tensor. Adam's early steps are ~lr * sign(grad), so
 # reduction-order noise in near-zero gradients moves TP's LM head by ~10% of its update;
 # a missing or wrong gradient reduction gives ~100%.
 UPDATE_TOL = 0.3
-# NVLink multicast must stay off on shared hosts (see the device notes); harmless elsewhere.
-NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
-
-needs_two = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
-)
 
 
 def launch(out: Path, models: list[str], nproc: int, tp: int, pp: int) -> dict[str, Any]:

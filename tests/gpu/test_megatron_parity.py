@@ -1,6 +1,6 @@
-"""torch and megatron agree on every algorithm (issue 12): two `train()` calls from identical
+"""torch and megatron agree on every algorithm: two `train()` calls from identical
 weights and samples on one GPU, float32; prints the table of largest differences
-(`parity.py` says what each column is)."""
+(`tests/support/parity.py` says what each column is)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu import parity
-from tests.gpu._data import save_qwen2_tiny
+from tests.support import parity
+from tests.support.gpu import save_qwen2_tiny
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.test_megatron_parallel import NCCL_SAFE_ENV, REPO, needs_two
+from tests.support.gpu import NCCL_SAFE_ENV, REPO, needs_two
 
 pytestmark = [pytest.mark.gpu, needs_two]
 # (layers, hidden, dtype, bucket bytes): a tiny model in many buckets; a ~0.4B one for timing.

@@ -4,16 +4,8 @@ placement) with OMP_NUM_THREADS=1, which alone would hold torch to one core."""
 
 from __future__ import annotations
 
-import uuid
-
-import pytest
-import ray
-
 from engines import process
-from engines.inference.engine_actor import EngineActor
-from engines.process import actor_threads, machine_cores
-from engines.train.train_actor import TrainActor
-from tests.flow.configs import arithmetic_config
+from engines.process import actor_threads
 
 
 def test_configured_count_wins_and_none_splits_the_cores(monkeypatch):
@@ -25,31 +17,3 @@ def test_configured_count_wins_and_none_splits_the_cores(monkeypatch):
     assert actor_threads(None, sharers=16) == 1  # never 0
 
 
-def _torch_threads(actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
-
-
-@pytest.mark.parametrize("configured", [None, 1])
-def test_trainer_and_engine_actors_get_the_configured_threads(
-    configured, ray_address, arithmetic_data, tiny_model_dir, tmp_path
-):
-    if machine_cores() < 2:
-        pytest.skip("one core: all cores and Ray's one thread are the same")
-    cfg = arithmetic_config(
-        run_name=f"threads-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        backend="embedded",
-        overrides=[f"cluster.actor_num_threads={'null' if configured is None else configured}"],
-    )
-    want = configured or machine_cores()
-    trainer = ray.remote(TrainActor).options(num_cpus=0).remote(cfg)
-    engine = ray.remote(EngineActor).options(num_cpus=0).remote(
-        cfg.engine, 0, cfg.cluster.actor_num_threads)
-    try:
-        assert _torch_threads(trainer) == want
-        # the engine drops to one thread for small decode steps, on its scheduler thread
-        # only; what it was given is its generator's ceiling
-        assert ray.get(engine.__ray_call__.remote(lambda self: self.generator._threads)) == want
-    finally:
-        ray.kill(trainer)
-        ray.kill(engine)

@@ -13,7 +13,7 @@ import torch
 
 from engines.train.torch_backend import TorchTrainBackend
 from flows.config import AlgorithmConfig, TrainConfig
-from tests.unit.test_torch_backend import make_backend, make_samples
+from tests.support.samples import make_backend, make_samples
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "grpo": (

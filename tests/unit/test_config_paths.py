@@ -81,7 +81,7 @@ def test_a_model_name_without_a_slash_is_a_local_path(tmp_path, monkeypatch):
 def test_a_path_with_slashes_that_is_not_on_disk_is_local_unless_it_reads_org_slash_name(
     tmp_path, monkeypatch
 ):
-    """A typo in a checkpoint path used to go to the Hugging Face hub (a minute of retries
+    """A typo in a checkpoint path must not go to the Hugging Face hub (a minute of retries
     offline, then an error about repo ids): only `org/name` whose `org` is not a local
     directory is taken as a hub id."""
     (tmp_path / "runs").mkdir()

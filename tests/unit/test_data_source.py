@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,6 +10,7 @@ from engines.data.data_source import RolloutDataSourceWithBuffer
 from engines.data.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
+from tests.support.samples import CharTokenizer, write_jsonl
 
 
 def prompts(n: int) -> list[Sample]:
@@ -118,19 +117,6 @@ def test_state_round_trip_with_non_empty_buffer(tmp_path):
     assert restored.buffer == ds.buffer
     assert restored.buffer[0][0].rollout_log_probs == [-0.5, -0.25]
     assert restored.get_samples(3) == ds.get_samples(3)
-
-
-def write_jsonl(path, rows):
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return str(path)
-
-
-class CharTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:"
 
 
 def test_dataset_keys_chat_template_and_length_filter(tmp_path):

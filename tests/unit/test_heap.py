@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import gc
 
-import ray
-
-from engines.process import freeze_actor_heap, long_lived_frozen
+from engines.process import long_lived_frozen
 
 
 def test_the_driver_freezes_for_the_run_and_gives_it_back() -> None:
@@ -29,18 +27,3 @@ def test_a_heap_frozen_by_its_owner_stays_frozen() -> None:
         gc.unfreeze()
 
 
-def test_only_a_ray_actors_process_is_frozen(ray_address: str) -> None:
-    freeze_actor_heap()  # in this (test) process: not an actor's, so nothing
-    assert gc.get_freeze_count() == 0
-
-    @ray.remote(num_cpus=0)
-    class Probe:
-        def frozen(self) -> int:
-            freeze_actor_heap()
-            return gc.get_freeze_count()
-
-    probe = Probe.remote()  # type: ignore[attr-defined]
-    try:
-        assert ray.get(probe.frozen.remote()) > 1000  # the worker's modules, at least
-    finally:
-        ray.kill(probe)

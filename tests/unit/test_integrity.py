@@ -7,6 +7,7 @@ import os
 import pickle
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -19,7 +20,6 @@ from storage.integrity import CorruptFileError
 from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Sample
-from tests.flow.configs import arithmetic_config
 
 
 def batch(n: int = 4, seed: int = 0) -> list[Sample]:
@@ -160,12 +160,11 @@ def test_a_checkpoint_altered_after_saving_is_refused_on_load(tmp_path: Path) ->
 
 # -- resume and replay ----------------------------------------------------------------------
 def test_resume_without_latest_uses_the_newest_checkpoint_not_the_initial_model(
-    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str
+    make_config: Any
 ) -> None:
-    """The issue's case: step 0's batch truncated and LATEST deleted. The rebuild starts at
+    """Step 0's batch truncated and LATEST deleted. The rebuild starts at
     checkpoint 1 and never needs step 0; a rebuild that does need it names the file."""
-    cfg = arithmetic_config(run_name="resume", runs_root=str(tmp_path / "runs"),
-                            data=arithmetic_data, model_dir=tiny_model_dir, ray_address="unused")
+    cfg = make_config("resume")
     trainer = TrainActor(cfg)
     layout = trainer.layout
     for k in range(3):

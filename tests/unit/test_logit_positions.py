@@ -19,7 +19,7 @@ from engines.train.packing import build_packed_batch
 from engines.train.prompt_sharing import build_shared_prompt_batch
 from engines.train.torch_models import response_log_probs, trims_logits
 from storage.sample import Sample
-from tests.unit.test_prompt_sharing import TOL, grouped_samples
+from tests.support.samples import TOL, grouped_samples
 
 
 def test_positions_by_hand() -> None:

@@ -29,7 +29,7 @@ from engines.weights.sync import weights_checksum
 from flows.config import AlgorithmConfig, ConfigError, EngineConfig, TrainConfig
 from flows.config_loader import apply_overrides, config_from_dict
 from tasks.retries import retry_transient
-from tests.unit.test_torch_backend import make_backend, make_samples
+from tests.support.samples import make_backend, make_samples
 
 LORA = {"rank": 4, "alpha": 8}
 KL = {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01}
@@ -259,7 +259,7 @@ def test_engines_receive_merged_weights_under_base_names(
 
 def test_example_lora_config_is_grpo_yaml_with_adapters(tiny_model_dir: str) -> None:
     from flows.config_loader import load_config
-    from tests.conftest import REPO_ROOT
+    from tests.support import REPO_ROOT
 
     model = [f"train.model_path={tiny_model_dir}"]
     full = load_config(REPO_ROOT / "examples/arithmetic/grpo.yaml", model).model_dump()

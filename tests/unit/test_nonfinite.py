@@ -19,7 +19,7 @@ from flows.config import AlgorithmConfig
 from storage.batch_io import write_samples
 from storage.object_store import ObjectStore
 from storage.sample import RewardError, Sample
-from tests.unit.test_torch_backend import make_backend, make_samples
+from tests.support.samples import make_backend, make_samples
 
 
 # -- rewards --------------------------------------------------------------------------------

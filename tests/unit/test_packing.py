@@ -11,8 +11,7 @@ from engines.train.batching import build_padded_batch, split_micro_batches
 from engines.train.packing import build_packed_batch, first_fit, row_width
 from engines.train.torch_models import response_log_probs
 from storage.sample import Sample
-from tests.unit.test_prompt_sharing import TOL, grouped_samples
-from tests.unit.test_torch_backend import make_backend
+from tests.support.samples import TOL, grouped_samples, make_backend
 
 
 def _sample(index: int, group: int, tokens: list[int], r: int) -> Sample:

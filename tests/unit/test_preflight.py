@@ -162,7 +162,7 @@ def test_a_rule_reward_on_prompts_without_the_label_field_fails_naming_file_and_
     with pytest.raises(DatasetError, match=r"data.label_key is unset, but the reward"):
         preflight(build(data={"label_key": None, "prompt_data": str(data)}))
     # A reward of the user's own may not need a label: not refused.
-    assert preflight(build(rollout={"custom_rm_path": "tests.flow.faults:reward_exact"})).prompts
+    assert preflight(build(rollout={"custom_rm_path": "tests.support.hooks:reward_exact"})).prompts
 
     shards = tmp_path / "shards"
     shards.mkdir()

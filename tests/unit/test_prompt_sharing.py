@@ -11,25 +11,7 @@ from engines.train.batching import build_padded_batch
 from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.torch_models import response_log_probs
 from storage.sample import Sample
-from tests.unit.test_torch_backend import make_backend
-
-TOL = 1e-5
-
-
-def grouped_samples(groups: int, per_group: int, seed: int = 0) -> list[Sample]:
-    """`groups` prompts of different lengths, `per_group` responses each (lengths 0..5, one
-    masked token now and then), interleaved so that a group's samples are not adjacent."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 70, (2 + k,), generator=g).tolist() for k in range(groups)]
-    out = []
-    for j in range(per_group):
-        for k, prompt in enumerate(prompts):
-            r = int(torch.randint(0, 6, (1,), generator=g))
-            response = torch.randint(4, 70, (r,), generator=g).tolist()
-            mask = [int(t % 5 != 0) for t in response]
-            out.append(Sample(index=len(out), group_index=k, tokens=prompt + response,
-                              response_length=r, loss_mask=mask, reward=float(j % 2)))
-    return out
+from tests.support.samples import TOL, grouped_samples, make_backend
 
 
 def test_one_row_per_prompt_and_the_mask_by_hand() -> None:

@@ -19,7 +19,7 @@ from engines.data.prompt_dataset import (
     open_prompt_dataset,
 )
 from storage.run_layout import RunLayout
-from tests.unit.test_data_source import CharTokenizer, write_jsonl
+from tests.support.samples import CharTokenizer, write_jsonl
 
 
 def rows(start: int, n: int) -> list[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,17 +19,15 @@ from flows.replay import ReplayPlan, warn_of_other_settings  # (imports Prefect:
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir
 from tasks.records import TrainRecord
-from tests.flow.configs import arithmetic_config
-from tests.unit.test_torch_backend import make_samples
+from tests.support.samples import make_samples
+
+# A run whose trainer settings change between its steps (the same run, configured again).
+SETTINGS = ("train.lr=1e-3", "train.lr_decay_style=linear", "train.seed=7",
+            "train.num_steps_per_rollout=2")
 
 
-def config(tmp_path: Path, data: dict[str, str], model: str, *overrides: str) -> RollflowConfig:
-    return arithmetic_config(
-        run_name="changed", runs_root=str(tmp_path / "runs"), data=data, model_dir=model,
-        ray_address="unused", backend="embedded",
-        overrides=["train.lr=1e-3", "train.lr_decay_style=linear", "train.seed=7",
-                   "train.num_steps_per_rollout=2", *overrides],
-    )
+def changed_run(make_config: Any, *overrides: str) -> RollflowConfig:
+    return make_config("changed", *SETTINGS, *overrides, backend="embedded", unique=False)
 
 
 def train_and_commit(trainer: TrainActor, cfg: RollflowConfig, k: int) -> dict[str, float]:
@@ -50,9 +49,9 @@ def weights(trainer: TrainActor) -> dict[str, torch.Tensor]:
 
 
 def test_a_rebuild_after_a_config_change_replays_each_step_under_its_own_settings(
-    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str
+    make_config: Any
 ) -> None:
-    first = config(tmp_path, arithmetic_data, tiny_model_dir, "rollout.num_rollout=4")
+    first = changed_run(make_config, "rollout.num_rollout=4")
     trainer = TrainActor(first)
     train_and_commit(trainer, first, 0)
     trainer.save_checkpoint(0)
@@ -63,7 +62,7 @@ def test_a_rebuild_after_a_config_change_replays_each_step_under_its_own_setting
     # the run is extended (its LR schedule stretches) with a higher lr: new actors
     # (a new seed and weight decay too: the checkpoint restores the random state, and the
     # replayed steps keep the weight decay they had)
-    longer = config(tmp_path, arithmetic_data, tiny_model_dir, "rollout.num_rollout=6",
+    longer = changed_run(make_config, "rollout.num_rollout=6",
                     "train.lr=3e-3", "train.seed=8", "train.weight_decay=0.1")
     assert longer.train.lr_decay_steps == 12 and first.train.lr_decay_steps == 8
     rebuilt = TrainActor(longer)
@@ -80,10 +79,10 @@ def test_a_rebuild_after_a_config_change_replays_each_step_under_its_own_setting
 
 
 def test_steps_without_recorded_settings_replay_under_the_current_ones(
-    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str
+    make_config: Any
 ) -> None:
-    """Runs from before settings were recorded: the old behaviour, which the driver warns of."""
-    cfg = config(tmp_path, arithmetic_data, tiny_model_dir)
+    """Steps without recorded settings replay under the current ones, and the driver warns."""
+    cfg = changed_run(make_config)
     trainer = TrainActor(cfg)
     write_samples(trainer.layout.store, make_samples(8, seed=0), step_dir(0), "train.arrow")
     trainer.train_step(0)
@@ -93,11 +92,11 @@ def test_steps_without_recorded_settings_replay_under_the_current_ones(
 
 
 def test_settings_fixed_when_the_trainer_is_built_are_kept_and_reported(
-    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str
+    make_config: Any
 ) -> None:
-    recorded = StepSettings.of(config(tmp_path, arithmetic_data, tiny_model_dir,
+    recorded = StepSettings.of(changed_run(make_config,
                                       "algorithm.kl_coef=0.1", "train.lr=5e-4"))
-    current = StepSettings.of(config(tmp_path, arithmetic_data, tiny_model_dir, "train.seed=8"))
+    current = StepSettings.of(changed_run(make_config, "train.seed=8"))
     settings, lost = settings_for_replay(recorded, current)
     assert settings.train.lr == 5e-4 and settings.train.seed == 8
     assert settings.algorithm == current.algorithm  # the KL term needs a reference model
@@ -112,16 +111,16 @@ def test_settings_fixed_when_the_trainer_is_built_are_kept_and_reported(
 
 
 def test_a_changed_lr_counts_after_a_resume_from_a_checkpoint(
-    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str
+    make_config: Any
 ) -> None:
     """The restored optimizer and scheduler states carry the rate, weight decay and betas they
     were saved with; the megatron backend always took the configured rate, and the torch
     backend now takes all three."""
-    first = config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr_decay_style=constant")
+    first = changed_run(make_config, "train.lr_decay_style=constant")
     trainer = TrainActor(first)
     train_and_commit(trainer, first, 0)
     trainer.save_checkpoint(0)
-    raised = config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr_decay_style=constant",
+    raised = changed_run(make_config, "train.lr_decay_style=constant",
                     "train.lr=3e-3", "train.weight_decay=0.1", "train.adam_betas=[0.8,0.9]")
     resumed = TrainActor(raised)
     assert resumed.ensure_version(1)["replayed"] == []  # the checkpoint alone
@@ -131,13 +130,13 @@ def test_a_changed_lr_counts_after_a_resume_from_a_checkpoint(
 
 
 def test_a_replay_names_the_steps_the_source_trained_under_other_settings(
-    tmp_path: Path, arithmetic_data: dict[str, str], tiny_model_dir: str, caplog
+    make_config: Any, tmp_path: Path, caplog
 ) -> None:
     """`rollflow replay` trains under the source's latest config plus `--set`: steps the
     source trained under another lr are named, with the key, so the user can set it back."""
     source = RunLayout.open(str(tmp_path / "runs"), "source")
-    early = StepSettings.of(config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr=2e-4"))
-    late = StepSettings.of(config(tmp_path, arithmetic_data, tiny_model_dir, "train.lr=5e-5"))
+    early = StepSettings.of(changed_run(make_config, "train.lr=2e-4"))
+    late = StepSettings.of(changed_run(make_config, "train.lr=5e-5"))
     for k, settings in enumerate([early, early, late]):
         source.save_train_settings(settings.to_json(), settings.digest())
         source.save_task_record(k, TrainRecord.STAGE, {"settings": settings.digest()})

@@ -24,7 +24,6 @@ from engines.rollout.rewards import (
     last_boxed,
     math_score,
 )
-from engines.rollout.rewards.rm_hub import compute_reward, resolve_reward_fn
 from flows.config import RolloutConfig
 from storage.sample import Sample
 
@@ -93,13 +92,6 @@ def test_hub_dispatch_rm_type_boxed_and_metadata_override() -> None:
         RewardHub.from_config(cfg(rm_type="bogus"))
     with pytest.raises(RewardConfigError, match="rollout.rm_type: remote_rm needs rollout.rm_url"):
         RewardHub.from_config(cfg(rm_type="remote_rm"))
-
-
-def test_compat_api_resolves_through_the_same_registry() -> None:
-    fn = resolve_reward_fn("boxed_math", None)
-    assert fn is not None
-    assert run(compute_reward(None, sample(r"\boxed{0.25}", r"\frac14"), fn)) == 1.0
-    assert run(compute_reward(None, sample("7", "7", rm_type="last_number"), None)) == 1.0
 
 
 # Hooks loaded by import string from this module.

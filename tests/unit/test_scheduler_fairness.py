@@ -1,7 +1,7 @@
 """Control calls act between two steps of a running request.
 
-The loop used to release the step lock and take it again at once; with two engines busy on
-two cores an abort then waited until whole requests had ended (1 run in 4 of the partial
+A loop that releases the step lock and takes it again at once starves them: with two
+engines busy on two cores an abort waited until whole requests had ended (1 run in 4 of the partial
 rollout test, which these unit tests do not reproduce on an idle machine)."""
 
 from __future__ import annotations

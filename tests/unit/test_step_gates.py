@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tasks import step_gates as gates
-from tests.fakes import step_context
+from tests.support.fakes import step_context
 
 ASYNC = ("rollout.num_rollout=4", "rollout.off_policy_async=true", "rollout.max_staleness=0")
 

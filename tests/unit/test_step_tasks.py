@@ -1,4 +1,4 @@
-"""The step tasks' logic through `task.fn(...)` with the fake actors of tests/fakes.py: no Ray,
+"""The step tasks' logic through `task.fn(...)` with the fake actors of tests/support/fakes.py: no Ray,
 no Prefect server. Storage and config are real."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from engines.records import (
 )
 from tasks import step_tasks as t
 from tasks.records import BroadcastRecord, StepMetrics, TrainRecord
-from tests.fakes import FakeRollout, FakeTrainer, fake_actors, step_context
+from tests.support.fakes import FakeRollout, FakeTrainer, fake_actors, step_context
 
-# Task records as the code before typed records stored them (from a mock run, URIs shortened):
-# a run started then must resume after.
-LEGACY: dict[str, dict[str, Any]] = {
+# Task records as flat dicts with no optional key (a mock run's, URIs shortened): the stored
+# format, which every record must read back and write unchanged.
+STORED: dict[str, dict[str, Any]] = {
     "sample_prompts": {"epoch": 0, "finished_at": 1795346394.885868, "groups": 4,
                        "seconds": 0.0226, "started_at": 1795346394.8632243,
                        "uri": "/runs/r/steps/000000/prompts.arrow"},
@@ -41,7 +41,7 @@ LEGACY: dict[str, dict[str, Any]] = {
               "seconds": 0.0095, "skipped": 0.0, "started_at": 1795346395.7975898,
               "train/seconds": 0.00014, "weight_version": 1.0, "critic/value_loss": 0.1},
 }
-LEGACY_DEBUG = {  # rollout.debug_train_only
+STORED_DEBUG = {  # rollout.debug_train_only
     "sample_prompts": {"groups": 0, "debug_train_only": 1, "seconds": 0.01, "started_at": 1.0,
                        "finished_at": 1.01},
     "generate": {"uri": "/runs/r/steps/000000/rollout.arrow", "groups": 4,
@@ -53,13 +53,12 @@ KINDS: dict[str, type[StageRecord]] = {
 }
 
 
-def legacy_metrics(rollout_id: int, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """How commit built metrics before typed records: from the shapes of the keys.
+def metrics_by_key_shape(rollout_id: int, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The step metrics by the shapes of the keys: a key with a `/` as it is, any other
+    number under its stage, `time/<stage>` from `seconds`.
 
-    It also hung on key order: the train record holds the trainer's `train/seconds` and the
-    task's `seconds`, so the later one won. A fresh record put `seconds` last (the task's
-    time won); one read back from storage had sorted keys (the trainer's won). Records always
-    give the task's, as a fresh step did: `as_fresh` puts the timing last."""
+    The train record holds the trainer's `train/seconds` and the task's `seconds`; the
+    task's wins (`as_fresh` puts the timing last)."""
     metrics: dict[str, Any] = {"rollout_id": rollout_id}
     for name, rec in ((name, as_fresh(rec)) for name, rec in records.items()):
         for key, value in rec.items():
@@ -77,32 +76,32 @@ def as_fresh(record: dict[str, Any]) -> dict[str, Any]:
             **{k: record[k] for k in timing if k in record}}
 
 
-@pytest.mark.parametrize("legacy", [LEGACY, LEGACY_DEBUG], ids=["normal", "debug_train_only"])
-def test_records_read_legacy_dicts_and_keep_their_metrics(legacy):
-    for name, stored in legacy.items():
+@pytest.mark.parametrize("records", [STORED, STORED_DEBUG], ids=["normal", "debug_train_only"])
+def test_records_read_stored_dicts_and_keep_their_metrics(records):
+    for name, stored in records.items():
         record = KINDS[name].from_json(stored)
         assert name == record.STAGE
         assert record.to_json() == stored  # the file a rerun writes is the one it read
         assert KINDS[name].from_json(record.to_json()) == record
-        assert {"rollout_id": 0, **record.to_metrics()} == legacy_metrics(0, {name: stored})
+        assert {"rollout_id": 0, **record.to_metrics()} == metrics_by_key_shape(0, {name: stored})
 
 
-def test_step_metrics_equal_the_key_shape_rule_they_replace():
-    stored = copy.deepcopy(LEGACY)
+def test_step_metrics_follow_the_key_shape_rule():
+    stored = copy.deepcopy(STORED)
     pushed = {"weight_version": 1, "engines_updated": 1, "seconds": 0.16}
     records = [KINDS[name].from_json(rec) for name, rec in stored.items()]
     records.append(BroadcastRecord.from_json(pushed))
-    expected = legacy_metrics(0, {**stored, "broadcast_weights": pushed})
+    expected = metrics_by_key_shape(0, {**stored, "broadcast_weights": pushed})
     assert StepMetrics(0, records, "ckpt-uri", 0.5).to_json() == {
         **expected, "checkpoint": "ckpt-uri", "time/commit": 0.5}
-    # The trainer's own train/seconds gives way to the task's, as before.
+    # The trainer's own train/seconds gives way to the task's.
     assert expected["train/seconds"] == expected["time/train"] == 0.0095
 
 
 def test_records_survive_pickling():
     import pickle
 
-    for name, stored in LEGACY.items():
+    for name, stored in STORED.items():
         record = KINDS[name].from_json(stored).stored()
         assert pickle.loads(pickle.dumps(record)) == record
 
@@ -122,10 +121,10 @@ def test_run_once_reuses_the_stored_record(tmp_path):
     assert [c[0] for c in rollout.calls] == ["sample_prompts"]  # not asked twice
 
 
-def test_a_record_stored_before_records_were_typed_is_reused(tmp_path):
+def test_a_stored_flat_record_is_reused(tmp_path):
     ctx = step_context(tmp_path)
     for name in ("generate", "filter"):
-        ctx.layout.save_task_record(0, name, LEGACY[name])
+        ctx.layout.save_task_record(0, name, STORED[name])
     generated = t.generate.fn(ctx, 0)
     filtered = t.filter_groups.fn(ctx, 0)
     assert generated.from_storage and generated.rollout_metrics["rollout/groups_kept"] == 4.0
@@ -168,7 +167,7 @@ def test_a_whole_step_commits_its_records_metrics(tmp_path):
     assert ctx.layout.step_metrics(0) == metrics
     # The same metrics the key-shape rule made from the dict records.
     as_dicts = {r.STAGE: r.to_json() for r in records}
-    assert {k: v for k, v in metrics.items() if k != "time/commit"} == legacy_metrics(0, as_dicts)
+    assert {k: v for k, v in metrics.items() if k != "time/commit"} == metrics_by_key_shape(0, as_dicts)
     assert set(metrics) == {
         "rollout_id", "time/commit",
         *(f"{stage}/seconds" for stage in KINDS), *(f"time/{stage}" for stage in KINDS),

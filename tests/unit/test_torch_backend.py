@@ -23,41 +23,7 @@ from engines.train.mock_backend import MockTrainBackend, index_checksum
 from engines.train.torch_backend import TorchTrainBackend
 from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
-
-VOCAB_LOW, VOCAB_HIGH = 4, 70  # real characters of the char tokenizer
-
-
-def make_samples(n: int, group_size: int = 4, seed: int = 0) -> list[Sample]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p_len, r_len = (int(x) for x in torch.randint(2, 8, (2,), generator=g))
-        tokens = torch.randint(VOCAB_LOW, VOCAB_HIGH, (p_len + r_len,), generator=g).tolist()
-        mask = [1] * r_len
-        mask[0] = 0 if r_len > 2 else 1  # a tool token now and then
-        out.append(
-            Sample(
-                index=100 + i,
-                group_index=i // group_size,
-                tokens=tokens,
-                response_length=r_len,
-                loss_mask=mask,
-                reward=float((i * 7) % 3 == 0),
-            )
-        )
-    return out
-
-
-def make_backend(
-    model_dir: str,
-    algo: dict[str, Any] | None = None,
-    temperature: float = 1.0,
-    **train_kw: Any,
-) -> TorchTrainBackend:
-    cfg = TrainConfig.model_validate({"model_path": model_dir, "lr": 1e-3, "seed": 7, **train_kw})
-    return TorchTrainBackend(
-        cfg, AlgorithmConfig.model_validate(algo or {}), temperature, num_threads=1
-    )
+from tests.support.samples import make_backend, make_samples
 
 
 # -- batching -------------------------------------------------------------------------------

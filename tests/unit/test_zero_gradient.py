@@ -11,8 +11,8 @@ from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import zero_gradient_samples
 from engines.train.rollout_prep import steps_without
 from storage.sample import Sample
-from tests.unit.test_torch_backend import make_backend, make_samples
-from tests.unit.test_train_step import FakeModel, _step
+from tests.support.fakes import FakeModel, fake_train_step
+from tests.support.samples import make_backend, make_samples
 
 
 def with_rewards(samples: list[Sample], rewards: list[float]) -> list[Sample]:
@@ -48,7 +48,7 @@ def test_a_step_left_empty_keeps_its_first_row() -> None:
 def test_skipped_samples_are_neither_scored_nor_trained() -> None:
     model = FakeModel()
     samples = with_rewards(make_samples(16), REWARDS)
-    metrics = _step(model, global_batch_size=8).train(samples, 0)
+    metrics = fake_train_step(model, global_batch_size=8).train(samples, 0)
     trained = [sorted(i for mb in mbs for i in mb.rows) for _, mbs in model.calls]
     # one step holds the mixed group and a zero one, the other two zero groups: a stand-in
     assert sorted(len(rows) for rows in trained) == [1, 4] and [8, 9, 10, 11] in trained
@@ -57,11 +57,11 @@ def test_skipped_samples_are_neither_scored_nor_trained() -> None:
     assert sum(n for _, n in model.scored) == len(trained[1])
 
     full = FakeModel()
-    metrics_full = _step(full, global_batch_size=8, skip_zero_gradient_samples=False).train(
+    metrics_full = fake_train_step(full, global_batch_size=8, skip_zero_gradient_samples=False).train(
         with_rewards(make_samples(16), REWARDS), 0)
     assert "zero_gradient_samples" not in metrics_full
     assert sum(len(mb.rows) for _, mbs in full.calls for mb in mbs) == 16
-    for key in ("pg_loss", "loss", "clipfrac"):  # the whole step's values, as before
+    for key in ("pg_loss", "loss", "clipfrac"):  # the whole step's values
         assert metrics[key] == pytest.approx(metrics_full[key], abs=1e-7)
 
 

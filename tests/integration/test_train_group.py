@@ -16,8 +16,8 @@ from engines.cluster.train_group import TrainGroup, TrainGroupError, get_or_crea
 from engines.train.train_actor import TrainActor
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir
-from tests.flow.configs import arithmetic_config
-from tests.unit.test_torch_backend import make_samples
+from tests.support.configs import arithmetic_config
+from tests.support.samples import make_samples
 
 NAMESPACE = "rollflow-tests"
 
@@ -141,7 +141,7 @@ class _ExportingBackend:
 def test_a_collective_export_runs_on_every_rank(torch_config, tmp_path):
     """megatron's export gathers TP shards / PP stages from every rank: a group with
     `collective_export` calls `weights` and `push_weights` on all ranks, each rank other
-    than 0 joins the export once and hands nothing back; rank 0 answers (issue 12)."""
+    than 0 joins the export once and hands nothing back; rank 0 answers."""
     cfg = torch_config.model_copy(update={"train": torch_config.train.model_copy(
         update={"backend": "megatron", "weight_sync": "disk"})})
 

@@ -1,11 +1,16 @@
-"""Fault-injection hooks for the flow tests, plugged in through the normal extension points."""
+"""Hooks the tests plug in by import string (`tests.support.hooks:NAME`), loaded in the actors
+like a user's: fault injection, a filter pair and an eval function that reports the engines'
+weight versions."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import httpx
+
 from engines.rollout.rewards.rm_hub import exact_match
+from storage.sample import Group, Sample
 
 
 async def reward_failing_once(args: Any, sample: Any) -> float:
@@ -23,7 +28,7 @@ async def reward_exact(args: Any, sample: Any) -> float:
 
 
 async def reward_nan_after_step_0(args: Any, sample: Any) -> float:
-    """A broken hook: NaN for every fifth sample after the first step's (the issue's case)."""
+    """A broken hook: NaN for every fifth sample after the first step's."""
     per_step = args.rollout.rollout_batch_size * args.rollout.n_samples_per_prompt
     if sample.index >= per_step and sample.index % 5 == 0:
         return float("nan")
@@ -42,3 +47,22 @@ def nan_grad_loss_once(algo: Any, inputs: Any, denominator: float) -> tuple[Any,
         nan_grad_loss_once.fired = True  # type: ignore[attr-defined]
         loss = loss + torch.sqrt(loss - loss)
     return loss, metrics
+
+
+async def engine_versions(args: Any, weight_version: int) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        versions = [(await client.get(f"{url}/weight_version")).json()["weight_version"]
+                    for url in args.engine_urls]
+    return {"engines_min_version": min(versions), "engines_max_version": max(versions),
+            "asked_version": weight_version}
+
+
+def drop_odd_groups(args: Any, group: Group) -> bool:
+    """Deterministic dynamic filter: the mock engine's rewards are all 0, so reward std
+    cannot drive the test; group parity can."""
+    return group[0].group_index % 2 == 0
+
+
+def train_on_first_of_group(args: Any, sample: Sample) -> bool:
+    """Sample filter: only each group's first sample reaches the loss."""
+    return sample.index % args.rollout.n_samples_per_prompt == 0

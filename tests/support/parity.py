@@ -1,5 +1,5 @@
 """torch vs megatron on every algorithm: two `train()` calls each from identical weights and
-samples, then the largest differences (used by `test_megatron_parity.py`; importable without
+samples, then the largest differences (used by tests/gpu/test_megatron_parity.py; importable without
 a GPU, so the same comparison can run wherever megatron runs).
 
 Per case: loss (max |diff| over the two calls), grad_norm (relative), log-probs after
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from storage.sample import Sample
-from tests.gpu._data import grpo_samples
+from tests.support.gpu import grpo_samples
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name: (algorithm, train)
     "grpo": ({}, {}),

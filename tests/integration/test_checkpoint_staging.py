@@ -117,7 +117,7 @@ def test_an_upload_failing_on_one_rank_fails_on_every_rank_and_the_next_save_wor
     tmp_path: Path, disks: int, failing_rank: int
 ) -> None:
     """One disk: rank 0, its only uploader, fails. Two disks: rank 1's disk fails, while rank
-    0's upload succeeds (rank 0 used to return, and then move LATEST, without rank 1's
+    0's upload succeeds (rank 0 must not return, and then move LATEST, without rank 1's
     shard stored). Both ranks raise, naming the rank and its error, instead of one waiting
     forever; the retried save stores every shard and leaves no staging behind."""
     store, results = _run(tmp_path, disks, failing_rank)

@@ -1,5 +1,5 @@
-"""Every fake of the unit tests, in one place: stand-ins for the Ray actors a rollout step
-talks to, so the step tasks' logic runs through `task.fn(...)` without Ray or Prefect.
+"""Every fake of the tests, in one place. Stand-ins for the Ray actors a rollout step talks
+to, so the step tasks' logic runs through `task.fn(...)` without Ray or Prefect.
 
 The step tasks call actors as `resolve(actor.method.remote(...))` (tasks/step_tasks.py);
 `resolve` is `ray.get` for object refs and hands anything else back unchanged, so a fake
@@ -18,7 +18,10 @@ whose `.remote()` returns the value itself needs no Ray at all. Storage stays re
 - `step_context(root, *overrides)`: a `StepContext` over fake actors, a real config (mock
   backends; `--set`-style overrides) and a real run directory under `root`.
 
-Each fake appends `(method, args)` to its `calls`, so a test can check what was (not) asked.
+- `FakeModel`, `fake_train_step(model, algo, **train)`: a model-free `StepModel` for the
+  shared train step (engines/train/step.py), recording every call.
+
+Each actor fake appends `(method, args)` to its `calls`, so a test can check what was (not) asked.
 """
 
 from __future__ import annotations
@@ -27,10 +30,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from engines.algorithms.config import AlgorithmConfig
 from engines.cluster.actors import RunActors
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
+from engines.train.batching import build_padded_batch
+from engines.train.config import TrainConfig
+from engines.train.step import TrainStep
+from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from flows.config_loader import apply_overrides, config_from_dict
 from storage.run_layout import RunLayout
+from storage.sample import Sample
 from tasks.step_context import StepContext
 
 
@@ -175,3 +187,64 @@ def step_context(root: Path, *overrides: str, actors: RunActors | None = None) -
     cfg = config_from_dict(apply_overrides(raw, list(overrides)))
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     return StepContext(cfg, layout, actors or fake_actors())
+
+
+class FakeModel:
+    """A `StepModel` whose log-probs / values are a trainable scalar per part; it records
+    every call, and skips the optimizer steps listed in `skip`."""
+
+    def __init__(self, dp_rank: int = 0, dp_size: int = 1, skip: tuple[int, ...] = ()) -> None:
+        self.version = 0
+        self._rank, self._size, self.skip = dp_rank, dp_size, skip
+        self.weights = {"actor": torch.zeros((), requires_grad=True),
+                        "critic": torch.zeros((), requires_grad=True)}
+        self.calls: list[tuple[str, list[MicroBatch]]] = []
+        self.scored: list[tuple[str, int]] = []
+
+    @property
+    def dp_rank(self) -> int:
+        return self._rank
+
+    @property
+    def dp_size(self) -> int:
+        return self._size
+
+    @property
+    def lazy_old_log_probs(self) -> bool:
+        return self._size == 1
+
+    @property
+    def shares_prompts(self) -> bool:
+        return False
+
+    def score(self, role: Role, samples: list[Sample]) -> list[Tensor]:
+        self.scored.append((role, len(samples)))
+        return [torch.full((s.response_length,), -1.0) for s in samples]
+
+    def optimizer_step(self, part: Part, samples: list[Sample], micro_batches: list[MicroBatch],
+                       loss_fn: MicroBatchLoss) -> dict[str, float]:
+        self.calls.append((part, micro_batches))
+        w, out = self.weights[part], {}
+        for mb in micro_batches:
+            batch = build_padded_batch([samples[i] for i in mb.rows])
+            x = w.expand(batch.targets.shape) - 1.0
+            fwd = (Forward(batch, values=x) if part == "critic"
+                   else Forward(batch, log_probs=x, entropy=torch.zeros_like(x)))
+            loss, terms = loss_fn(mb.rows, fwd)
+            if mb.counted:
+                out.update({PREFIX[part] + k: out.get(PREFIX[part] + k, 0.0) + float(v)
+                            for k, v in terms.items()})
+        skipped = len(self.calls) - 1 in self.skip
+        if not skipped:
+            out[PREFIX[part] + "grad_norm"] = 1.0
+        out[PREFIX[part] + "skipped_steps"] = float(skipped)
+        return out
+
+    def check_weights_finite(self) -> None:
+        pass
+
+
+def fake_train_step(model: FakeModel, algo: dict[str, object] | None = None, **train: object) -> TrainStep:
+    cfg = TrainConfig.model_validate({"max_tokens_per_micro_batch": 10**6, **train})
+    return TrainStep(cfg, AlgorithmConfig.model_validate(algo or {}), model,
+                     torch.Generator().manual_seed(0))

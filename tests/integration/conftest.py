@@ -1,0 +1,11 @@
+"""Tests that start processes (a Ray head, subprocesses, torch.distributed ranks) but run no
+training flow. Their configs name the session's Ray head."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def run_ray_address(ray_address: str) -> str:
+    return ray_address

@@ -1,0 +1,21 @@
+"""Subprocesses that run rollflow as a user's shell would: their own ROLLFLOW_HOME, this
+checkout on PYTHONPATH, none of the test session's Ray auth settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import REPO_ROOT
+
+
+def rollflow_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    return {**env, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
