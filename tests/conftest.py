@@ -5,7 +5,8 @@ head, Prefect server, moto server, ROLLFLOW_HOME and temporary directories).
 
 Each test gets a cost marker from its directory (`unit`, `integration`, `flow`, `e2e`; see
 pyproject.toml) and that tier's timeout unless it sets its own. Tests run costliest tier
-first, so that under xdist the long ones do not start last.
+first, so that under xdist (`--dist loadfile`: a module's tests share one worker and its
+module fixtures) the long ones do not start last.
 """
 
 from __future__ import annotations
@@ -54,21 +55,12 @@ def _tier(item: pytest.Item) -> tuple[str, int, int]:
     return TIERS.get(parts[0], ("unit", 120, 4))
 
 
-def _shares_module_fixtures(item: pytest.Item) -> bool:
-    defs = getattr(item, "_fixtureinfo", None)
-    return defs is not None and any(
-        d.scope in ("module", "class", "package")
-        for name in item.fixturenames for d in defs.name2fixturedefs.get(name, ()))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         marker, timeout, _ = _tier(item)
         item.add_marker(marker)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(timeout))
-        if _shares_module_fixtures(item):  # one xdist worker runs the module (--dist loadgroup)
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     # stable: file order within a tier; an e2e test elsewhere counts as e2e
     items.sort(key=lambda item: 0 if item.get_closest_marker("e2e") else _tier(item)[2])
 
