@@ -1,6 +1,7 @@
 """The next driver of a run ends the flow runs of a driver killed outright (they would stay
-Running in the UI for ever), and refuses to drive a run another live driver on this machine
-drives. The whole path through a real kill -9: tests/flow/test_kill_resume.py."""
+Running in the UI for ever), and a train refused for a run in use raises no failure alert.
+Which driver may drive a run (pid logic): tests/unit/test_driver_record.py; the whole path
+through a real kill -9: tests/flow/test_kill_resume.py."""
 
 from __future__ import annotations
 
@@ -64,35 +65,6 @@ def test_the_flow_runs_of_a_killed_driver_are_set_crashed(prefect_api, tmp_path)
         assert "is gone" in client.read_flow_run(parent.id).state.message
     record = json.loads(layout.store.read_text(DRIVER_FILE))
     assert record["flow_run_id"] == "new-run" and record["pid"] != gone.pid
-
-
-def test_a_run_driven_by_a_live_driver_on_this_machine_is_refused(prefect_api, tmp_path):
-    layout = RunLayout.open(str(tmp_path), "run")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        live = DriverRecord.of_this_process("other-run", "runs/run")
-        live = replace(live, pid=other.pid, process_started=psutil.Process(other.pid).create_time())
-        write_record(layout, live)
-        with pytest.raises(RunInUseError, match=rf"runs/run is being trained .*pid {other.pid}"):
-            take_over(layout, "runs/run", flow_run_id="new-run")
-        assert json.loads(layout.store.read_text(DRIVER_FILE))["pid"] == other.pid  # kept
-        # a copy of that run's directory (with its record) is another run
-        assert take_over(layout, "copy/of/run", flow_run_id="new-run") == []
-        write_record(layout, live)
-        # a reused pid (another process start time) is not that driver
-        write_record(layout, replace(live, process_started=live.process_started - 100))
-        assert take_over(layout, "runs/run", flow_run_id="new-run") == []
-    finally:
-        other.kill()
-        other.wait()
-
-
-def test_a_driver_on_another_machine_cannot_be_checked_and_is_left_alone(prefect_api, tmp_path):
-    layout = RunLayout.open(str(tmp_path), "run")
-    elsewhere = replace(DriverRecord.of_this_process("x", "runs/run"), host="another-host", pid=1)
-    write_record(layout, elsewhere)
-    assert elsewhere.running() is None
-    assert take_over(layout, "runs/run", flow_run_id="new-run") == []
 
 
 def test_a_train_refused_for_a_run_in_use_raises_no_failure_alert(
