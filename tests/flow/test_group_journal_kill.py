@@ -19,9 +19,9 @@ from flows.config_loader import dump_config
 from storage.batch_io import read_samples
 from storage.group_journal import GroupJournal
 from storage.run_layout import RunLayout, step_dir
-from tests.flow.journal_hooks import GROUPS_PER_STEP
-from tests.flow.test_kill_resume import start_driver
 from tests.support.configs import arithmetic_config
+from tests.support.hooks import GROUPS_PER_STEP
+from tests.support.procs import start_driver
 
 GROUPS, N = GROUPS_PER_STEP, 4
 KILLED_STEP = 1
@@ -47,7 +47,7 @@ def test_killed_mid_generate_keeps_the_finished_groups(
             model_dir=tiny_model_dir, ray_address=ray_address,
             overrides=["rollout.num_rollout=2", f"rollout.rollout_batch_size={GROUPS}",
                        f"rollout.n_samples_per_prompt={N}", "rollout.rm_type=null",
-                       "rollout.custom_rm_path=tests.flow.journal_hooks:slow_exact_match"],
+                       "rollout.custom_rm_path=tests.support.hooks:slow_exact_match"],
         )
 
     from flows.train import train

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 
@@ -19,8 +17,8 @@ from engines.cluster.registry import get_run_actor
 from flows.config_loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.support import REPO_ROOT
 from tests.support.configs import arithmetic_config
+from tests.support.procs import start_driver
 
 
 def trained_indices(layout: RunLayout) -> list[int]:
@@ -36,14 +34,6 @@ def flow_run_states(name: str) -> list[str]:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(any_=[name])))
     return [run.state.type.value for run in runs]
-
-
-def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", "--config", config_path],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
 
 
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])

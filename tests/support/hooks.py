@@ -4,6 +4,7 @@ weight versions."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -66,3 +67,19 @@ def drop_odd_groups(args: Any, group: Group) -> bool:
 def train_on_first_of_group(args: Any, sample: Sample) -> bool:
     """Sample filter: only each group's first sample reaches the loss."""
     return sample.index % args.rollout.n_samples_per_prompt == 0
+
+
+# the slow reward of the group-journal flow test (tests/flow/test_group_journal_kill.py)
+GROUPS_PER_STEP = 16
+MOMENT_S = 0.15
+
+
+async def slow_exact_match(args: Any, sample: Any) -> float:
+    """exact_match, scored MOMENT_S x (group index) after the response comes back, so a step's
+    groups finish one after another and a kill lands with some committed and some not; every
+    scored sample's index goes to `scored.txt` in the run directory, which tells the test which
+    groups a rerun generated again."""
+    await asyncio.sleep(MOMENT_S * (sample.group_index % GROUPS_PER_STEP))
+    with open(os.path.join(args.storage.uri, args.storage.run_name, "scored.txt"), "a") as f:
+        f.write(f"{sample.index}\n")
+    return await exact_match(args, sample)

@@ -19,3 +19,13 @@ def rollflow_env(home: Path, **extra: str) -> dict[str, str]:
 def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen[str]:
+    """`rollflow train --config config_path` against `prefect_api`, stdout and stderr in one."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", "--config", config_path],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
