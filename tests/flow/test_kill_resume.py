@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 
 import pytest
 import ray
@@ -17,7 +16,6 @@ from engines.cluster.registry import get_run_actor
 from flows.config_loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.support.configs import arithmetic_config
 from tests.support.procs import start_driver
 
 
@@ -38,22 +36,18 @@ def flow_run_states(name: str) -> list[str]:
 
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
 def test_killed_driver_resumes_after_last_committed_step(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix, stop
+    prefect_api, make_config, tmp_path, fault_matrix, stop
 ):
-    def config(run_name):
-        return arithmetic_config(
-            run_name=run_name, runs_root=str(tmp_path / "runs"), data=arithmetic_data,
-            model_dir=tiny_model_dir, ray_address=ray_address,
-            overrides=["rollout.num_rollout=5", "cluster.keep_actors=true"],
-        )
+    def config(name):
+        return make_config(name, "rollout.num_rollout=5", "cluster.keep_actors=true")
 
     from flows.train import train
 
-    reference = config(f"ref-{uuid.uuid4().hex[:6]}")
+    reference = config("ref")
     train(reference)
     expected = trained_indices(RunLayout.open(reference.storage.uri, reference.storage.run_name))
 
-    cfg = config(f"kill-{uuid.uuid4().hex[:6]}")
+    cfg = config("kill")
     path = tmp_path / "kill.yaml"
     path.write_text(dump_config(cfg))
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)

@@ -9,7 +9,6 @@ bundle whose CPU an actor already holds.
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 import ray
@@ -20,27 +19,15 @@ from engines.cluster.registry import actor_name, get_run_actor
 from flows.config import ClusterConfig
 from storage.config import ConfigError
 from storage.run_layout import RunLayout
-from tests.support.configs import arithmetic_config
 
 
-@pytest.fixture
-def mock_config(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path):
-    def make(overrides: list[str]):
-        return arithmetic_config(
-            run_name=f"pin-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-            data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-            overrides=overrides,
-        )
-    return make
-
-
-def test_two_steps_with_actors_pinned_to_the_runs_bundles(mock_config):
+def test_two_steps_with_actors_pinned_to_the_runs_bundles(prefect_api, make_config):
     from ray.util import get_placement_group
 
     from flows.train import train
 
-    cfg = mock_config(["cluster.placement=always", "cluster.keep_actors=true",
-                       "cluster.actor_num_gpus_per_node=2"])
+    cfg = make_config("pin", "cluster.placement=always", "cluster.keep_actors=true",
+                      "cluster.actor_num_gpus_per_node=2")
     start = time.perf_counter()
     placement = run_placement(cfg)
     placement_s = time.perf_counter() - start
@@ -103,10 +90,10 @@ def test_a_group_larger_than_the_local_head_fails_at_once(ray_address):
         get_placement_group("too-big-local")
 
 
-def test_cluster_status_lists_actors_and_bundles_without_a_dashboard(mock_config):
+def test_cluster_status_lists_actors_and_bundles_without_a_dashboard(prefect_api, make_config):
     from engines.cluster.head import status
 
-    cfg = mock_config(["cluster.placement=always"])
+    cfg = make_config("pin", "cluster.placement=always")
     placement = run_placement(cfg)
     assert placement is not None
     try:

@@ -15,7 +15,6 @@ from flows.cli import main
 from storage.batch_io import read_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
-from tests.support.configs import arithmetic_config
 
 STEP_FILES = ["COMMITTED", "generate.progress.json", "metrics.json", "prompts.arrow",
               "rollout.arrow", "tasks", "train.arrow"]
@@ -53,14 +52,11 @@ def test_object_store_on_s3(s3_server, tmp_path):
 
 
 @pytest.fixture
-def s3_config(prefect_api, ray_address, arithmetic_data, tiny_model_dir, s3_server):
+def s3_config(prefect_api, make_config, s3_server):
     root = s3_server.bucket(f"runs-{uuid.uuid4().hex[:8]}") + "/prefix"
 
     def make(run_name: str, overrides: list[str]):
-        cfg = arithmetic_config(
-            run_name=run_name, runs_root=root, data=arithmetic_data, model_dir=tiny_model_dir,
-            ray_address=ray_address, overrides=overrides,
-        )
+        cfg = make_config(run_name, *overrides, runs_root=root, unique=False)
         cfg.storage.endpoint_url = s3_server.endpoint_url
         cfg.storage.storage_options = dict(s3_server.storage_options)
         return cfg

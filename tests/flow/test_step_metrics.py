@@ -5,14 +5,10 @@ re-run from its stored records commits the same metrics."""
 from __future__ import annotations
 
 import json
-import uuid
-
-import pytest
 
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from storage.run_layout import RunLayout
 from tasks.records import TrainRecord
-from tests.support.configs import arithmetic_config
 
 ROLLOUT_KEYS = {
     "rollout/abort_seconds", "rollout/aborted", "rollout/generated_tokens", "rollout/groups",
@@ -45,20 +41,11 @@ RECORDS = {"sample_prompts": SamplePromptsRecord, "generate": GenerateRecord,
            "filter": FilterRecord, "reward": RewardRecord, "train": TrainRecord}
 
 
-@pytest.fixture
-def mock_config(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path):
-    return arithmetic_config(
-        run_name=f"metrics-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        overrides=["cluster.keep_actors=true"],
-    )
-
-
-def test_metrics_json_keeps_its_keys_and_a_rerun_step_its_values(mock_config):
+def test_metrics_json_keeps_its_keys_and_a_rerun_step_its_values(prefect_api, make_config):
     from engines.cluster.actors import kill_run_actors
     from flows.train import train
 
-    cfg = mock_config
+    cfg = make_config("metrics", "cluster.keep_actors=true")
     try:
         train(cfg)
         layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)

@@ -11,23 +11,17 @@ import ray
 from engines.cluster.actors import kill_run_actors, rank_names
 from engines.cluster.registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
-from tests.support.configs import arithmetic_config
 
 
 def test_steps_with_two_train_ranks_and_a_lost_rank(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+    prefect_api, make_config
 ):
     from flows.train import train
 
     def config(num_rollout: int):
-        return arithmetic_config(
-            run_name=run, runs_root=str(tmp_path / "runs"), data=arithmetic_data,
-            model_dir=tiny_model_dir, ray_address=ray_address, overrides=[
-                "train.backend=torch", "cluster.actor_num_gpus_per_node=2",
-                "cluster.keep_actors=true", "train.save_interval=1",
-                f"rollout.num_rollout={num_rollout}",
-            ],
-        )
+        return make_config(run, "train.backend=torch", "cluster.actor_num_gpus_per_node=2",
+                           "cluster.keep_actors=true", "train.save_interval=1",
+                           f"rollout.num_rollout={num_rollout}", unique=False)
 
     run = f"dp-{uuid.uuid4().hex[:8]}"
     cfg = config(2)

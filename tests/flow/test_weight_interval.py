@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
-
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.support.configs import arithmetic_config
 
 
-def test_weights_reach_the_engines_every_second_step(
-    prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
-):
+def test_weights_reach_the_engines_every_second_step(prefect_api, make_config):
+    """The schedule itself: tests/unit/test_weight_schedule.py and test_step_tasks.py."""
     from flows.train import train
 
-    cfg = arithmetic_config(
-        run_name=f"interval-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        overrides=["rollout.num_rollout=4", "train.update_weights_interval=2"],
-    )
+    cfg = make_config("interval", "rollout.num_rollout=4", "train.update_weights_interval=2")
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     versions = [

@@ -3,15 +3,12 @@ on the session's Ray head)."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import ray
 
 from engines.inference.engine_actor import EngineActor
 from engines.process import machine_cores
 from engines.train.train_actor import TrainActor
-from tests.support.configs import arithmetic_config
 
 
 def _torch_threads(actor) -> int:
@@ -20,16 +17,12 @@ def _torch_threads(actor) -> int:
 
 @pytest.mark.parametrize("configured", [None, 1])
 def test_trainer_and_engine_actors_get_the_configured_threads(
-    configured, ray_address, arithmetic_data, tiny_model_dir, tmp_path
+    configured, make_config
 ):
     if machine_cores() < 2:
         pytest.skip("one core: all cores and Ray's one thread are the same")
-    cfg = arithmetic_config(
-        run_name=f"threads-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        backend="embedded",
-        overrides=[f"cluster.actor_num_threads={'null' if configured is None else configured}"],
-    )
+    threads = "null" if configured is None else configured
+    cfg = make_config("threads", f"cluster.actor_num_threads={threads}", backend="embedded")
     want = configured or machine_cores()
     trainer = ray.remote(TrainActor).options(num_cpus=0).remote(cfg)
     engine = ray.remote(EngineActor).options(num_cpus=0).remote(

@@ -6,7 +6,6 @@ next attach rebuilds at the run's weight version."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 import ray
@@ -16,19 +15,14 @@ from engines.cluster.train_group import TrainGroup, TrainGroupError, get_or_crea
 from engines.train.train_actor import TrainActor
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir
-from tests.support.configs import arithmetic_config
 from tests.support.samples import make_samples
 
 NAMESPACE = "rollflow-tests"
 
 
 @pytest.fixture
-def torch_config(ray_address, arithmetic_data, tiny_model_dir, tmp_path):
-    cfg = arithmetic_config(
-        run_name=f"group-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        backend="embedded", overrides=["train.lr=1e-3", "train.global_batch_size=4"],
-    )
+def torch_config(make_config):
+    cfg = make_config("group", "train.lr=1e-3", "train.global_batch_size=4", backend="embedded")
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     for k in range(2):
         samples = make_samples(8, seed=k)
