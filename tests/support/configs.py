@@ -1,4 +1,6 @@
-"""Config builders shared by the flow and e2e tests."""
+"""The run configs the tests build: `arithmetic_config`, a real run on the arithmetic data
+(the `make_config` fixture of tests/conftest.py wraps it), and `small_config`, a config that
+is only read (mock backends, a prompt file that need not exist)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,16 @@ def arithmetic_config(
         "logging": {"progress": False},
     }
     return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+SMALL = {
+    "data": {"prompt_data": "x.jsonl"},
+    "rollout": {"num_rollout": 4, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
+    "train": {"backend": "mock"},
+    "engine": {"backend": "mock"},
+}
+
+
+def small_config(*overrides: str) -> RollflowConfig:
+    """Four steps of one prompt x 2 samples, mock engine and trainer; `--set`-style overrides."""
+    return config_from_dict(apply_overrides(SMALL, list(overrides)))

@@ -8,17 +8,14 @@ from __future__ import annotations
 import logging
 
 from flows.config_history import changed_training_keys, warn_if_replayed_under_changed_config
-from flows.config_loader import config_from_dict, dump_config
+from flows.config_loader import dump_config
 from storage.run_layout import RunLayout
+from tests.support.configs import small_config
 
 
 def cfg(num_rollout: int = 4, lr: float = 1e-4, plot: bool = True):
-    return config_from_dict({
-        "data": {"prompt_data": "x.jsonl"},
-        "rollout": {"num_rollout": num_rollout, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
-        "train": {"backend": "mock", "lr": lr}, "engine": {"backend": "mock"},
-        "logging": {"plot": plot},
-    })
+    return small_config(f"rollout.num_rollout={num_rollout}", f"train.lr={lr}",
+                        f"logging.plot={str(plot).lower()}")
 
 
 def test_a_replay_under_a_longer_run_or_new_lr_is_warned_about(tmp_path, caplog):

@@ -10,18 +10,11 @@ from engines.weights.schedule import (
     required_weight_version,
 )
 from flows.config import ConfigError
-from flows.config_loader import apply_overrides, config_from_dict
-
-BASE = {
-    "data": {"prompt_data": "x.jsonl"},
-    "rollout": {"num_rollout": 6, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
-    "train": {"backend": "mock"},
-    "engine": {"backend": "mock"},
-}
+from tests.support.configs import small_config
 
 
 def cfg(*overrides: str):
-    return config_from_dict(apply_overrides(BASE, list(overrides)))
+    return small_config("rollout.num_rollout=6", *overrides)
 
 
 def test_synchronous_every_step_is_its_own_version():
