@@ -16,21 +16,11 @@ import torch.multiprocessing as mp
 
 from engines.process import free_port
 from engines.train.checkpoint_staging import fetch_and_load
-from storage.object_store import ObjectStore, open_store
+from storage.object_store import open_store
+from tests.support.fakes import CountingStore
 
 PARTS = ("checkpoints", "000003")
 FILES = {"meta.json": "{}", "dist_ckpt/__0_0.distcp": "shard 0", "dist_ckpt/__1_0.distcp": "shard 1"}
-
-
-class _CountingStore(ObjectStore):
-    """Records each download in `out` (one file per downloading rank)."""
-
-    out: str = ""
-
-    def get_dir(self, local_dir: str, *parts: str) -> str:
-        with open(os.path.join(self.out, f"download-{dist.get_rank()}"), "w"):
-            pass
-        return super().get_dir(local_dir, *parts)
 
 
 def _rank(rank: int, port: int, uri: str, options: dict[str, Any], workdirs: list[str],
@@ -39,7 +29,7 @@ def _rank(rank: int, port: int, uri: str, options: dict[str, Any], workdirs: lis
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        store = _CountingStore(uri, options)
+        store = CountingStore(uri, options)
         store.out = out
         seen: dict[str, Any] = {}
 

@@ -20,6 +20,7 @@ from engines.train.checkpoint_io import write_manifest
 from engines.train.checkpoint_staging import GroupCheckpointError, save_and_store
 from storage import integrity
 from storage.object_store import ObjectStore
+from tests.support.fakes import FullDiskStore
 
 
 def _collective_save(path: str) -> None:
@@ -36,18 +37,6 @@ def _collective_save(path: str) -> None:
         write_manifest(path)
 
 
-class _FullDiskStore(ObjectStore):
-    """Its first upload fails, as on a full disk or a dropped connection."""
-
-    failed = False
-
-    def put_dir(self, local_dir: str, *parts: str) -> str:
-        if not self.failed:
-            self.failed = True
-            raise OSError(28, "No space left on device")
-        return super().put_dir(local_dir, *parts)
-
-
 def _rank(
     rank: int, port: int, store_dir: str, workdirs: list[str], out: str, failing_rank: int
 ) -> None:
@@ -56,7 +45,7 @@ def _rank(
                             world_size=2)
     try:
         root = "staging"  # under the rank's working directory: one per simulated disk
-        store = (_FullDiskStore if rank == failing_rank else ObjectStore)(store_dir)
+        store = (FullDiskStore if rank == failing_rank else ObjectStore)(store_dir)
         error = ""
         if failing_rank >= 0:  # the first save fails on that rank, on every rank
             try:

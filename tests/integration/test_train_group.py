@@ -15,6 +15,7 @@ from engines.cluster.train_group import TrainGroup, TrainGroupError, get_or_crea
 from engines.train.train_actor import TrainActor
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir
+from tests.support.fakes import ExportingBackend
 from tests.support.samples import make_samples
 
 NAMESPACE = "rollflow-tests"
@@ -116,22 +117,6 @@ def _group_kill(names: list[str]) -> None:
     kill_group(names, NAMESPACE)
 
 
-class _ExportingBackend:
-    """Stands in for megatron's: counts its (collective) exports."""
-
-    version = 3
-
-    def __init__(self) -> None:
-        self.exports = 0
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        self.exports += 1
-        return {"w": torch.ones(2)}
-
-    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        return self.export_weights()
-
-
 def test_a_collective_export_runs_on_every_rank(torch_config, tmp_path):
     """megatron's export gathers TP shards / PP stages from every rank: a group with
     `collective_export` calls `weights` and `push_weights` on all ranks, each rank other
@@ -142,7 +127,7 @@ def test_a_collective_export_runs_on_every_rank(torch_config, tmp_path):
     @ray.remote(num_cpus=0)
     class Rank(TrainActor):
         def install(self) -> None:
-            self.backend = _ExportingBackend()
+            self.backend = ExportingBackend()
 
         def exports(self) -> int:
             return int(self.backend.exports)

@@ -2,9 +2,10 @@
 each other.
 
 - `configs`: `arithmetic_config`, the run config every flow test starts from (the `make_config`
-  fixture in tests/conftest.py wraps it).
-- `fakes`: stand-ins for the actors a rollout step talks to, and a model-free `StepModel`.
-- `samples`: hand-built samples, prompt files, a character tokenizer, a torch backend.
+  fixture in tests/conftest.py wraps it), and `small_config` for configs that are only read.
+- `fakes`: every fake: the actors a rollout step talks to, a model-free `StepModel`, a
+  character tokenizer, object stores that count or fail, an HTTP reward model.
+- `samples`: hand-built samples, prompt files, a torch backend, reference token statistics.
 - `hooks`: hooks loaded by import string (`tests.support.hooks:NAME`): faults, filters, eval.
 - `faults`: running a training with a fault fired mid-run.
 - `procs`: subprocesses that run rollflow as a user's shell would.

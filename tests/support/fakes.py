@@ -21,16 +21,28 @@ whose `.remote()` returns the value itself needs no Ray at all. Storage stays re
 - `FakeModel`, `fake_train_step(model, algo, **train)`: a model-free `StepModel` for the
   shared train step (engines/train/step.py), recording every call.
 
+- `CharTokenizer`: a tokenizer of one id per character, with a plain chat template.
+- `CountingStore`, `FullDiskStore`: object stores that record each download (one file per
+  torch.distributed rank) / fail their first upload, as a full disk does.
+- `ExportingBackend`: a train backend whose weight export counts its (collective) calls.
+- `RewardServer`: a real HTTP reward model that can fail or be slow.
+
 Each actor fake appends `(method, args)` to its `calls`, so a test can check what was (not) asked.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from engines.algorithms.config import AlgorithmConfig
@@ -41,6 +53,7 @@ from engines.train.config import TrainConfig
 from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from flows.config_loader import apply_overrides, config_from_dict
+from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout
 from storage.sample import Sample
 from tasks.step_context import StepContext
@@ -248,3 +261,88 @@ def fake_train_step(model: FakeModel, algo: dict[str, object] | None = None, **t
     cfg = TrainConfig.model_validate({"max_tokens_per_micro_batch": 10**6, **train})
     return TrainStep(cfg, AlgorithmConfig.model_validate(algo or {}), model,
                      torch.Generator().manual_seed(0))
+
+
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:"
+
+
+class CountingStore(ObjectStore):
+    """Records each download in `out` (one file per downloading rank)."""
+
+    out: str = ""
+
+    def get_dir(self, local_dir: str, *parts: str) -> str:
+        with open(os.path.join(self.out, f"download-{dist.get_rank()}"), "w"):
+            pass
+        return super().get_dir(local_dir, *parts)
+
+
+class FullDiskStore(ObjectStore):
+    """Its first upload fails, as on a full disk or a dropped connection."""
+
+    failed = False
+
+    def put_dir(self, local_dir: str, *parts: str) -> str:
+        if not self.failed:
+            self.failed = True
+            raise OSError(28, "No space left on device")
+        return super().put_dir(local_dir, *parts)
+
+
+class ExportingBackend:
+    """Stands in for megatron's: counts its (collective) exports."""
+
+    version = 3
+
+    def __init__(self) -> None:
+        self.exports = 0
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        self.exports += 1
+        return {"w": torch.ones(2)}
+
+    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
+        return self.export_weights()
+
+
+class RewardServer:
+    """A real HTTP reward model: fails the first `fail_first` requests with `fail_status`,
+    sleeps `delay_s` before answering, then scores `len(response)`."""
+
+    def __init__(self, fail_first: int = 0, fail_status: int = 503, delay_s: float = 0.0):
+        self.fail_first, self.fail_status, self.delay_s = fail_first, fail_status, delay_s
+        self.requests: list[dict[str, Any]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                if len(server.requests) <= server.fail_first:
+                    self.send_response(server.fail_status)
+                    self.end_headers()
+                    self.wfile.write(b"busy")
+                    return
+                time.sleep(server.delay_s)
+                out = json.dumps({"score": float(len(body["response"])), "ok": 1}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

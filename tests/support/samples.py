@@ -1,5 +1,5 @@
-"""Inputs the unit tests build by hand: samples for the train backends, prompt files and a
-character tokenizer, and a torch backend on the session's tiny model."""
+"""Inputs the unit tests build by hand: samples for the train backends, prompt files, a
+torch backend on the session's tiny model, and the unfused token statistics of an LM head."""
 
 from __future__ import annotations
 
@@ -72,14 +72,6 @@ def make_backend(
 def write_jsonl(path, rows):
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     return str(path)
-
-
-class CharTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:"
 
 
 # -- token statistics of a vocabulary-parallel head, by the unfused formulas --

@@ -10,7 +10,8 @@ from engines.data.data_source import RolloutDataSourceWithBuffer
 from engines.data.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
-from tests.support.samples import CharTokenizer, write_jsonl
+from tests.support.fakes import CharTokenizer
+from tests.support.samples import write_jsonl
 
 
 def prompts(n: int) -> list[Sample]:

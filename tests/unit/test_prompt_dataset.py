@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engines.data.prompt_dataset import DatasetError, DatasetSpec, load_prompt_samples
-from tests.support.samples import CharTokenizer, write_jsonl
+from tests.support.fakes import CharTokenizer
+from tests.support.samples import write_jsonl
 
 
 def load_error(spec: DatasetSpec) -> DatasetError:

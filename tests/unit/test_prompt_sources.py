@@ -19,7 +19,8 @@ from engines.data.prompt_dataset import (
     open_prompt_dataset,
 )
 from storage.run_layout import RunLayout
-from tests.support.samples import CharTokenizer, write_jsonl
+from tests.support.fakes import CharTokenizer
+from tests.support.samples import write_jsonl
 
 
 def rows(start: int, n: int) -> list[dict]:

@@ -4,11 +4,8 @@ reward hooks, and remote_rm against a real local HTTP server."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -26,6 +23,7 @@ from engines.rollout.rewards import (
 )
 from flows.config import RolloutConfig
 from storage.sample import Sample
+from tests.support.fakes import RewardServer
 
 
 def cfg(**kw: Any) -> RolloutConfig:
@@ -181,50 +179,12 @@ def test_a_custom_reward_that_raises_is_a_hook_error_that_is_not_retried() -> No
     assert retry_transient(None, None, Failed(data=transient.value)) is True
 
 
-class _Server:
-    """A real HTTP reward model: fails the first `fail_first` requests with `fail_status`,
-    sleeps `delay_s` before answering, then scores `len(response)`."""
-
-    def __init__(self, fail_first: int = 0, fail_status: int = 503, delay_s: float = 0.0):
-        self.fail_first, self.fail_status, self.delay_s = fail_first, fail_status, delay_s
-        self.requests: list[dict[str, Any]] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append(body)
-                if len(server.requests) <= server.fail_first:
-                    self.send_response(server.fail_status)
-                    self.end_headers()
-                    self.wfile.write(b"busy")
-                    return
-                time.sleep(server.delay_s)
-                out = json.dumps({"score": float(len(body["response"])), "ok": 1}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture()
 def server_factory() -> Iterator[Any]:
-    servers: list[_Server] = []
+    servers: list[RewardServer] = []
 
-    def make(**kw: Any) -> _Server:
-        servers.append(_Server(**kw))
+    def make(**kw: Any) -> RewardServer:
+        servers.append(RewardServer(**kw))
         return servers[-1]
 
     yield make
