@@ -1,16 +1,20 @@
 """Per-step cost of the orchestration: Prefect flow runs + Ray actors vs plain Python.
 
-The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) runs three ways:
-  plain   - the stage objects in this process, called in a loop (no Prefect, no Ray)
-  ray     - the same calls on the run's detached Ray actors (no Prefect)
-  prefect - the real `train` flow: each step's tasks calling actors (in the train flow run, or
-            with --step-flow-runs in a `rollout_step` flow run per step), timed between
-            consecutive COMMITTED markers (what the flow does between steps included)
-  floor   - Prefect's own floor: the same shape with no-op tasks (bench/prefect_floor.py)
-The differences are what Ray and Prefect cost per step; the table has the median and the
-90th percentile (a flat tail matters as much as the median). A local Ray head this starts
-is stopped at the end. Usage:
-  python -m bench.orchestration --steps 10
+The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) runs four ways:
+  plain          - the stage objects in this process, called in a loop (no Prefect, no Ray)
+  ray            - the same calls on the run's detached Ray actors (no Prefect)
+  prefect        - the real `train` flow as it runs by default: each step a `rollout_step` flow
+                   run whose tasks call the actors, timed between consecutive COMMITTED
+                   markers (what the flow does between steps included)
+  prefect-folded - the same with `logging.step_flow_runs: false` (the steps' tasks in the
+                   train flow run)
+The legs alternate in rounds (`--rounds`), so a machine that slows down mid-run slows each
+leg alike. The differences are what Ray and Prefect cost per step; the table has the median
+and the 90th percentile (a flat tail matters as much as the median). The Prefect legs run
+against a local server on SQLite, or with `--database URL` on that database (e.g.
+`postgresql+asyncpg://user@127.0.0.1:5432/prefect`). A local Ray head this starts is stopped
+at the end. Usage:
+  python -m bench.orchestration --steps 30 --rounds 3
 """
 
 from __future__ import annotations
@@ -134,38 +138,47 @@ def summary(name: str, times: list[float]) -> str:
             f"   (n={len(times)})")
 
 
+LEGS = ("plain", "ray", "prefect", "prefect-folded")
+
+
+def run_leg(leg: str, root: str, run_name: str, steps: int, address: str | None) -> list[float]:
+    if leg == "plain":
+        return bench_plain(make_config(root, run_name, steps, address))
+    if leg == "ray":
+        return bench_ray(make_config(root, run_name, steps, address))
+    return bench_prefect(make_config(root, run_name, steps, address,
+                                     step_flow_runs=leg == "prefect"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per leg, in all")
+    parser.add_argument("--rounds", type=int, default=3, help="the legs alternate this often")
     parser.add_argument("--address", default=None, help="Ray address (default: local head)")
-    parser.add_argument("--step-flow-runs", action="store_true",
-                        help="each step a flow run of its own (logging.step_flow_runs)")
+    parser.add_argument("--database", default=None,
+                        help="the local Prefect server's database URL (default: SQLite)")
     args = parser.parse_args()
+    if args.database:
+        os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = args.database
     from bench.local_head import stopping_a_new_head
-    from bench.prefect_floor import floor_times
     from flows.server import local_prefect_api
 
-    with tempfile.TemporaryDirectory() as root, stopping_a_new_head(args.address):
-        results = {
-            "plain": bench_plain(make_config(root, "plain", args.steps, args.address)),
-            "ray": bench_ray(make_config(root, "ray", args.steps, args.address)),
-        }
-        with local_prefect_api():  # the server the CLI and the main job run with
-            results["prefect"] = bench_prefect(make_config(
-                root, "prefect", args.steps, args.address, args.step_flow_runs))
-            results["floor"] = floor_times(args.steps, step_flow_runs=args.step_flow_runs)
+    per_round = max(2, args.steps // args.rounds)
+    results: dict[str, list[float]] = {leg: [] for leg in LEGS}
+    with tempfile.TemporaryDirectory() as root, stopping_a_new_head(args.address), \
+            local_prefect_api():  # the server the CLI and the main job run with
+        for r in range(args.rounds):
+            for leg in LEGS:
+                results[leg] += run_leg(leg, root, f"{leg}-{r}", per_round, args.address)
+    database = "SQLite" if not args.database else args.database.split(":", 1)[0]
+    print(f"Prefect server database: {database}; {args.rounds} rounds of {per_round} steps")
     for name, times in results.items():
         print(summary(name, times))
     plain = results["plain"]
-    for name, label in (("ray", "Ray actors"), ("prefect", "Ray + Prefect flow")):
-        t = results[name]
-        print(f"{label:19s} add {1000 * (statistics.median(t) - statistics.median(plain)):7.1f} "
-              f"ms/step over the plain loop (median), {1000 * (p90(t) - p90(plain)):7.1f} (p90)")
-    median = {name: 1000 * statistics.median(times) for name, times in results.items()}
-    own = median["prefect"] - median["plain"] - median["floor"]
-    shape = "a step flow run of 7 no-op tasks" if args.step_flow_runs else "7 no-op tasks"
-    print(f"of which Prefect's floor (`floor`: {shape}, bench/prefect_floor.py) "
-          f"{median['floor']:.1f}; rollflow's own above it {own:.1f} (medians)")
+    for name in LEGS[1:]:
+        times = results[name]
+        print(f"{name:18s} adds {1000 * (statistics.median(times) - statistics.median(plain)):7.1f} "
+              f"ms/step over the plain loop (median), {1000 * (p90(times) - p90(plain)):7.1f} (p90)")
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     warn_if_public("rollflow server --host", args.host)
 
-    return serve_forever(args.host, args.port, args.home, args.result_out)
+    return serve_forever(args.host, args.port, args.home, args.result_out, args.database)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=4200)
     p.add_argument("--home", default=None, help="PREFECT_HOME of the server (its database)")
+    p.add_argument("--database", default=None,
+                   help="the server's database, e.g. postgresql://user@127.0.0.1:5432/prefect "
+                        "(default: SQLite under its PREFECT_HOME)")
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("cluster", help="the persistent local Ray cluster")

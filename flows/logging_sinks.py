@@ -30,14 +30,14 @@ class LoggingConfig(Section):
         description="The steps also show the curves (markdown artifact, PNG inlined) every N "
         "steps and at the last step; None: only the train flow, at the end.",
     )
-    step_flow_runs: bool | None = Field(
-        None,
+    step_flow_runs: bool = Field(
+        True,
         description="Run each rollout step as a child flow run of its own, "
-        "`{run}/rollout-{id}`, which groups the step's tasks in the UI (runs list, one graph "
-        "per step), at a cost per step (bench/RESULTS.md, 'Prefect floor'). Off: the step's tasks run in the train "
-        "flow run, named `rollout-{id}/<task>`, whose graph the UI stops drawing past the "
-        "server's 10,000 nodes (~1,400 steps, ~1,000 in async mode). Default (null): on for "
-        "runs of more than 900 rollouts, off otherwise.",
+        "`{run}/rollout-{id}` (the design card's shape): the runs list shows every step with "
+        "its state, duration, logs and one graph of its tasks. Off: the step's tasks run in "
+        "the train flow run, named `rollout-{id}/<task>`, at a lower cost per step "
+        "(bench/RESULTS.md, 'Orchestration'), but the UI stops drawing the train run's graph "
+        "past the server's 10,000 nodes (~1,400 steps, ~1,000 in async mode).",
     )
     sinks: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,

@@ -17,6 +17,8 @@ overlap; see tasks/step_gates.py for the picture.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from prefect import State, flow
@@ -26,12 +28,9 @@ from engines.cluster.actors import attached_actors
 from engines.cluster.head import connect
 from engines.weights.schedule import evaluates_after
 from flows.config import RollflowConfig
-from flows.prefect_workarounds import (
-    child_flow_heartbeats_off,
-    results_linked_within_step,
-    untagged_tasks,
-)
+from flows.prefect_workarounds import results_linked_within_step, untagged_tasks
 from flows.reporting import publish_step_report
+from flows.step_flow_runs import DRIVER_CONTEXT, StepFlowRuns, step_flow_runs
 from storage.run_layout import RunLayout
 from tasks import step_gates as gates
 from tasks.step_context import StepContext
@@ -93,15 +92,33 @@ def run_step_tasks(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     return metrics
 
 
-def run_rollout_step(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
-    """Step `rollout_id` as the train flow runs it: its tasks in the current flow run, or
-    in a child `rollout_step` flow run (without a heartbeat thread of its own) for
-    `steps_are_flow_runs`."""
+def run_rollout_step(
+    ctx: StepContext, rollout_id: int, flow_runs: StepFlowRuns | None = None
+) -> dict[str, Any]:
+    """Step `rollout_id` as the train flow runs it: in a flow run of its own (the default,
+    `logging.step_flow_runs`), created ahead by `flow_runs` when the caller has one, or as
+    tasks of the current flow run."""
     config = config_of(ctx)
-    if steps_are_flow_runs(config):
-        with child_flow_heartbeats_off():
-            return rollout_step(config, rollout_id)
-    return run_step_tasks(ctx, rollout_id)
+    if not steps_are_flow_runs(config):
+        return run_step_tasks(ctx, rollout_id)
+    if flow_runs is not None:
+        return flow_runs.run(ctx, rollout_id)
+    with step_flow_runs(prenamed_rollout_step, total_steps=rollout_id + 1) as one_off:
+        return one_off.run(ctx, rollout_id)
+
+
+StepRunner = Callable[[StepContext, int], dict[str, Any]]
+
+
+@contextmanager
+def step_runner(config: RollflowConfig) -> Iterator[StepRunner]:
+    """How the train flow runs each step of a run: `run_step_tasks` in its own flow run, or
+    each in a flow run of its own, created one step ahead."""
+    if not steps_are_flow_runs(config):
+        yield run_step_tasks
+        return
+    with step_flow_runs(prenamed_rollout_step, config.rollout.num_rollout) as flow_runs:
+        yield flow_runs.run
 
 
 def config_of(ctx: StepContext) -> RollflowConfig:
@@ -109,27 +126,30 @@ def config_of(ctx: StepContext) -> RollflowConfig:
     return cast(RollflowConfig, ctx.cfg)
 
 
-@flow(name="rollout_step", flow_run_name="{config.storage.run_name}/rollout-{rollout_id}",
-      persist_result=False)
-def rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
-    """Run (or finish) step `rollout_id` as a flow run of its own."""
-    connect(config.cluster)
-    layout = open_layout(config)
-    if layout.is_committed(rollout_id):
-        return layout.step_metrics(rollout_id)
-    return run_step_tasks(StepContext(config, layout, attached_actors(config)), rollout_id)
+def _rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
+    """Run (or finish) step `rollout_id` as a flow run of its own: with the driver's actors
+    when the train flow started it in-process, else attached to the run's actors."""
+    ctx = DRIVER_CONTEXT.get()
+    if ctx is None:
+        connect(config.cluster)
+        layout = open_layout(config)
+        if layout.is_committed(rollout_id):
+            return layout.step_metrics(rollout_id)
+        ctx = StepContext(config, layout, attached_actors(config))
+    return run_step_tasks(ctx, rollout_id)
 
 
-# The Prefect server draws a flow run's graph up to 10,000 nodes (its task and child flow
-# runs); a step adds 7 tasks to the train run, 10 in async mode, plus any evaluation.
-MAX_STEPS_IN_ONE_GRAPH = 900
+# Called directly (a user's own flow, a deployment), the flow run is named from the template;
+# the train flow creates its step flow runs already named (flows/step_flow_runs.py), so the
+# flow it runs them with has no template to rename them from.
+rollout_step = flow(name="rollout_step", flow_run_name="{config.storage.run_name}/rollout-{rollout_id}",
+                    persist_result=False)(_rollout_step)
+prenamed_rollout_step = flow(name="rollout_step", persist_result=False)(_rollout_step)
 
 
 def steps_are_flow_runs(config: RollflowConfig) -> bool:
-    """`logging.step_flow_runs`, or when unset, whether the run has too many steps for the
-    UI to draw the train run's graph with their tasks in it."""
-    chosen = config.logging.step_flow_runs
-    return chosen if chosen is not None else config.rollout.num_rollout > MAX_STEPS_IN_ONE_GRAPH
+    """`logging.step_flow_runs` (on unless set false): each step a flow run of its own."""
+    return config.logging.step_flow_runs
 
 
 def open_layout(cfg: RollflowConfig) -> RunLayout:

@@ -71,13 +71,31 @@ def _prefect_app() -> list[str]:
     return [sys.executable, "-m", "flows.prefect_app"]
 
 
-def server_env(home: str | None = None) -> dict[str, str]:
+def server_env(home: str | None = None, database: str | None = None) -> dict[str, str]:
+    """The server's environment: `home` its PREFECT_HOME (where its SQLite database lives by
+    default), `database` another database's URL (PostgreSQL: `postgresql+asyncpg://...`)."""
     env = dict(os.environ)
     prefect_env_defaults(env, SERVER_ENV_DEFAULTS)
     env.pop("PREFECT_API_URL", None)  # the server must not try to report to another server
     if home is not None:
         env["PREFECT_HOME"] = home
+    if database is not None:
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url(database)
     return env
+
+
+def database_url(url: str) -> str:
+    """A database URL as Prefect's server takes it: a plain `postgresql://` (what psql and
+    most tools print) names the asyncpg driver Prefect runs on; anything else is checked."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigError(f"--database {url!r}: not a URL (postgresql://user@host:port/db)")
+    if scheme in ("postgresql", "postgres"):
+        return f"postgresql+asyncpg://{rest}"
+    if scheme not in ("postgresql+asyncpg", "sqlite+aiosqlite"):
+        raise ConfigError(f"--database {url!r}: Prefect's server runs on PostgreSQL "
+                          "(postgresql://...) or SQLite (sqlite+aiosqlite:///path)")
+    return url
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -100,13 +118,15 @@ def start_server(
     home: str | None = None,
     wait_s: float | None = 120.0,
     log_path: str | None = None,
+    database: str | None = None,
 ) -> PrefectServer:
     """Start the server (UI included) in a child process; `home` is its PREFECT_HOME (the
-    SQLite database lives there). With `wait_s`, return once `/api/health` answers."""
+    SQLite database lives there unless `database` names another). With `wait_s`, return
+    once `/api/health` answers."""
     _check_port_free(host, port)
     cmd = [*_prefect_app(), "server", "start", "--host", host, "--port", str(port)]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    env = server_env(home)
+    env = server_env(home, database)
     # The UI's pages call the API at PREFECT_UI_API_URL, derived from these two settings
     # (not from --host/--port): without them a server on another port than 4200 serves a
     # UI that says "Can't connect to Server API at http://127.0.0.1:4200/api".
@@ -119,10 +139,13 @@ def start_server(
     return server
 
 
-def serve_forever(host: str, port: int, home: str | None, out: TextIO | None = None) -> int:
+def serve_forever(
+    host: str, port: int, home: str | None, out: TextIO | None = None,
+    database: str | None = None,
+) -> int:
     """The CLI entry: start, print where it is (to `out`, default stdout; flushed, since the
     command runs on), stay in the foreground until Ctrl-C."""
-    server = start_server(host, port, home, wait_s=None)
+    server = start_server(host, port, home, wait_s=None, database=database)
     try:
         server.wait_ready(180.0)
         print(f"Prefect UI:  {server.url}", file=out or sys.stdout)

@@ -27,7 +27,7 @@ from flows.failure_notice import notify_failure
 from flows.logging_sinks import open_sinks
 from flows.preflight import PreflightReport, preflight_once
 from flows.reporting import artifact_key, publish_run_report
-from flows.rollout_step import open_layout, run_rollout_step
+from flows.rollout_step import StepRunner, open_layout, step_runner
 from flows.run_labels import labelled
 from flows.storage_credentials import with_storage_credentials
 from storage.run_layout import ACTORS_KEPT, RunLayout
@@ -76,8 +76,9 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
             evaluate_version(ctx, rollout_id + 1)
 
     try:
-        with long_lived_frozen():  # no full GC pause of Prefect's, Ray's, torch's heap in a step
-            (run_pipelined if pipelined else run_sequential)(ctx, start, step_done)
+        # no full GC pause of Prefect's, Ray's, torch's heap in a step
+        with long_lived_frozen(), step_runner(config) as run_step:
+            (run_pipelined if pipelined else run_sequential)(ctx, start, run_step, step_done)
     finally:
         reporter.close()  # a failure's first line must not run on from the progress bar
     if config.eval.enabled:
@@ -90,13 +91,13 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
 StepDone = Callable[[int, dict[str, Any]], None]
 
 
-def run_sequential(ctx: StepContext, start: int, done: StepDone) -> None:
+def run_sequential(ctx: StepContext, start: int, run_step: StepRunner, done: StepDone) -> None:
     """Synchronous: one step after the other."""
     for rollout_id in range(start, ctx.cfg.rollout.num_rollout):
-        done(rollout_id, run_rollout_step(ctx, rollout_id))
+        done(rollout_id, run_step(ctx, rollout_id))
 
 
-def run_pipelined(ctx: StepContext, start: int, done: StepDone) -> None:
+def run_pipelined(ctx: StepContext, start: int, run_step: StepRunner, done: StepDone) -> None:
     """One-step off-policy: step k+1 starts once step k's generation is committed (the data
     source state it draws from), so its generation overlaps step k's training; gates in
     tasks/step_gates.py keep the order of weights. Each step runs in its own thread, in
@@ -108,7 +109,7 @@ def run_pipelined(ctx: StepContext, start: int, done: StepDone) -> None:
     with ThreadPoolExecutor(max_workers=3 + config.rollout.max_staleness) as pool:
         for rollout_id in range(start, total):
             context = contextvars.copy_context()
-            future = pool.submit(context.run, run_rollout_step, ctx, rollout_id)
+            future = pool.submit(context.run, run_step, ctx, rollout_id)
             in_flight[rollout_id] = future
             rollout_done = partial(layout.task_record, rollout_id, "generate")
             while rollout_done() is None and not future.done():

@@ -1,7 +1,7 @@
 """The Prefect UI as a person sees it, in a real browser (Chromium from Debian, driven by
 Playwright): a real Prefect server on a free loopback port, two short trainings with the
 mock backend reported to it through the CLI, then the train run's and a step run's pages
-(the trainings run with `logging.step_flow_runs`, so each step has a page of its own).
+(each step is a flow run of its own by default, so each step has a page of its own).
 
 Checked in the browser: the tags and names that tell the two trainings apart (runs list,
 run pages), the step's logs (a retried task's line included), the curves image decoded
@@ -104,10 +104,9 @@ def trainings(server, ray_address, arithmetic_data, tiny_model_dir,
                       tmp_path_factory.mktemp("user-dir"))
     tag = uuid.uuid4().hex[:4]
     alpha, beta = f"alpha-{tag}", f"beta-{tag}"
-    for name, extra in ((alpha, ["logging.step_flow_runs=true", "rollout.rm_type=null",
+    for name, extra in ((alpha, ["rollout.rm_type=null",
                                  "rollout.custom_rm_path=tests.support.hooks:reward_failing_once"]),
-                        (beta, ["logging.step_flow_runs=true",
-                                "algorithm.advantage_estimator=rloo"])):
+                        (beta, ["algorithm.advantage_estimator=rloo"])):
         done = trainer.run(name, *extra)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return trainer, alpha, beta

@@ -74,17 +74,19 @@ def test_two_steps_show_up_in_the_prefect_server(
     )
     assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-4000:]
 
-    flow_runs = api(prefect_server, "/flow_runs/filter", {
-        "flow_runs": {"name": {"any_": [f"train-{run}", f"{run}/rollout-0"]}}})
-    assert [r["name"] for r in flow_runs] == [f"train-{run}"]  # the steps are its tasks
-    (train_run,) = flow_runs
-    assert train_run["state_type"] == "COMPLETED"
+    flow_runs = {r["name"]: r for r in api(prefect_server, "/flow_runs/filter", {
+        "flow_runs": {"name": {"any_": [f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1"]}}})}
+    assert len(flow_runs) == 3, sorted(flow_runs)  # the train run and a flow run per step
+    assert {r["state_type"] for r in flow_runs.values()} == {"COMPLETED"}
+    train_run = flow_runs[f"train-{run}"]
     assert train_run["parameters"]["config"]["storage"]["run_name"] == run  # config shown
 
-    task_runs = completed_task_runs(prefect_server, train_run["id"], 2 * len(TASKS))
-    names = {t["name"] for t in task_runs}
-    assert names >= {f"rollout-{k}/{name}" for k in (0, 1) for name in TASKS}, names
-    assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
+    for k in (0, 1):
+        step = flow_runs[f"{run}/rollout-{k}"]
+        assert step["parameters"]["rollout_id"] == k
+        task_runs = completed_task_runs(prefect_server, step["id"], len(TASKS))
+        assert {t["name"] for t in task_runs} == {f"rollout-{k}/{name}" for name in TASKS}
+        assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
 
     artifacts = api(prefect_server, "/artifacts/filter", {
         "artifacts": {"flow_run_id": {"any_": [train_run["id"]]}}})
@@ -98,10 +100,13 @@ def test_two_steps_show_up_in_the_prefect_server(
     progress = kinds[f"{run}-steps"]
     assert progress["type"] == "progress" and float(progress["data"]) == 100.0
 
-    # Each step's metrics table (a version per step) and generation progress, on the train run.
-    step_tables = sorted(a["description"] for a in artifacts if a["key"] == f"{run}-step-metrics")
+    # Each step's metrics table (a version per step) and generation progress, on its step run.
+    step_runs = [flow_runs[f"{run}/rollout-{k}"]["id"] for k in (0, 1)]
+    on_steps = api(prefect_server, "/artifacts/filter", {
+        "artifacts": {"flow_run_id": {"any_": step_runs}}})
+    step_tables = sorted(a["description"] for a in on_steps if a["key"] == f"{run}-step-metrics")
     assert [d.split(" of ")[0] for d in step_tables] == ["step 0", "step 1"], step_tables
-    assert kinds[f"{run}-generation"]["type"] == "progress"
+    assert {a["type"] for a in on_steps if a["key"] == f"{run}-generation"} == {"progress"}
 
 
 def test_prefect_yaml_deploys_to_the_server(prefect_server):

@@ -1,7 +1,7 @@
 """What the Prefect UI shows of a training, read back through the API the UI uses (the
 browser itself: tests/flow/test_browser_ui.py): the train run tagged after its training,
-each step's tasks named after the step and drawn as a chain (in the train run, or in a
-step run of their own with `logging.step_flow_runs`), per-run artifact keys, rounded
+each step's tasks named after the step and drawn as a chain (in a step flow run of their
+own, or in the train run with `logging.step_flow_runs: false`), per-run artifact keys, rounded
 tables, the inlined curves, held-out accuracy, a retried task's log line and the failure
 notice."""
 
@@ -57,7 +57,8 @@ def significant_digits(x: float) -> int:
 def test_steps_are_named_tagged_chained_and_report_per_run(make_cfg, arithmetic_data):
     from flows.train import train
 
-    cfg = make_cfg("ui", "logging.plot_interval=1", "eval.before_train=true",
+    cfg = make_cfg("ui", "logging.step_flow_runs=false", "logging.plot_interval=1",
+                   "eval.before_train=true",
                    f"eval.datasets=[{{name: test, path: {arithmetic_data['test']}, max_prompts: 8}}]")
     run = cfg.storage.run_name
     train(cfg)
@@ -96,19 +97,20 @@ def test_steps_are_named_tagged_chained_and_report_per_run(make_cfg, arithmetic_
 def test_step_flow_runs_group_each_steps_tasks(make_cfg):
     from flows.train import train
 
-    cfg = make_cfg("ui-steps", "logging.step_flow_runs=true", "logging.plot_interval=1")
+    cfg = make_cfg("ui-steps", "logging.plot_interval=1")  # the default: a flow run per step
     run = cfg.storage.run_name
     train(cfg)
     url = api_url()
-    runs = flow_runs(url, [f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1"])
-    assert len(runs) == 3, sorted(runs)
+    runs = flow_runs(url, [f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1",
+                           f"{run}/rollout-2"])
+    assert len(runs) == 3, sorted(runs)  # none created ahead past the last step
     labels = {"rollflow", f"run:{run}", "algo:grpo", "engine:mock", "train:mock"}
     assert all(labels <= set(r["tags"]) for r in runs.values()), [r["tags"] for r in runs.values()]
     step = runs[f"{run}/rollout-1"]
     assert task_run_names(url, step["id"]) == sorted(step_labels(1))
     assert graph_edges(url, step["id"]) == chain_edges(1)
-    in_train = task_run_names(url, runs[f"train-{run}"]["id"])  # a subflow's stand-ins
-    assert not any(name.startswith("rollout-") for name in in_train), in_train
+    in_train = task_run_names(url, runs[f"train-{run}"]["id"])  # the steps' stand-ins
+    assert in_train == ["rollout_step-0", "rollout_step-1"], in_train
     step_art = artifacts(url, step["id"])
     assert {f"{run}-step-metrics", f"{run}-reward-curves"} <= set(step_art)
 
@@ -119,11 +121,11 @@ def test_async_steps_draw_the_gates_in_the_chain(make_cfg):
     cfg = make_cfg("ui-async", "rollout.off_policy_async=true", "rollout.num_rollout=3")
     run = cfg.storage.run_name
     train(cfg)
-    train_run = flow_runs(api_url(), [f"train-{run}"])[f"train-{run}"]
+    step_run = flow_runs(api_url(), [f"{run}/rollout-1"])[f"{run}/rollout-1"]
     chain = ("sample_prompts", "wait_for_weights", "generate", "filter", "reward",
              "wait_for_previous_commit", "train", "wait_for_next_generate",
              "broadcast_weights", "commit")
-    assert step_edges(graph_edges(api_url(), train_run["id"]), 1) == chain_edges(1, chain)
+    assert step_edges(graph_edges(api_url(), step_run["id"]), 1) == chain_edges(1, chain)
 
 
 def test_a_retried_task_says_what_failed(make_cfg):
@@ -134,8 +136,8 @@ def test_a_retried_task_says_what_failed(make_cfg):
     run = cfg.storage.run_name
     train(cfg)
     flush_logs()
-    train_run = flow_runs(api_url(), [f"train-{run}"])[f"train-{run}"]
-    messages = [entry["message"] for entry in logs(api_url(), train_run["id"])]
+    steps = flow_runs(api_url(), [f"{run}/rollout-0", f"{run}/rollout-1"]).values()
+    messages = [entry["message"] for step in steps for entry in logs(api_url(), step["id"])]
     assert any("generate attempt 1 failed with ConnectionError: injected transient fault; "
                "retrying (attempt 2 of 3)" in m for m in messages), messages
 

@@ -80,13 +80,19 @@ def test_two_rollout_steps_with_mock_engines(mock_config):
     assert ray.get(actor(cfg, "trainer").trained_indices.remote()) == list(range(2 * per_step))
 
     run = cfg.storage.run_name
-    mine, tasks = read_flow_runs([f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1"])
-    assert [r.name for r in mine] == [f"train-{run}"]  # the steps ran as its tasks
-    (train_run,) = mine
-    assert train_run.state.is_completed()
-    assert {f"run:{run}", "algo:grpo", "engine:mock", "train:mock"} <= set(train_run.tags)
-    # named after the step and the stage, no random suffix
-    assert tasks[train_run.id] == sorted(f"rollout-{k}/{name}" for k in (0, 1) for name in TASKS)
+    names = [f"train-{run}", f"{run}/rollout-0", f"{run}/rollout-1", f"{run}/rollout-2"]
+    mine, tasks = read_flow_runs(names)
+    by_name = {r.name: r for r in mine}
+    assert set(by_name) == set(names[:3])  # one flow run per step, none created past the last
+    assert all(r.state.is_completed() for r in mine)
+    labels = {f"run:{run}", "algo:grpo", "engine:mock", "train:mock"}
+    assert all(labels <= set(r.tags) for r in mine)
+    train_run = by_name[f"train-{run}"]
+    for k in (0, 1):  # children of the train run, each with its step's tasks (no random suffix)
+        step = by_name[f"{run}/rollout-{k}"]
+        assert step.parent_task_run_id is not None
+        assert tasks[step.id] == sorted(f"rollout-{k}/{name}" for name in TASKS)
+    assert tasks[train_run.id] == ["rollout_step-0", "rollout_step-1"]  # the steps' stand-ins
     assert layout.store.read_json("steps/000001", "generate.progress.json") == {
         "kept": cfg.rollout.rollout_batch_size, "target": cfg.rollout.rollout_batch_size}
     progress = read_artifacts(artifact_key(cfg.storage.run_name, "generation"))

@@ -1,5 +1,6 @@
-"""How the train flow runs each rollout step: its tasks in the train flow run by default, a
-child flow run without a heartbeat thread with `logging.step_flow_runs`; curves on schedule."""
+"""How the train flow runs each rollout step: a flow run of its own by default (created
+ahead, run without a heartbeat thread: tests/flow/test_prefect_ui.py runs them), its tasks in
+the train flow run with `logging.step_flow_runs: false`; curves on schedule."""
 
 from __future__ import annotations
 
@@ -18,29 +19,27 @@ def cfg(**logging):
     })
 
 
-def record_step_paths(monkeypatch) -> list[tuple[str, int, object]]:
-    """Which way each step ran: ("flow", id, heartbeat setting) or ("tasks", id, None)."""
-    seen: list[tuple[str, int, object]] = []
-    monkeypatch.setattr(rs, "rollout_step", lambda config, rollout_id: seen.append(
-        ("flow", rollout_id, get_current_settings().flows.heartbeat_frequency)) or {})
-    monkeypatch.setattr(rs, "run_step_tasks", lambda ctx, rollout_id: seen.append(
-        ("tasks", rollout_id, None)) or {})
-    return seen
+def test_steps_are_flow_runs_unless_folded_into_the_train_run():
+    assert rs.steps_are_flow_runs(cfg())
+    assert not rs.steps_are_flow_runs(cfg(step_flow_runs=False))
 
 
-def test_steps_run_as_tasks_of_the_train_flow_run_by_default(monkeypatch):
-    seen = record_step_paths(monkeypatch)
-    rs.run_rollout_step(StepContext(cfg(), None, None), 0)
-    assert seen == [("tasks", 0, None)]
+def test_folded_steps_run_their_tasks_in_the_current_flow_run(monkeypatch):
+    seen: list[int] = []
+    monkeypatch.setattr(rs, "run_step_tasks", lambda ctx, rollout_id: seen.append(rollout_id) or {})
+    rs.run_rollout_step(StepContext(cfg(step_flow_runs=False), None, None), 3)
+    with rs.step_runner(cfg(step_flow_runs=False)) as run_step:
+        run_step(StepContext(cfg(step_flow_runs=False), None, None), 4)
+    assert seen == [3, 4]
 
 
-def test_step_flow_runs_without_a_heartbeat_thread(monkeypatch):
-    seen = record_step_paths(monkeypatch)
+def test_a_step_flow_run_runs_without_a_heartbeat_thread():
+    from flows.prefect_workarounds import child_flow_heartbeats_off
+
     before = get_current_settings().flows.heartbeat_frequency
-    ctx = StepContext(cfg(step_flow_runs=True), None, None)
-    rs.run_rollout_step(ctx, 0)
-    rs.run_rollout_step(ctx, 1)
-    assert before is not None and seen == [("flow", 0, None), ("flow", 1, None)]
+    with child_flow_heartbeats_off():
+        inside = get_current_settings().flows.heartbeat_frequency
+    assert before is not None and inside is None
     assert get_current_settings().flows.heartbeat_frequency == before  # restored afterwards
 
 
@@ -71,17 +70,3 @@ def test_deterministic_failures_are_not_retried():
     flaky = Failed(data=ConnectionError("engine briefly unreachable"))
     assert retry_transient(None, None, bad_row) is False
     assert retry_transient(None, None, flaky) is True
-
-
-def test_long_runs_make_each_step_a_flow_run_unless_told():
-    """Past ~1,000 steps the train run's graph would pass the Prefect server's 10,000 nodes
-    (the UI stops drawing it): unset, `step_flow_runs` follows the run's length."""
-    def long(steps, **logging):
-        c = cfg(**logging)
-        c.rollout.num_rollout = steps
-        return c
-
-    assert not rs.steps_are_flow_runs(long(rs.MAX_STEPS_IN_ONE_GRAPH))
-    assert rs.steps_are_flow_runs(long(rs.MAX_STEPS_IN_ONE_GRAPH + 1))
-    assert not rs.steps_are_flow_runs(long(5000, step_flow_runs=False))
-    assert rs.steps_are_flow_runs(long(2, step_flow_runs=True))
