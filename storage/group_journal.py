@@ -4,7 +4,7 @@ crash in the middle of generation loses only the groups still in flight.
 ```
 {run}/steps/{rollout_id:06d}/groups/{seq:06d}.{sha256[:16]}.arrow
 ```
-An entry is one Arrow IPC file: the samples of one group (none for a draw) and, in the
+An entry is one Arrow IPC file: the samples of the groups it records (none for a draw) and, in the
 schema's metadata under `rollflow.journal`, a small JSON record (what kind of entry, the
 group's outcome, the data-source cursor after a draw). What the records mean is the
 generation loop's business (engines/rollout/restore.py); this module only stores them.
@@ -77,7 +77,9 @@ class GroupJournal:
         self.compression = compression
 
     def write(self, name: str, data: bytes) -> None:
-        self.store.write_bytes(data, *self.parts, name)
+        # No fsync: the digest in the name tells a complete file from one a lost machine
+        # left short, and the journal is read only up to such a file.
+        self.store.write_bytes(data, *self.parts, name, sync=False)
 
     def append(self, entry: JournalEntry) -> None:
         self.write(*encode_entry(entry, self.compression))

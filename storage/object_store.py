@@ -72,8 +72,11 @@ class ObjectStore:
         return self.read_bytes(*parts).decode()
 
     # -- writes --------------------------------------------------------------------------
-    def write_bytes(self, data: bytes, *parts: str) -> str:
-        """Write atomically; returns the URI written."""
+    def write_bytes(self, data: bytes, *parts: str, sync: bool = True) -> str:
+        """Write atomically; returns the URI written. `sync=False` skips the fsync of a
+        local file: the rename is still atomic for a crashed process, but a lost machine
+        may leave the file empty or short, so only a reader that checks the content (a
+        digest) may ask for it."""
         target = self.path(*parts)
         if self.protocol == "file":
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -81,7 +84,8 @@ class ObjectStore:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    os.fsync(f.fileno())
             os.replace(tmp, target)
         else:
             with self.fs.open(target, "wb") as f:

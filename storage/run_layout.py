@@ -4,6 +4,8 @@
 {run}/config.yaml
 {run}/steps/{rollout_id:06d}/prompts.arrow | rollout.arrow | train.arrow | metrics.json
 {run}/steps/{rollout_id:06d}/tasks/{task}.json      (each finished task's small output)
+{run}/steps/{rollout_id:06d}/groups/...               (generate's group journal, until it commits:
+                                                       group_journal.py)
 {run}/steps/{rollout_id:06d}/COMMITTED                (size + sha256 of every file above)
 {run}/datasource/{rollout_id:06d}.json + {rollout_id:06d}.{stage}.buffer.arrow
 {run}/checkpoints/{rollout_id:06d}/... MANIFEST.json  and  {run}/checkpoints/LATEST

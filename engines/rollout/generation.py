@@ -367,6 +367,7 @@ class GenerationLoop:
                             returned.append(group)
                         else:
                             counts[outcome] += 1
+                    log_.commit()
                     if self.progress is not None:
                         self.progress(len(kept), target)
             except BaseException:
@@ -381,6 +382,7 @@ class GenerationLoop:
                 outcome = self._drain_outcome(group)
                 log_.finished(group, outcome, DRAIN)
                 drained.append((group, outcome))
+            log_.commit()
         finally:
             await log_.flush()
         for group, outcome in drained:

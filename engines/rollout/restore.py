@@ -7,7 +7,7 @@ A rerun of the step (driver, rollout actor, engine or machine lost) replays the 
 before generating (`replay`):
 
 ```
- journal:  draw(8) g0 g3 g1 draw(2) g5 ...  ┆ crash
+ journal:  draw(8) [g0 g3] [g1] draw(2) [g5 g2] ...  ┆ crash
  replay:   source.get_samples(8)  -> same groups, same cursor (checked)
            g0 g3 g1 ... restored with their stored samples and outcomes, in journal order
            the groups drawn but not in the journal are the in-flight ones: sent again
@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engines.run_config import RunConfig
 from storage.group_journal import GroupJournal, JournalEntry, encode_entry
-from storage.sample import Group
+from storage.sample import Group, Sample
 
 
 class Outcome(StrEnum):
@@ -86,6 +86,10 @@ class StepLog(Protocol):
 
     def finished(self, group: Group, outcome: Outcome, phase: str) -> None: ...
 
+    def commit(self) -> None:
+        """Store the groups `finished` reported since the last commit, as one entry."""
+        ...
+
     async def flush(self) -> None: ...
 
     def metrics(self) -> dict[str, float]: ...
@@ -100,6 +104,9 @@ class NullLog:
     def finished(self, group: Group, outcome: Outcome, phase: str) -> None:
         pass
 
+    def commit(self) -> None:
+        pass
+
     async def flush(self) -> None:
         pass
 
@@ -108,10 +115,12 @@ class NullLog:
 
 
 class JournalLog:
-    """Appends the loop's events to a step's journal. Each event is encoded in the loop's
-    thread (a snapshot: the group's samples change afterwards, a returned group is reset to
-    its prompt) and written by one background thread, in order, so the event loop never
-    waits on storage and the stored journal is always a prefix of the events."""
+    """Appends the loop's events to a step's journal: a draw as one entry, the groups the
+    loop is done with at once (one `asyncio.wait`, or the drain) as one entry, so groups
+    that a batched request finished together cost one file. Each entry is encoded in the
+    loop's thread (a snapshot: a returned group is reset to its prompt afterwards) and
+    written by one background thread, in order, so the event loop never waits on storage
+    and the stored journal is always a prefix of the events."""
 
     def __init__(self, journal: GroupJournal, fingerprint: str, next_seq: int = 0) -> None:
         self.journal = journal
@@ -119,6 +128,7 @@ class JournalLog:
         self._seq = next_seq
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="group-journal")
         self._writes: list[Future[float]] = []
+        self._done: list[tuple[Group, Outcome, str]] = []
         self.encode_seconds = 0.0
         self.bytes = 0
 
@@ -128,12 +138,19 @@ class JournalLog:
                       "digest": groups_digest(groups), "cursor": cursor}, [])
 
     def finished(self, group: Group, outcome: Outcome, phase: str) -> None:
-        self._append({"kind": "group", "group_index": group[0].group_index,
-                      "outcome": str(outcome), "phase": phase}, group)
+        self._done.append((group, outcome, phase))
 
-    def _append(self, record: dict[str, Any], group: Group) -> None:
+    def commit(self) -> None:
+        if not self._done:
+            return
+        done, self._done = self._done, []
+        self._append({"kind": "groups", "groups": [
+            {"group_index": g[0].group_index, "outcome": str(o), "phase": p} for g, o, p in done
+        ]}, [s for g, _, _ in done for s in g])
+
+    def _append(self, record: dict[str, Any], samples: list[Sample]) -> None:
         start = time.perf_counter()
-        name, data = encode_entry(JournalEntry(self._seq, record, list(group)),
+        name, data = encode_entry(JournalEntry(self._seq, record, samples),
                                   self.journal.compression)
         self._seq += 1
         self.bytes += len(data)
@@ -157,6 +174,7 @@ class JournalLog:
         done = [w.result() for w in self._writes if w.done() and w.exception() is None]
         return {"rollout/journal_entries": float(len(self._writes)),
                 "rollout/journal_bytes": float(self.bytes),
+                "rollout/journal_encode_seconds": self.encode_seconds,
                 "rollout/journal_write_seconds": sum(done) + self.encode_seconds}
 
 
@@ -193,22 +211,26 @@ def replay(entries: Sequence[JournalEntry], source: GroupSource, fingerprint: st
             out.drawn += len(groups)
             in_flight.update((g[0].group_index, g) for g in groups)
             continue
-        drawn = in_flight.pop(int(rec["group_index"]), None)
-        stored = entry.samples
-        if drawn is None or [s.index for s in drawn] != [s.index for s in stored]:
-            raise JournalMismatch(f"entry {entry.seq}: group {rec['group_index']} was not "
-                                  "drawn as the journal has it")
-        out.groups += 1
-        out.tokens += sum(s.response_length for s in stored)
-        outcome = Outcome(rec["outcome"])
-        if rec["phase"] == DRAIN:
-            out.drained.append((stored, outcome))
-        elif outcome == Outcome.KEPT:
-            out.kept.append(stored)
-        elif outcome == Outcome.RETURNED:
-            out.returned.append(stored)
-        else:
-            out.counts[outcome] = out.counts.get(outcome, 0) + 1
+        stored_groups: dict[int, Group] = {}
+        for s in entry.samples:
+            stored_groups.setdefault(s.group_index, []).append(s)
+        for item in rec["groups"]:
+            gi = int(item["group_index"])
+            drawn, stored = in_flight.pop(gi, None), stored_groups.get(gi, [])
+            if drawn is None or [s.index for s in drawn] != [s.index for s in stored]:
+                raise JournalMismatch(f"entry {entry.seq}: group {gi} was not drawn as the "
+                                      "journal has it")
+            out.groups += 1
+            out.tokens += sum(s.response_length for s in stored)
+            outcome = Outcome(item["outcome"])
+            if item["phase"] == DRAIN:
+                out.drained.append((stored, outcome))
+            elif outcome == Outcome.KEPT:
+                out.kept.append(stored)
+            elif outcome == Outcome.RETURNED:
+                out.returned.append(stored)
+            else:
+                out.counts[outcome] = out.counts.get(outcome, 0) + 1
     out.in_flight = list(in_flight.values())
     out.next_seq = entries[-1].seq + 1 if entries else 0
     return out

@@ -63,7 +63,8 @@ def test_killed_mid_generate_keeps_the_finished_groups(
     journal = GroupJournal(layout.store, step_dir(KILLED_STEP))
 
     def finished_groups() -> list[int]:
-        return [e.record["group_index"] for e in journal.entries() if e.record["kind"] == "group"]
+        return [item["group_index"] for e in journal.entries() if e.record["kind"] == "groups"
+                for item in e.record["groups"]]
 
     driver = start_driver(str(path), prefect_api)
     try:

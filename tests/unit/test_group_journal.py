@@ -45,9 +45,9 @@ def journal(tmp_path) -> GroupJournal:
 def test_entries_round_trip_in_order(tmp_path):
     j = journal(tmp_path)
     j.append(JournalEntry(0, {"kind": "draw", "n": 2}))
-    j.append(JournalEntry(1, {"kind": "group", "group_index": 0}, [sample(0, 0), sample(1, 0)]))
+    j.append(JournalEntry(1, {"kind": "groups", "groups": [0]}, [sample(0, 0), sample(1, 0)]))
     got = journal(tmp_path).entries()
-    assert [e.record for e in got] == [{"kind": "draw", "n": 2}, {"kind": "group", "group_index": 0}]
+    assert [e.record for e in got] == [{"kind": "draw", "n": 2}, {"kind": "groups", "groups": [0]}]
     assert got[1].samples == [sample(0, 0), sample(1, 0)] and got[0].samples == []
     j.clear()
     assert journal(tmp_path).entries() == []
@@ -153,6 +153,12 @@ def outcome_of(result: RolloutResult) -> tuple[Any, ...]:
     return ([s for g in result.kept for s in g], [s for g in result.returned for s in g], counts)
 
 
+def finished_in(entries: list[JournalEntry]) -> list[tuple[dict[str, Any], list[Sample]]]:
+    """Each group the entries record as done: (its item in the record, its samples)."""
+    return [(item, [s for s in e.samples if s.group_index == item["group_index"]])
+            for e in entries if e.record["kind"] == "groups" for item in e.record["groups"]]
+
+
 def cuts(tmp_path, cfg: RolloutConfig, entries: list[JournalEntry], dynamic: bool):
     """Rerun the step from each prefix of `entries`, as a crash after that entry leaves it."""
     for cut in range(1, len(entries) + 1):
@@ -160,7 +166,7 @@ def cuts(tmp_path, cfg: RolloutConfig, entries: list[JournalEntry], dynamic: boo
         for entry in prefix:
             journal(tmp_path / f"cut{cut}").append(entry)
         again, engines, source = run_step(cfg, tmp_path / f"cut{cut}", prefix, dynamic)
-        restored = [e.record["group_index"] for e in prefix if e.record["kind"] == "group"]
+        restored = [item["group_index"] for item, _ in finished_in(prefix)]
         assert again.counts["restored"] == len(restored)
         # nothing the journal holds is generated again
         assert not set(restored) & {i // cfg.n_samples_per_prompt for i in engines.sent}
@@ -173,7 +179,7 @@ def test_a_rerun_from_any_prefix_of_the_journal_is_the_uninterrupted_step(tmp_pa
     cfg = RolloutConfig(num_rollout=1, seed=5, **CONFIGS["plain"])
     full, engines, source = run_step(cfg, tmp_path / "full")
     entries = journal(tmp_path / "full").entries()
-    assert len([e for e in entries if e.record["kind"] == "group"]) == len(set(engines.sent))
+    assert len(finished_in(entries)) == len(set(engines.sent))
     assert full.counts["restored"] == 0 and full.stats.tokens_regenerated == 0
     assert full.metrics()["rollout/journal_entries"] == len(entries)
     for cut, prefix, again, source_again, rerun in cuts(tmp_path, cfg, entries, False):
@@ -181,9 +187,10 @@ def test_a_rerun_from_any_prefix_of_the_journal_is_the_uninterrupted_step(tmp_pa
         assert source_again.cursor() == source.cursor()
         # the journal holds the whole step again (what was in flight may finish in
         # another order)
-        assert sorted(str(e.record) for e in rerun) == sorted(str(e.record) for e in entries)
-        drawn = {gi for e in prefix for gi in e.record.get("groups", [])}
-        in_flight = drawn - {e.record.get("group_index") for e in prefix}
+        assert sorted(str(item) for item, _ in finished_in(rerun)) == sorted(
+            str(item) for item, _ in finished_in(entries))
+        drawn = {gi for e in prefix if e.record["kind"] == "draw" for gi in e.record["groups"]}
+        in_flight = drawn - {item["group_index"] for item, _ in finished_in(prefix)}
         assert again.stats.tokens_regenerated == sum(
             s.response_length for g in again.kept if g[0].group_index in in_flight for s in g)
         assert again.stats.tokens_restored == sum(
@@ -204,14 +211,12 @@ def test_a_rerun_under_a_dynamic_filter_keeps_the_journal_as_it_happened(tmp_pat
         assert len(again.kept) == cfg.rollout_batch_size
         kept = {g[0].group_index: g for g in again.kept}
         back = {g[0].group_index: g for g in again.returned}
-        for e in prefix:
-            if e.record["kind"] != "group":
-                continue
-            gi, outcome = e.record["group_index"], e.record["outcome"]
+        for item, samples in finished_in(prefix):
+            gi, outcome = item["group_index"], item["outcome"]
             if outcome == "kept" and gi in kept:  # (the trim to the target may cut it)
-                assert kept[gi] == e.samples
+                assert kept[gi] == samples
             elif outcome in ("returned", "aborted"):
-                assert back[gi] == e.samples
+                assert back[gi] == samples
             else:
                 assert gi not in kept
         for gi, g in kept.items():
