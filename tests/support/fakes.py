@@ -21,6 +21,9 @@ whose `.remote()` returns the value itself needs no Ray at all. Storage stays re
 - `FakeModel`, `fake_train_step(model, algo, **train)`: a model-free `StepModel` for the
   shared train step (engines/train/step.py), recording every call.
 
+- `InProcess(obj)`: a real actor object called as an actor (`.method.remote(...)` returns the
+  result at once), for the step tasks over real actors without Ray.
+- `FakeProgressArtifact`: Prefect's progress artifact, kept in memory (no API server).
 - `CharTokenizer`: a tokenizer of one id per character, with a plain chat template.
 - `CountingStore`, `FullDiskStore`: object stores that record each download (one file per
   torch.distributed rank) / fail their first upload, as a full disk does.
@@ -83,6 +86,28 @@ class _Method:
 
     def __call__(self, *args: Any) -> Any:
         return self.remote(*args)
+
+
+class InProcess:
+    """A real actor's object in this process, called as the tasks call an actor:
+    `obj.method.remote(...)` runs the method and returns its result."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self.obj, name))
+
+
+class FakeProgressArtifact:
+    """Stands in for tasks.artifacts.ProgressArtifact: what it would show, in `shown`."""
+
+    def __init__(self, key: str, description: str) -> None:
+        self.key = key
+        self.shown: list[float] = []
+
+    def set(self, percent: float) -> None:
+        self.shown.append(percent)
 
 
 class FakeRollout:
