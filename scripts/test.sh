@@ -12,7 +12,10 @@
 # The tests run side by side in ROLLFLOW_TEST_WORKERS pytest-xdist workers (default 3: the
 # flow tests mostly wait), each with its own Ray head, Prefect server, moto server and
 # temporary directories; a module's tests stay on one worker (`--dist loadfile`: they share
-# module fixtures). `-n 0` runs everything in this process. The 15 slowest tests are listed at the end.
+# module fixtures), and modules start in the order tests/conftest.py gives them, costliest
+# first (`--no-loadscope-reorder`: xdist would otherwise start modules with many tests, the
+# quick unit ones, first and leave the long flow tests for the end). `-n 0` runs everything
+# in this process. The 15 slowest tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,4 +25,4 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_AUTH_MODE=disabled
 .venv/bin/mypy
 .venv/bin/lint-imports  # flows -> tasks -> engines -> storage (pyproject [tool.importlinter])
 exec .venv/bin/python -m pytest -q -m "not gpu" -n "${ROLLFLOW_TEST_WORKERS:-3}" \
-  --dist loadfile --durations=15 "$@"
+  --dist loadfile --no-loadscope-reorder --durations=15 "$@"
