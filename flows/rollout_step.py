@@ -30,7 +30,7 @@ from engines.weights.schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.prefect_workarounds import results_linked_within_step, untagged_tasks
 from flows.reporting import publish_step_report
-from flows.step_flow_runs import DRIVER_CONTEXT, StepFlowRuns, step_flow_runs
+from flows.step_flow_runs import DRIVER, CommitHook, StepFlowRuns, step_flow_runs
 from storage.run_layout import RunLayout
 from tasks import step_gates as gates
 from tasks.step_context import StepContext
@@ -74,12 +74,18 @@ def run_stages(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     return commit(ctx, rollout_id, quote(records), wait_for=[before])
 
 
-def run_step_tasks(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+def run_step_tasks(
+    ctx: StepContext, rollout_id: int, on_commit: CommitHook | None = None
+) -> dict[str, Any]:
     """Run (or finish) step `rollout_id`; a committed step returns its metrics untouched.
-    A failure is marked in storage (the failure notice names the step and task) and raised."""
+    A failure is marked in storage (the failure notice names the step and task) and raised.
+    `on_commit` gets the metrics as soon as the step is committed, before its report."""
     layout = ctx.layout
     if layout.is_committed(rollout_id):
-        return layout.step_metrics(rollout_id)
+        metrics = layout.step_metrics(rollout_id)
+        if on_commit is not None:
+            on_commit(metrics)
+        return metrics
     layout.clear_failure(rollout_id)
     try:
         # the flow run keeps its tags (flows/run_labels.py); links stay within the step
@@ -88,6 +94,8 @@ def run_step_tasks(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
     except BaseException as e:
         layout.mark_failed(rollout_id, repr(e))
         raise
+    if on_commit is not None:
+        on_commit(metrics)
     publish_step_report(layout, rollout_id, metrics, make_plot=plots_curves(config_of(ctx), rollout_id))
     return metrics
 
@@ -129,14 +137,14 @@ def config_of(ctx: StepContext) -> RollflowConfig:
 def _rollout_step(config: RollflowConfig, rollout_id: int) -> dict[str, Any]:
     """Run (or finish) step `rollout_id` as a flow run of its own: with the driver's actors
     when the train flow started it in-process, else attached to the run's actors."""
-    ctx = DRIVER_CONTEXT.get()
-    if ctx is None:
+    driver = DRIVER.get()
+    if driver is None:
         connect(config.cluster)
         layout = open_layout(config)
         if layout.is_committed(rollout_id):
             return layout.step_metrics(rollout_id)
-        ctx = StepContext(config, layout, attached_actors(config))
-    return run_step_tasks(ctx, rollout_id)
+        return run_step_tasks(StepContext(config, layout, attached_actors(config)), rollout_id)
+    return run_step_tasks(driver.ctx, rollout_id, on_commit=driver.on_commit)
 
 
 # Called directly (a user's own flow, a deployment), the flow run is named from the template;

@@ -7,9 +7,11 @@ child of that task run, the flow run itself, its rename from the `flow_run_name`
 then its states. Here step k+1's tracking task run and flow run (already named) are created
 by a background thread, on one long-lived client, while step k runs; step k+1 then starts
 with only the engine's own state changes (`prefect.flow_engine.run_flow` given that flow
-run). The step's tasks reuse the driver's `StepContext` (its actor handles) instead of
-looking the actors up again. What this saves is measured by `python -m bench.orchestration`
-(bench/RESULTS.md, "Orchestration").
+run). Each step flow run runs in a thread of its own and hands the driver its metrics as
+soon as the step is committed: its report (artifacts, curves) and its final state change go
+on behind, while the next step starts. The step's tasks reuse the driver's `StepContext`
+(its actor handles) instead of looking the actors up again. What this saves is measured by
+`python -m bench.orchestration` (bench/RESULTS.md, "Orchestration").
 
 A flow run created ahead for a step that never runs (the run failed or was stopped) is
 deleted with its tracking task run when the driver leaves the block.
@@ -17,11 +19,13 @@ deleted with its tracking task run when the driver leaves the block.
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import Flow, Task
@@ -35,9 +39,21 @@ from flows.config import RollflowConfig
 from flows.prefect_workarounds import child_flow_heartbeats_off
 from tasks.step_context import StepContext
 
-# The driver's context for the step flow run it is about to run in this thread: the flow
-# body uses its actor handles and layout instead of attaching again.
-DRIVER_CONTEXT: ContextVar[StepContext | None] = ContextVar("rollflow_step_context", default=None)
+CommitHook = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class DriverHandoff:
+    """What the driver gives the step flow run it starts in-process: its context (actor
+    handles, layout) and where the step's metrics go once it is committed."""
+
+    ctx: StepContext
+    on_commit: CommitHook
+
+
+# Set in the thread that runs a step flow run for the driver; unset, the flow body attaches
+# to the run's actors itself (a flow run started some other way).
+DRIVER: ContextVar[DriverHandoff | None] = ContextVar("rollflow_step_driver", default=None)
 
 
 def step_flow_run_name(config: RollflowConfig, rollout_id: int) -> str:
@@ -47,8 +63,9 @@ def step_flow_run_name(config: RollflowConfig, rollout_id: int) -> str:
 class StepFlowRuns:
     """Creates step flow runs one step ahead and runs them in the caller's thread.
 
-    `run(ctx, k)` runs step k in its flow run (created now if it was not created ahead) and
-    starts creating step k+1's. Thread-safe: the async mode runs steps from several threads.
+    `run(ctx, k)` runs step k in its flow run (created now if it was not created ahead),
+    starts creating step k+1's, and returns step k's metrics once it is committed. Thread-safe:
+    the async mode runs steps from several threads.
     """
 
     def __init__(self, step_flow: Flow[..., dict[str, Any]], total_steps: int) -> None:
@@ -61,7 +78,9 @@ class StepFlowRuns:
         self._client: SyncPrefectClient = get_client(sync_client=True)
         self._client.__enter__()
         self._creator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-flow-runs")
+        self._runner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="step-flow-run")
         self._ahead: dict[int, Future[FlowRun]] = {}
+        self._running: list[Future[dict[str, Any]]] = []
         self._lock = threading.Lock()
 
     def run(self, ctx: StepContext, rollout_id: int) -> dict[str, Any]:
@@ -69,19 +88,34 @@ class StepFlowRuns:
         flow_run = self._take(config, rollout_id).result()
         if rollout_id + 1 < self.total_steps:
             self._prepare(config, rollout_id + 1)
-        token = DRIVER_CONTEXT.set(ctx)
+        committed: Future[dict[str, Any]] = Future()
+        context = contextvars.copy_context()  # the train flow run, its tags and settings
+        finished = self._runner.submit(
+            context.run, self._run_flow, DriverHandoff(ctx, committed.set_result), flow_run,
+            rollout_id)
+        with self._lock:
+            self._running = [f for f in self._running if not f.done()] + [finished]
+        wait([committed, finished], return_when=FIRST_COMPLETED)
+        if committed.done():
+            return committed.result()
+        return finished.result()  # raises the step's failure
+
+    def _run_flow(self, handoff: DriverHandoff, flow_run: FlowRun, rollout_id: int) -> dict[str, Any]:
+        token = DRIVER.set(handoff)
         try:
             with child_flow_heartbeats_off():
                 result: dict[str, Any] = run_flow(
                     self.step_flow, flow_run=flow_run,
-                    parameters={"config": config, "rollout_id": rollout_id},
+                    parameters={"config": handoff.ctx.cfg, "rollout_id": rollout_id},
                 )  # type: ignore[assignment]
             return result
         finally:
-            DRIVER_CONTEXT.reset(token)
+            DRIVER.reset(token)
 
-    def close(self) -> None:
-        """Delete the flow runs created ahead that never ran; stop the creator thread."""
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for the step flow runs still finishing (raising the first failure unless
+        told not to), delete those created ahead that never ran, stop the threads."""
+        self._runner.shutdown(wait=True)
         self._creator.shutdown(wait=True)
         for future in self._ahead.values():
             if future.exception() is None:
@@ -91,6 +125,9 @@ class StepFlowRuns:
                     self._client.delete_task_run(flow_run.parent_task_run_id)
         self._ahead.clear()
         self._client.__exit__(None, None, None)
+        failures = [f.exception() for f in self._running if f.exception() is not None]
+        if raise_errors and failures:
+            raise failures[0]  # type: ignore[misc]
 
     def _take(self, config: RollflowConfig, rollout_id: int) -> Future[FlowRun]:
         with self._lock:
@@ -130,5 +167,7 @@ def step_flow_runs(step_flow: Flow[..., dict[str, Any]], total_steps: int) -> It
     runs = StepFlowRuns(step_flow, total_steps)
     try:
         yield runs
-    finally:
-        runs.close()
+    except BaseException:
+        runs.close(raise_errors=False)  # the failure that is on its way out is the one to see
+        raise
+    runs.close()
