@@ -37,7 +37,7 @@ def scored(layout: RunLayout) -> list[int]:
     return [int(x) for x in open(path).read().split()] if os.path.exists(path) else []
 
 
-@pytest.mark.timeout(600)  # three runs of the train flow, two of them CLI drivers
+@pytest.mark.timeout(300)  # three runs of the train flow, two of them CLI drivers (~80 s)
 def test_killed_mid_generate_keeps_the_finished_groups(
     prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path, fault_matrix
 ):
