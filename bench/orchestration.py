@@ -11,10 +11,11 @@ The same step (mock engine over HTTP, mock trainer, Arrow files on local disk) r
 The legs alternate in rounds (`--rounds`), so a machine that slows down mid-run slows each
 leg alike. The differences are what Ray and Prefect cost per step; the table has the median
 and the 90th percentile (a flat tail matters as much as the median). The Prefect legs run
-against a local server on SQLite, or with `--database URL` on that database (e.g.
-`postgresql+asyncpg://user@127.0.0.1:5432/prefect`). A local Ray head this starts is stopped
+against a local server per `--database`: `sqlite` (the default), `postgresql` (a throwaway
+local PostgreSQL, bench/local_postgres.py) or a database URL; given twice, both servers run
+side by side and the legs alternate between them. A local Ray head this starts is stopped
 at the end. Usage:
-  python -m bench.orchestration --steps 30 --rounds 3
+  python -m bench.orchestration --steps 30 --rounds 3 --database sqlite --database postgresql
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 from flows.prefect_env import prefect_env_defaults
@@ -133,7 +135,7 @@ def p90(times: list[float]) -> float:
 
 
 def summary(name: str, times: list[float]) -> str:
-    return (f"{name:18s} median {1000 * statistics.median(times):7.1f}   p90 {1000 * p90(times):7.1f}"
+    return (f"{name:26s} median {1000 * statistics.median(times):7.1f}   p90 {1000 * p90(times):7.1f}"
             f"   mean {1000 * statistics.mean(times):7.1f}   max {1000 * max(times):7.1f} ms/step"
             f"   (n={len(times)})")
 
@@ -150,35 +152,73 @@ def run_leg(leg: str, root: str, run_name: str, steps: int, address: str | None)
                                      step_flow_runs=leg == "prefect"))
 
 
+@contextmanager
+def reporting_to(api_url: str) -> Iterator[None]:
+    """Flow runs started within report to the server at `api_url`."""
+    from prefect.context import refresh_global_settings_context
+
+    from flows.server import _drain_prefect_clients
+
+    os.environ["PREFECT_API_URL"] = api_url
+    refresh_global_settings_context()
+    try:
+        yield
+    finally:
+        _drain_prefect_clients()
+        del os.environ["PREFECT_API_URL"]
+        refresh_global_settings_context()
+
+
+def prefect_servers(stack: ExitStack, databases: list[str]) -> dict[str, str]:
+    """A local Prefect server per database, all running until `stack` closes; their API
+    URLs by database name."""
+    from bench.local_postgres import local_postgres
+    from flows.server import start_local_server
+
+    urls = {}
+    for name in databases:
+        url = None if name == "sqlite" else name
+        if name == "postgresql":
+            url = stack.enter_context(local_postgres())
+        server = start_local_server(database=url)
+        stack.callback(server.stop)
+        server.wait_ready(120)
+        urls[name] = server.api_url
+    return urls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30, help="measured steps per leg, in all")
     parser.add_argument("--rounds", type=int, default=3, help="the legs alternate this often")
     parser.add_argument("--address", default=None, help="Ray address (default: local head)")
-    parser.add_argument("--database", default=None,
-                        help="the local Prefect server's database URL (default: SQLite)")
+    parser.add_argument("--database", action="append", default=None,
+                        help="sqlite, postgresql or a database URL; repeat to compare")
     args = parser.parse_args()
-    if args.database:
-        os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = args.database
     from bench.local_head import stopping_a_new_head
-    from flows.server import local_prefect_api
 
+    databases = args.database or ["sqlite"]
     per_round = max(2, args.steps // args.rounds)
-    results: dict[str, list[float]] = {leg: [] for leg in LEGS}
+    results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as root, stopping_a_new_head(args.address), \
-            local_prefect_api():  # the server the CLI and the main job run with
+            ExitStack() as stack:
+        apis = prefect_servers(stack, databases)
         for r in range(args.rounds):
             for leg in LEGS:
-                results[leg] += run_leg(leg, root, f"{leg}-{r}", per_round, args.address)
-    database = "SQLite" if not args.database else args.database.split(":", 1)[0]
-    print(f"Prefect server database: {database}; {args.rounds} rounds of {per_round} steps")
+                for database in (databases if leg.startswith("prefect") else [""]):
+                    name = f"{leg} {database}".strip()
+                    with reporting_to(apis[database]) if database else nullcontext():
+                        results.setdefault(name, []).extend(run_leg(
+                            leg, root, f"{leg}-{database or 'none'}-{r}", per_round,
+                            args.address))
+    print(f"{args.rounds} rounds of {per_round} steps per leg, alternating")
     for name, times in results.items():
         print(summary(name, times))
     plain = results["plain"]
-    for name in LEGS[1:]:
-        times = results[name]
-        print(f"{name:18s} adds {1000 * (statistics.median(times) - statistics.median(plain)):7.1f} "
-              f"ms/step over the plain loop (median), {1000 * (p90(times) - p90(plain)):7.1f} (p90)")
+    for name, times in results.items():
+        if name != "plain":
+            print(f"{name:26s} adds {1000 * (statistics.median(times) - statistics.median(plain)):7.1f} "
+                  f"ms/step over the plain loop (median), {1000 * (p90(times) - p90(plain)):7.1f} (p90)")
 
 
 if __name__ == "__main__":

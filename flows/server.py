@@ -157,13 +157,15 @@ def serve_forever(
         server.stop()
 
 
-def start_local_server(port: int | None = None) -> PrefectServer:
+def start_local_server(port: int | None = None, database: str | None = None) -> PrefectServer:
     """A driver's own server: Prefect's app as its ephemeral server runs it (no UI) on
-    loopback. Its output goes to stderr: a CLI's stdout is its result."""
+    loopback, on SQLite under PREFECT_HOME unless `database` names another. Its output goes
+    to stderr: a CLI's stdout is its result."""
     from engines.process import free_port
 
     port = port or free_port()
-    process = subprocess.Popen([*_prefect_app(), "local", str(port)], env=server_env(),
+    process = subprocess.Popen([*_prefect_app(), "local", str(port)],
+                               env=server_env(database=database),
                                stdout=2, stderr=2)  # (fd 2: sys.stderr may be a wrapper)
     return PrefectServer(process, "127.0.0.1", port)
 

@@ -4,12 +4,9 @@ flow runs stored in that database. Skipped where PostgreSQL is not installed."""
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.local_postgres import local_postgres, postgres_installed
 from engines.process import free_port
 from flows.config_loader import dump_config
 from tests.support.configs import arithmetic_config
@@ -25,42 +23,12 @@ from tests.support.configs import arithmetic_config
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def pg_program(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return candidates[-1] if candidates else None
-
-
-def as_postgres_user() -> list[str]:
-    """PostgreSQL refuses to run as root: run its programs as `postgres` there."""
-    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-
-
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
-    programs = {name: pg_program(name) for name in ("initdb", "pg_ctl", "createdb")}
-    if not all(programs.values()):
+    if not postgres_installed():
         pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql)")
-    root = tempfile.mkdtemp(prefix="rollflow-pg-")
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    data, port = os.path.join(root, "data"), free_port()
-    run = [*as_postgres_user()]
-    subprocess.run([*run, programs["initdb"], "-D", data, "-U", "postgres", "--auth=trust",
-                    "-E", "UTF8"], check=True, capture_output=True)
-    subprocess.run([*run, programs["pg_ctl"], "-D", data, "-l", os.path.join(root, "log"), "-w",
-                    "-o", f"-p {port} -c listen_addresses=127.0.0.1 -k {root}", "start"],
-                   check=True, capture_output=True)
-    try:
-        subprocess.run([*run, programs["createdb"], "-h", "127.0.0.1", "-p", str(port),
-                        "-U", "postgres", "prefect"], check=True, capture_output=True)
-        yield f"postgresql://postgres@127.0.0.1:{port}/prefect"
-    finally:
-        subprocess.run([*run, programs["pg_ctl"], "-D", data, "-m", "immediate", "stop"],
-                       capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+    with local_postgres() as url:
+        yield url
 
 
 def wait_healthy(api_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
