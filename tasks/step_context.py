@@ -3,7 +3,7 @@
 
 Actors are called as `resolve(actor.method.remote(...))`: `resolve` is `ray.get` for object
 refs and hands anything else back as it is, so the tasks' logic runs in unit tests with the
-fake actors of tests/fakes.py, whose `.remote()` returns the value itself.
+fake actors of tests/support/fakes.py, whose `.remote()` returns the value itself.
 """
 
 from __future__ import annotations

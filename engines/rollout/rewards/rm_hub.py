@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-# The built-ins as plain functions, for hooks that wrap one (e.g. tests/flow/faults.py).
+# The built-ins as plain functions, for hooks that wrap one (e.g. tests/support/hooks.py).
 exact_match: RewardFn = REWARD_FUNCTIONS["exact_match"]
 last_number: RewardFn = REWARD_FUNCTIONS["last_number"]
 
