@@ -18,6 +18,9 @@ the UI; none changes what Prefect records. The costs are measured by
   second on exit. Child flow runs (a step as a flow run of its own) run without a heartbeat
   thread; the parent `train` flow run keeps its heartbeats, so a crashed driver is still
   detected.
+
+How a step flow run is created and run (ahead of time, its tail off the critical path) is
+the other answer to Prefect's subflow behaviour; it lives in flows/step_flow_runs.py.
 """
 
 from __future__ import annotations

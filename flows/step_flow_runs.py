@@ -61,7 +61,7 @@ def step_flow_run_name(config: RollflowConfig, rollout_id: int) -> str:
 
 
 class StepFlowRuns:
-    """Creates step flow runs one step ahead and runs them in the caller's thread.
+    """Creates step flow runs one step ahead and runs each in a thread of its own.
 
     `run(ctx, k)` runs step k in its flow run (created now if it was not created ahead),
     starts creating step k+1's, and returns step k's metrics once it is committed. Thread-safe:
