@@ -120,8 +120,8 @@ StepRunner = Callable[[StepContext, int], dict[str, Any]]
 
 @contextmanager
 def step_runner(config: RollflowConfig) -> Iterator[StepRunner]:
-    """How the train flow runs each step of a run: `run_step_tasks` in its own flow run, or
-    each in a flow run of its own, created one step ahead."""
+    """How the train flow runs each step of a run: in a flow run of its own, created one step
+    ahead (the default), or its tasks in the train flow run (`logging.step_flow_runs: false`)."""
     if not steps_are_flow_runs(config):
         yield run_step_tasks
         return
