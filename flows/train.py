@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 from prefect import flow
+from prefect.states import Cancelled
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import cluster_address, connect
@@ -22,7 +23,7 @@ from flows.config import RollflowConfig
 from flows.config_history import warn_if_replayed_under_changed_config
 from flows.config_loader import dump_config
 from flows.config_paths import resolve_paths
-from flows.driver_record import current_flow_run_id, take_over
+from flows.driver_record import RunInUseError, current_flow_run_id, take_over
 from flows.failure_notice import notify_failure
 from flows.logging_sinks import open_sinks
 from flows.preflight import PreflightReport, preflight_once
@@ -53,7 +54,12 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
     evaluations on schedule), then release the actors."""
     checked = preflight_once(config)
     layout = open_layout(config)
-    take_over(layout, layout.uri, current_flow_run_id())
+    try:
+        take_over(layout, layout.uri, current_flow_run_id())
+    except RunInUseError as busy:
+        # A second driver (a schedule firing while the last training still runs): this flow
+        # run did nothing and ends Cancelled, saying why; calling it still raises `busy`.
+        return Cancelled(message=str(busy), data=busy)  # type: ignore[return-value]
     if finished(config, layout):
         save_config(layout, config)
         free_kept_actors(config, layout)

@@ -67,12 +67,18 @@ def test_the_flow_runs_of_a_killed_driver_are_set_crashed(prefect_api, tmp_path)
     assert record["flow_run_id"] == "new-run" and record["pid"] != gone.pid
 
 
-def test_a_train_refused_for_a_run_in_use_raises_no_failure_alert(
+def test_a_train_refused_for_a_run_in_use_ends_cancelled_without_an_alert(
     prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
 ):
-    """The refused driver's flow run fails, but the run is fine: no failure artifact, no
+    """The refused driver's flow run (a schedule firing while the last training runs) ends
+    Cancelled saying which driver has the run; the run is fine: no failure artifact, no
     `rollflow.training.failed` event for alerts."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterName,
+    )
 
     from flows.train import train
     from tasks.artifacts import artifact_key
@@ -96,4 +102,8 @@ def test_a_train_refused_for_a_run_in_use_raises_no_failure_alert(
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=[key])))
+        (refused,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[f"train-{cfg.storage.run_name}"])))
     assert found == []
+    assert refused.state.is_cancelled(), refused.state
+    assert "is being trained by another driver" in refused.state.message
