@@ -27,8 +27,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 from flows.prefect_env import prefect_env_defaults
@@ -152,23 +152,6 @@ def run_leg(leg: str, root: str, run_name: str, steps: int, address: str | None)
                                      step_flow_runs=leg == "prefect"))
 
 
-@contextmanager
-def reporting_to(api_url: str) -> Iterator[None]:
-    """Flow runs started within report to the server at `api_url`."""
-    from prefect.context import refresh_global_settings_context
-
-    from flows.server import _drain_prefect_clients
-
-    os.environ["PREFECT_API_URL"] = api_url
-    refresh_global_settings_context()
-    try:
-        yield
-    finally:
-        _drain_prefect_clients()
-        del os.environ["PREFECT_API_URL"]
-        refresh_global_settings_context()
-
-
 def prefect_servers(stack: ExitStack, databases: list[str]) -> dict[str, str]:
     """A local Prefect server per database, all running until `stack` closes; their API
     URLs by database name."""
@@ -196,6 +179,7 @@ def main() -> None:
                         help="sqlite, postgresql or a database URL; repeat to compare")
     args = parser.parse_args()
     from bench.local_head import stopping_a_new_head
+    from flows.server import reporting_to
 
     databases = args.database or ["sqlite"]
     per_round = max(2, args.steps // args.rounds)

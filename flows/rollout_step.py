@@ -30,7 +30,7 @@ from engines.weights.schedule import evaluates_after
 from flows.config import RollflowConfig
 from flows.prefect_workarounds import results_linked_within_step, untagged_tasks
 from flows.reporting import publish_step_report
-from flows.step_flow_runs import DRIVER, CommitHook, StepFlowRuns, step_flow_runs
+from flows.step_flow_runs import DRIVER, CommitHook, step_flow_runs
 from storage.run_layout import RunLayout
 from tasks import step_gates as gates
 from tasks.step_context import StepContext
@@ -100,32 +100,25 @@ def run_step_tasks(
     return metrics
 
 
-def run_rollout_step(
-    ctx: StepContext, rollout_id: int, flow_runs: StepFlowRuns | None = None
-) -> dict[str, Any]:
-    """Step `rollout_id` as the train flow runs it: in a flow run of its own (the default,
-    `logging.step_flow_runs`), created ahead by `flow_runs` when the caller has one, or as
-    tasks of the current flow run."""
-    config = config_of(ctx)
-    if not steps_are_flow_runs(config):
-        return run_step_tasks(ctx, rollout_id)
-    if flow_runs is not None:
-        return flow_runs.run(ctx, rollout_id)
-    with step_flow_runs(prenamed_rollout_step, total_steps=rollout_id + 1) as one_off:
-        return one_off.run(ctx, rollout_id)
+def run_rollout_step(ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+    """Step `rollout_id` on its own, the way `step_runner` runs each step of a training."""
+    with step_runner(config_of(ctx), total_steps=rollout_id + 1) as run_step:
+        return run_step(ctx, rollout_id)
 
 
 StepRunner = Callable[[StepContext, int], dict[str, Any]]
 
 
 @contextmanager
-def step_runner(config: RollflowConfig) -> Iterator[StepRunner]:
+def step_runner(config: RollflowConfig, total_steps: int | None = None) -> Iterator[StepRunner]:
     """How the train flow runs each step of a run: in a flow run of its own, created one step
-    ahead (the default), or its tasks in the train flow run (`logging.step_flow_runs: false`)."""
+    ahead (the default; none past `total_steps`, the run's length unless given), or its tasks
+    in the train flow run (`logging.step_flow_runs: false`)."""
     if not steps_are_flow_runs(config):
         yield run_step_tasks
         return
-    with step_flow_runs(prenamed_rollout_step, config.rollout.num_rollout) as flow_runs:
+    total = config.rollout.num_rollout if total_steps is None else total_steps
+    with step_flow_runs(prenamed_rollout_step, total) as flow_runs:
         yield flow_runs.run
 
 

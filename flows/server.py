@@ -175,7 +175,6 @@ def local_prefect_api() -> Iterator[PrefectServer | None]:
     """Prefect reports to a local server of ours while this lasts, where it would otherwise
     start its ephemeral one: no `PREFECT_API_URL` (environment, profile or a test harness)
     and ephemeral mode allowed. Enter it after `prefect_env_defaults()`."""
-    from prefect.context import refresh_global_settings_context
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
@@ -188,16 +187,26 @@ def local_prefect_api() -> Iterator[PrefectServer | None]:
     server = start_local_server()
     try:
         server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
-        os.environ["PREFECT_API_URL"] = server.api_url
-        refresh_global_settings_context()  # Prefect read its settings at import
-        try:
+        with reporting_to(server.api_url):
             yield server
-        finally:
-            _drain_prefect_clients()
-            del os.environ["PREFECT_API_URL"]
-            refresh_global_settings_context()
     finally:
         server.stop()
+
+
+@contextmanager
+def reporting_to(api_url: str) -> Iterator[None]:
+    """Flow runs started within report to the server at `api_url`; what they queued (logs,
+    events) reaches it before this ends."""
+    from prefect.context import refresh_global_settings_context
+
+    os.environ["PREFECT_API_URL"] = api_url
+    refresh_global_settings_context()  # Prefect read its settings at import
+    try:
+        yield
+    finally:
+        _drain_prefect_clients()
+        del os.environ["PREFECT_API_URL"]
+        refresh_global_settings_context()
 
 
 def _drain_prefect_clients() -> None:

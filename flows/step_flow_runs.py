@@ -85,7 +85,7 @@ class StepFlowRuns:
 
     def run(self, ctx: StepContext, rollout_id: int) -> dict[str, Any]:
         config: RollflowConfig = ctx.cfg  # type: ignore[assignment]
-        flow_run = self._take(config, rollout_id).result()
+        flow_run = self._take(config, rollout_id)
         if rollout_id + 1 < self.total_steps:
             self._prepare(config, rollout_id + 1)
         committed: Future[dict[str, Any]] = Future()
@@ -129,13 +129,11 @@ class StepFlowRuns:
         if raise_errors and failures:
             raise failures[0]  # type: ignore[misc]
 
-    def _take(self, config: RollflowConfig, rollout_id: int) -> Future[FlowRun]:
+    def _take(self, config: RollflowConfig, rollout_id: int) -> FlowRun:
+        """Step `rollout_id`'s flow run: the one created ahead, else a new one now."""
         with self._lock:
-            future = self._ahead.pop(rollout_id, None)
-        if future is None:
-            future = Future()
-            future.set_result(self._create(config, rollout_id))
-        return future
+            ahead = self._ahead.pop(rollout_id, None)
+        return ahead.result() if ahead is not None else self._create(config, rollout_id)
 
     def _prepare(self, config: RollflowConfig, rollout_id: int) -> None:
         with self._lock:

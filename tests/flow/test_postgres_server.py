@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from bench.local_postgres import local_postgres, postgres_installed
 from engines.process import free_port
 from flows.config_loader import dump_config
+from flows.server import PrefectServer
 from tests.support.configs import arithmetic_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -29,19 +29,6 @@ def postgres_url() -> Iterator[str]:
         pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql)")
     with local_postgres() as url:
         yield url
-
-
-def wait_healthy(api_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "rollflow server exited"
-        try:
-            if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"no server at {api_url} after {timeout_s} s")
 
 
 def step_flow_runs_in_database(url: str, run: str) -> list[str]:
@@ -72,9 +59,10 @@ def test_a_training_reports_to_a_server_on_postgresql(
         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    api_url = f"http://127.0.0.1:{port}/api"
+    prefect = PrefectServer(server, "127.0.0.1", port)
+    api_url = prefect.api_url
     try:
-        wait_healthy(api_url, server, 240)
+        prefect.wait_ready(240)
         assert not (tmp_path / "prefect-home" / "prefect.db").exists()  # no SQLite behind it
         run = f"pg-{uuid.uuid4().hex[:6]}"
         cfg = arithmetic_config(run_name=run, runs_root=str(tmp_path / "runs"),
@@ -98,5 +86,4 @@ def test_a_training_reports_to_a_server_on_postgresql(
         assert step_flow_runs_in_database(postgres_url, run) == [f"{run}/rollout-0",
                                                                    f"{run}/rollout-1"]
     finally:
-        server.terminate()
-        server.wait(30)
+        prefect.stop()
