@@ -33,6 +33,7 @@ from engines.hooks.loader import load_hook, validate_hooks
 from engines.hooks.protocols import RewardFn
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.rewards.hub import RewardHub, builtin_reward, compares_with_label
+from engines.weights.model_families import UnsupportedModelError, check_model_family
 from flows.config import ConfigError, EvalDataset, RollflowConfig
 from flows.config_paths import MODEL_FIELDS, is_uri
 from storage.run_layout import RunLayout
@@ -136,6 +137,35 @@ def check_model_weights(cfg: RollflowConfig) -> None:
                               "pytorch_model*.bin)")
 
 
+def model_families(cfg: RollflowConfig) -> list[tuple[str, str, str]]:
+    """(backend, config key, local model directory) of each model a backend rollflow runs
+    will load; SGLang servers, mock backends and remote paths are not checked here (the
+    backend checks what it loads when it is built)."""
+    found: list[tuple[str, str, str | None]] = []
+    if cfg.train.backend != "mock":
+        key = "train.model_path" if cfg.train.model_path else "train.load"
+        found.append((cfg.train.backend, key, cfg.train.model_path or cfg.train.load))
+    if cfg.engine.backend == "embedded":
+        found.append(("embedded", "engine.model_path", cfg.engine.model_path))
+    return [(b, k, p) for b, k, p in found if p and os.path.isfile(os.path.join(p, "config.json"))]
+
+
+def check_model_families(cfg: RollflowConfig) -> None:
+    """Each model is of a family its backend runs (`engines.weights.model_families`): a
+    model of another family would load, then fail or train on wrong numbers inside an
+    actor."""
+    errors = []
+    for backend, key, path in model_families(cfg):
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+        try:
+            check_model_family(model_type, backend, f"{key} ({path})")
+        except UnsupportedModelError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
 def check_storage(cfg: RollflowConfig) -> RunLayout:
     """The run directory exists (or can be made) and takes a write."""
     s = cfg.storage
@@ -212,6 +242,7 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
         warn_if_public("engine.host", cfg.engine.host)
     check_files_exist(cfg)
     check_model_weights(cfg)
+    check_model_families(cfg)
     check_storage(cfg)
     validate_hooks(cfg)
     hub = RewardHub.from_config(cfg.rollout)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Collection, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engines.inference import fused_decode
 from engines.inference.decode_batch import DecodeBatch, ReqState
@@ -35,6 +35,7 @@ from engines.inference.gen_types import (
     run_to_completion,
 )
 from engines.inference.kv_decode import LlamaDecoder, make_decoder
+from engines.weights.model_families import check_model_config
 from engines.weights.sync import weights_checksum
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,6 +75,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = engine_device(device)
+        check_model_config(AutoConfig.from_pretrained(model_path), "embedded", model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
         self.model.eval().requires_grad_(False)

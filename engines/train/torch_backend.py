@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engines.algorithms.config import AlgorithmConfig
 from engines.train import checkpoint_io as ckpt
@@ -47,6 +47,7 @@ from engines.train.torch_models import (
     score_samples,
 )
 from engines.weights import hf_export
+from engines.weights.model_families import check_model_config
 from storage.sample import Sample
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -79,6 +80,7 @@ class TorchTrainBackend:
         self._initial = train_cfg.model_path or source
         if train_cfg.load:
             ckpt.verify_checkpoint(train_cfg.load)
+        check_model_config(AutoConfig.from_pretrained(self._initial), "torch", self._initial)
         torch.manual_seed(train_cfg.seed)
         self._shuffle = torch.Generator().manual_seed(train_cfg.seed)
         self.step = TrainStep(train_cfg, algo_cfg, self, self._shuffle, reward_key)

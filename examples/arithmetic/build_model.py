@@ -2,7 +2,8 @@
 
 No weights can be downloaded here, so the example makes its own: a character-level
 tokenizer (the `tokenizers` library, wrapped as a `PreTrainedTokenizerFast`) and a randomly
-initialised 4-layer Llama. Both are saved with `save_pretrained` and everything downstream
+initialised 4-layer Llama (or Qwen3, or Qwen3-MoE with 8 experts, 2 per token: `--family`,
+the families rollflow trains; docs/models.md). Both are saved with `save_pretrained` and everything downstream
 loads them with `from_pretrained`, exactly as it would load a hub model.
 """
 
@@ -13,7 +14,14 @@ import os
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789+-*=?:,. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n")
@@ -46,12 +54,12 @@ def build_model(
     num_heads: int = 4,
     max_positions: int = 128,
     seed: int = 0,
+    family: str = "llama",
 ) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 4,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
@@ -61,15 +69,33 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
+    config: PretrainedConfig
+    if family == "llama":
+        config = LlamaConfig(intermediate_size=hidden_size * 4, **common)
+    elif family == "qwen3":
+        config = Qwen3Config(intermediate_size=hidden_size * 4, head_dim=hidden_size // num_heads,
+                             **common)
+    elif family == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            intermediate_size=hidden_size * 4, moe_intermediate_size=hidden_size,
+            head_dim=hidden_size // num_heads, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, router_aux_loss_coef=0.001, **common,
+        )
+    else:
+        raise ValueError(f"family must be llama, qwen3 or qwen3_moe, got {family!r}")
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def save_tiny_model(out_dir: str, num_layers: int = 4, hidden_size: int = 128, seed: int = 0) -> str:
+def save_tiny_model(
+    out_dir: str, num_layers: int = 4, hidden_size: int = 128, seed: int = 0,
+    family: str = "llama",
+) -> str:
     """Write tokenizer + model to `out_dir` (idempotent: reuses an existing one)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
+    model = build_model(tokenizer, num_layers=num_layers, hidden_size=hidden_size, seed=seed,
+                        family=family)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -81,8 +107,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe"], default="llama")
     args = parser.parse_args()
-    print(save_tiny_model(args.out, args.layers, args.hidden, args.seed))
+    print(save_tiny_model(args.out, args.layers, args.hidden, args.seed, args.family))
 
 
 if __name__ == "__main__":

@@ -59,3 +59,25 @@ def test_tp_and_pp_round_trip_is_exact() -> None:
         stages.append((layers.start, merge_tp(shards)))
     merged = merge_stages(stages)
     assert set(merged) == set(full) and all(torch.equal(merged[k], full[k]) for k in full)
+
+
+def test_qwen3_q_and_k_norms_map_to_megatron_qk_layernorm() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(cfg).state_dict()
+    shape = ModelShape.from_hf_config(cfg)
+    assert shape.qk_layernorm and not shape.qkv_bias and shape.head_dim == 16  # not 32 / 4
+    full = hf_to_mcore(hf, shape)
+    q_norm = full["decoder.layers.1.self_attention.q_layernorm.weight"]
+    assert q_norm is hf["model.layers.1.self_attn.q_norm.weight"] and q_norm.shape == (16,)
+    assert full["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (4 * 16 + 2 * 2 * 16, 32)
+    back = mcore_to_hf(full, shape)
+    assert set(back) == set(hf) and all(torch.equal(back[k], v) for k, v in hf.items())
+    # the norms are whole on every TP rank
+    shard = shard_tp(full, 1, 2)
+    assert torch.equal(shard["decoder.layers.0.self_attention.k_layernorm.weight"],
+                       hf["model.layers.0.self_attn.k_norm.weight"])

@@ -183,3 +183,27 @@ def test_an_eval_set_without_labels_names_its_own_key(make, tmp_path):
     bare.write_text(json.dumps({"prompt": "1+1="}) + "\n")
     with pytest.raises(DatasetError, match=r"eval.datasets\[0\].label_key\), but the reward"):
         preflight(build(eval={"datasets": [{"name": "t", "path": str(bare)}]}))
+
+
+def test_a_model_family_no_backend_runs_is_refused_by_name(make, tmp_path):
+    from transformers import MistralConfig
+
+    from engines.weights.model_families import UnsupportedModelError, check_model_config
+
+    build, _ = make
+    mistral = tmp_path / "mistral"
+    MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(mistral)
+    (mistral / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        preflight(build(train={"model_path": str(mistral)}))
+    # the trainer and the embedded engine (which defaults to the trainer's model) both refuse
+    assert str(err.value).splitlines() == [
+        f"train.model_path ({mistral}): model_type 'mistral' is not supported by the torch "
+        "train backend; supported: llama, qwen2, qwen3, qwen3_moe",
+        f"engine.model_path ({mistral}): model_type 'mistral' is not supported by the "
+        "embedded engine; supported: llama, qwen2, qwen3, qwen3_moe",
+    ]
+    # megatron does not run Qwen3-MoE; a backend built without the driver refuses too
+    with pytest.raises(UnsupportedModelError, match="'qwen3_moe' is not supported by the "
+                       "megatron train backend; supported: llama, qwen2, qwen3$"):
+        check_model_config(type("Cfg", (), {"model_type": "qwen3_moe"})(), "megatron", "x")

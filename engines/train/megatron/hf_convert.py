@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight conversion for the Llama / Qwen2 family (pure torch).
+"""HF <-> megatron-core weight conversion for the Llama / Qwen2 / Qwen3 family (pure torch).
 
 Megatron fuses what HF keeps apart, and orders the fused rows so that a tensor-parallel
 split along dim 0 gives each rank whole heads / whole halves:
@@ -7,6 +7,10 @@ split along dim 0 gives each rank whole heads / whole halves:
   groups one after another. HF keeps `q_proj`, `k_proj`, `v_proj` (and their biases).
 * `linear_fc1` = [gate; up] *per TP rank*: rank r holds [gate_r; up_r], so the full (TP=1)
   tensor is [gate; up] and a TP shard is built from the gate and up shards separately.
+
+Qwen3 normalises each head's queries and keys before RoPE (HF `q_norm` / `k_norm`, one
+`[head_dim]` weight each, shared by the heads): megatron-core's `qk_layernorm=True`, whose
+`q_layernorm` / `k_layernorm` weights are replicated across TP ranks.
 
 The functions below work on *full* (unsharded, all layers) state dicts; `shard_tp` /
 `merge_tp` and `select_stage` / `merge_stages` cut and reassemble them for TP and PP.
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from engines.weights.model_families import check_model_family
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -39,6 +45,7 @@ class ModelShape:
     vocab_size: int
     qkv_bias: bool
     tie_word_embeddings: bool
+    qk_layernorm: bool
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -49,10 +56,10 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelShape:
-        """Qwen2 always has q/k/v biases; Llama has them when `attention_bias` is set."""
-        model_type = getattr(cfg, "model_type", "")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"megatron backend supports llama/qwen2 configs, got {model_type!r}")
+        """Qwen2 always has q/k/v biases; Llama and Qwen3 have them when `attention_bias`
+        is set; Qwen3 normalises q and k per head."""
+        model_type = getattr(cfg, "model_type", None)
+        check_model_family(model_type, "megatron", "megatron model config")
         heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         rope = getattr(cfg, "rope_parameters", None) or {}
@@ -67,6 +74,7 @@ class ModelShape:
             vocab_size=int(cfg.vocab_size),
             qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qk_layernorm=model_type == "qwen3",
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(theta),
             max_position_embeddings=int(cfg.max_position_embeddings),
@@ -102,6 +110,15 @@ _SIMPLE_LAYER = {  # megatron suffix -> HF suffix, copied as is
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+_QK_NORM = {  # qk_layernorm (Qwen3) only
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+
+
+def _simple_layer(shape: ModelShape) -> dict[str, str]:
+    """Megatron suffix -> HF suffix of the layer tensors copied as they are."""
+    return {**_SIMPLE_LAYER, **_QK_NORM} if shape.qk_layernorm else _SIMPLE_LAYER
 
 
 def hf_to_mcore(hf: Mapping[str, Tensor], shape: ModelShape) -> dict[str, Tensor]:
@@ -109,7 +126,7 @@ def hf_to_mcore(hf: Mapping[str, Tensor], shape: ModelShape) -> dict[str, Tensor
     out: dict[str, Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
     for i in range(shape.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mc_name, hf_name in _SIMPLE_LAYER.items():
+        for mc_name, hf_name in _simple_layer(shape).items():
             out[dst + mc_name] = hf[src + hf_name]
         attn = src + "self_attn."
         out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
@@ -135,7 +152,7 @@ def mcore_to_hf(mc: Mapping[str, Tensor], shape: ModelShape) -> dict[str, Tensor
     out: dict[str, Tensor] = {"model.embed_tokens.weight": embed}
     for i in range(shape.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for mc_name, hf_name in _SIMPLE_LAYER.items():
+        for mc_name, hf_name in _simple_layer(shape).items():
             out[dst + hf_name] = mc[src + mc_name]
         q, k, v = split_qkv(mc[src + "self_attention.linear_qkv.weight"], shape)
         out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k})

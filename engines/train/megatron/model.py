@@ -108,11 +108,12 @@ def varlen_causal_attention(
     return torch.cat(parts, dim=0)
 
 
-def layer_spec(sdpa: bool = True) -> Any:
-    """megatron's local GPT layer spec (RMSNorm), optionally with SDPA core attention."""
+def layer_spec(sdpa: bool = True, qk_layernorm: bool = False) -> Any:
+    """megatron's local GPT layer spec (RMSNorm; per-head q/k norms for Qwen3), optionally
+    with SDPA core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     if sdpa:
         spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
@@ -121,7 +122,7 @@ def layer_spec(sdpa: bool = True) -> Any:
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, dtype: torch.dtype, cpu_init: bool = False
 ) -> Any:
-    """A `TransformerConfig` matching HF Llama/Qwen2 numerics (no fusions needing apex/TE;
+    """A `TransformerConfig` matching HF Llama/Qwen2/Qwen3 numerics (no fusions needing apex/TE;
     the swiglu fusion is megatron's own, through torch.compile).
 
     `calculate_per_token_loss=True` makes megatron *sum* (not average) gradients over DP
@@ -142,6 +143,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=True,  # swiglu through megatron's torch.compile'd fusion (no TE)
@@ -190,7 +192,7 @@ def build_gpt_model(
     post = ps.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(sdpa),
+        transformer_layer_spec=layer_spec(sdpa, shape.qk_layernorm),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
