@@ -29,6 +29,7 @@ from engines.data.prompt_dataset import (
     model_context,
     prompt_limit,
 )
+from engines.data.reasoning_gym import heldout_issue, is_task_uri, shared_questions
 from engines.hooks.loader import load_hook, validate_hooks
 from engines.hooks.protocols import RewardFn
 from engines.rollout.evaluation import eval_spec
@@ -233,6 +234,30 @@ def check_eval_reward(ds: EvalDataset, index: int, hub: RewardHub) -> None:
                           "it, or rollout.rm_type / rollout.custom_rm_path)")
 
 
+def check_heldout(cfg: RollflowConfig) -> None:
+    """A reasoning_gym:// eval set is held out only if its generator's random streams miss
+    the training set's: one that repeats training entries is refused, naming its key; one
+    that shares streams under other settings, or questions a small problem space repeats
+    across seeds, is warned of with the count."""
+    train = cfg.data.prompt_data
+    if not is_task_uri(train):
+        return
+    for i, ds in enumerate(cfg.eval.datasets):
+        if not is_task_uri(ds.path):
+            continue
+        issue = heldout_issue(train, ds.path)
+        if issue is not None and issue.same_entries:
+            raise ConfigError(f"eval.datasets[{i}].path: {ds.path} is not held out: "
+                              f"{issue.message}")
+        if issue is not None:
+            log.warning("eval.datasets[%d] (%s): %s", i, ds.path, issue.message)
+        shared, total = shared_questions(train, ds.path)
+        if shared:
+            log.warning("eval.datasets[%d] (%s): %d of its %d questions also occur in the "
+                        "training set (the task's problem space is small enough that seeds "
+                        "repeat questions)", i, ds.path, shared, total)
+
+
 def preflight(cfg: RollflowConfig) -> PreflightReport:
     """Check the run before any actor starts; returns what was found. The config is not
     changed: the actors derive the same defaults (the prompt limit) themselves, so the
@@ -274,6 +299,7 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
         labels.append((spec, label_readers(rm_type, custom, evals.fields), evals.fields))
     for spec, readers, fields in labels:  # after every set's own checks
         check_labels(spec, readers, fields)
+    check_heldout(cfg)
     return PreflightReport(checked.usable, checked.dropped_too_long, limit, eval_prompts,
                            time.perf_counter() - start)
 

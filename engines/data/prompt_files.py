@@ -3,8 +3,10 @@
 A prompt set is one file (`.jsonl`/`.json`, `.parquet`, `.arrow`), a directory or glob of such
 shards (read in sorted path order, so the row order never depends on a listing), a Hugging
 Face `datasets` dataset written by `save_to_disk` (a `DatasetDict` by split), or a dataset in
-the local hub cache (`hf://datasets/org/name[/config]`). Local paths and `s3://...` URIs
-alike go through `storage.object_store.open_store` with the run's endpoint and options.
+the local hub cache (`hf://datasets/org/name[/config]`), or a reasoning-gym task generated
+when read (`reasoning_gym://<task>?seed=S`, `engines.data.reasoning_gym`). Local paths and
+`s3://...` URIs alike go through `storage.object_store.open_store` with the run's endpoint and
+options.
 
 Why lazy: a multi-million-row set as `Sample` objects costs gigabytes and minutes before the
 first step. Arrow shards stay Arrow (memory-mapped where the file allows: `.arrow` and
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engines.data.reasoning_gym import TaskShard, TaskUriError, is_task_uri
 from storage.object_store import ObjectStore, open_store
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -199,6 +202,8 @@ def open_rows(spec: DatasetSpec) -> PromptRows:
     """The rows of `spec.path` (see the module docstring for what it may name)."""
     if spec.path.startswith(HUB_PREFIX):
         return PromptRows(spec.path, [_hub_dataset(spec)])
+    if is_task_uri(spec.path):
+        return PromptRows(spec.path, [_task_shard(spec)])
     store = open_store(spec.path, spec.endpoint_url, **dict(spec.storage_options))
     fs, root = store.fs, store.path()
     if any(c in spec.path for c in "*?["):
@@ -318,6 +323,16 @@ def _saved_dataset(store: ObjectStore, root: str, spec: DatasetSpec) -> list[Sha
     """The Arrow files of a `Dataset.save_to_disk` directory, in the order its state lists."""
     state = json.loads(store.fs.cat_file(f"{root}/state.json"))
     return [_open_file(store, f"{root}/{f['filename']}", spec) for f in state["_data_files"]]
+
+
+def _task_shard(spec: DatasetSpec) -> Shard:
+    """`reasoning_gym://<task>?seed=S&...`: entries generated when read (a bad parameter
+    fails here, naming the URI and the config key that holds it)."""
+    try:
+        return TaskShard(spec.path, spec.input_key, spec.label_key, spec.metadata_key)
+    except TaskUriError as e:
+        key = "data.prompt_data" if spec.config_key == "data" else f"{spec.config_key}.path"
+        raise DatasetError(spec.path, 0, "(file)", f"{e.problem} ({key})") from None
 
 
 def _hub_dataset(spec: DatasetSpec) -> Shard:

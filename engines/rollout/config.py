@@ -60,7 +60,8 @@ class RolloutConfig(Section):
     rm_type: str | None = Field(
         None,
         description="Built-in reward (rm hub): math, deepscaler, dapo, f1, exact_match, "
-        "last_number, remote_rm; `boxed_<rule>` scores only the last \\boxed{...}.",
+        "last_number, remote_rm; reasoning_gym (a reasoning_gym:// prompt set graded by its "
+        "task's own scorer); `boxed_<rule>` scores only the last \\boxed{...}.",
     )
     custom_rm_path: str | None = Field(
         None,
@@ -84,8 +85,8 @@ class RolloutConfig(Section):
     rm_rule_timeout_s: float = Field(
         10.0, gt=0.0,
         description="Deadline to grade one sample with a math rule (math, deepscaler, dapo and "
-        "their boxed_ forms), which run in worker processes; past it the sample scores as a "
-        "failure and counts in rollout/reward_timeouts.",
+        "their boxed_ forms) or reasoning_gym, which run in worker processes; past it the "
+        "sample scores as a failure and counts in rollout/reward_timeouts.",
     )
     reward_key: str | None = Field(None, description="Key picked from dict rewards.")
     sglang_server_concurrency: int = Field(

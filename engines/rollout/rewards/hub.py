@@ -7,7 +7,8 @@
                                         ┘
  "boxed_<rule>": score only the last \\boxed{...} of the response with <rule>
 ```
-Built-ins live in `RULES` (pure `(response, label) -> reward`) plus `remote_rm`, which needs
+Built-ins live in `RULES` (pure `(response, label) -> reward`), `SAMPLE_REWARDS` (graded by
+the sample's metadata: `reasoning_gym`, the task's own scorer) and `remote_rm`, which needs
 `rollout.rm_url`. Names are resolved once and cached; an unknown name fails with the config
 key (or sample) that named it.
 
@@ -35,6 +36,7 @@ from engines.rollout.rewards.deadline import (
     GradingPool,
 )
 from engines.rollout.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
+from engines.rollout.rewards.reasoning_gym import reasoning_gym_reward
 from engines.rollout.rewards.remote import RemoteRewardModel
 from engines.rollout.rewards.text_rules import exact_match_score, f1_score, last_number_score
 from storage.sample import RewardError, Sample
@@ -51,6 +53,11 @@ RULES: dict[str, RuleFn] = {
     "last_number": last_number_score,
 }
 IN_PROCESS: frozenset[RuleFn] = frozenset({f1_score, exact_match_score, last_number_score})
+SAMPLE_REWARDS: dict[str, Callable[[float], RewardFn]] = {
+    "reasoning_gym": reasoning_gym_reward,
+}
+"""Built-ins that grade a sample by more than its label (its metadata), from the grading
+deadline to the reward function."""
 BOXED_PREFIX = "boxed_"
 REMOTE = "remote_rm"
 
@@ -114,10 +121,14 @@ def builtin_reward(
         if remote is None:
             raise RewardConfigError(f"{where}: remote_rm needs rollout.rm_url")
         return remote.score
+    if base in SAMPLE_REWARDS:
+        if boxed:
+            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
+        return SAMPLE_REWARDS[base](rule_timeout_s)
     if base not in RULES:
         raise RewardConfigError(
-            f"{where}: unknown reward {name!r}; built-ins: {sorted([*RULES, REMOTE])} "
-            f"(rules also as {BOXED_PREFIX}<rule>)"
+            f"{where}: unknown reward {name!r}; built-ins: "
+            f"{sorted([*RULES, *SAMPLE_REWARDS, REMOTE])} (rules also as {BOXED_PREFIX}<rule>)"
         )
     return rule_reward(RULES[base], boxed, rule_timeout_s)
 
