@@ -27,6 +27,7 @@ class HookError(ValueError):
 HOOKS: dict[str, type] = {
     "rollout.function_path": protocols.RolloutFn,
     "rollout.custom_generate_function_path": protocols.GenerateFn,
+    "rollout.agent_path": protocols.AgentFn,
     "rollout.custom_rm_path": protocols.RewardFn,
     "rollout.dynamic_sampling_filter_path": protocols.DynamicFilterFn,
     "rollout.over_sampling_filter_path": protocols.OverSamplingFilterFn,

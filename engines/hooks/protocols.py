@@ -49,6 +49,15 @@ class GenerateFn(Protocol):
     ) -> Sample: ...
 
 
+class AgentFn(Protocol):
+    """`rollout.agent_path`: an agent written against an OpenAI client. It gets the base URL
+    of its sample's gateway session (also usable as the API key: `api_key`), and may take
+    `sampling_params` and `args` keywords. Returns the reward (number or dict), the sample,
+    or None to let the rollout's reward function score it."""
+
+    async def __call__(self, base_url: str, sample: Sample, /, **kwargs: Any) -> Any: ...
+
+
 class RewardFn(Protocol):
     async def __call__(self, args: Any, sample: Sample, /) -> Reward: ...
 

@@ -4,7 +4,8 @@ rollflow's client, the real sglang-router and the abort/partial-rollout path all
 to engines; serving the same endpoints and JSON shapes from the embedded (or mock) engine
 lets every one of them run for real in CI. This module has the data plane (`/generate`,
 `/abort_request`, health, `/flush_cache`, model info); `control_routes` the RL control plane
-(pause, memory release, weight updates). `scheduler.ContinuousScheduler` does the batching.
+(pause, memory release, weight updates); `openai_routes` the OpenAI-compatible `/v1/...`.
+`scheduler.ContinuousScheduler` does the batching.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import Response
 
 from engines.inference.control_routes import add_control_routes
 from engines.inference.gen_types import Generator, GenRequest, GenResult, SamplingParams
+from engines.inference.openai_routes import add_openai_routes
 from engines.inference.scheduler import ContinuousScheduler
 from engines.inference.sglang_protocol import (
     error_response,
@@ -33,8 +35,14 @@ from engines.inference.sglang_protocol import (
 _HEALTH_TIMEOUT_S = 20.0
 
 
-def create_app(generator: Generator, scheduler: ContinuousScheduler) -> FastAPI:
-    """The SGLang endpoints over `generator`; the app's lifespan runs the scheduler."""
+def create_app(
+    generator: Generator,
+    scheduler: ContinuousScheduler,
+    served_model_name: str | None = None,
+    tool_call_parser: str | None = "hermes",
+) -> FastAPI:
+    """The SGLang endpoints over `generator`; the app's lifespan runs the scheduler.
+    `served_model_name` (SGLang's default: the model path) is what `/v1/models` lists."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,4 +116,6 @@ def create_app(generator: Generator, scheduler: ContinuousScheduler) -> FastAPI:
         return {"weight_version": str(generator.weight_version)}
 
     add_control_routes(app, generator, scheduler)
+    name = served_model_name or str(generator.model_info().get("model_path") or "default")
+    add_openai_routes(app, generator, run, name, tool_call_parser)
     return app

@@ -129,6 +129,16 @@ class RolloutConfig(Section):
         description="`async (args, sample, sampling_params) -> Sample` used per sample instead "
         "of the HTTP /generate call (multi-turn agents, tools).",
     )
+    agent_path: str | None = Field(
+        None,
+        description="An agent written against an OpenAI client, `async (base_url, sample, "
+        "**kw) -> reward | sample | None` (import string): each sample gets a base URL of a "
+        "token-capturing gateway (engines/rollout/agent_gateway.py) and the sample is built "
+        "from the exact tokens of its calls. Excludes custom_generate_function_path.",
+    )
+    agent_gateway_host: str = Field(
+        "127.0.0.1", description="Address the agent gateway listens on (the agent's side)."
+    )
     partial_rollout: bool = Field(
         False,
         description="Aborted groups go back to the buffer with their partial tokens and are "
@@ -185,6 +195,9 @@ class RolloutConfig(Section):
         ):
             raise ValueError("rollout.over_sampling_batch_size must be >= rollout_batch_size "
                              "when rollout.over_sampling_filter_path is set")
+        if self.agent_path and self.custom_generate_function_path:
+            raise ValueError("rollout.agent_path and rollout.custom_generate_function_path "
+                             "exclude each other: the agent gateway is the generate function")
         return self
 
 

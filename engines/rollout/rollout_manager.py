@@ -18,9 +18,10 @@ from typing import Any
 from engines.data.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
 from engines.data.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.hooks.loader import load_hook, load_user_hook, returned_groups
-from engines.hooks.protocols import EvalFn, GenerateFn, RolloutFn, SampleFilterFn
+from engines.hooks.protocols import AgentFn, EvalFn, GenerateFn, RolloutFn, SampleFilterFn
 from engines.process import freeze_actor_heap
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
+from engines.rollout.agent_gateway import AgentGateway
 from engines.rollout.dispatch import Dispatch, RouterDispatch
 from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
 from engines.rollout.filters import (
@@ -97,6 +98,7 @@ class LoopHooks:
     rewards: RewardHub
     dynamic_filter: DynamicFilter | None
     custom_generate: GenerateFn | None
+    agent: AgentFn | None = None
 
 
 def tokenizer_path(cfg: RunConfig) -> str | None:
@@ -169,6 +171,8 @@ class RolloutManager:
                           "rollout.custom_generate_function_path", GenerateFn)
                 if r.custom_generate_function_path else None
             ),
+            agent=load_hook(r.agent_path, "rollout.agent_path", AgentFn)
+            if r.agent_path else None,
         )
         self.rewards = self.hooks.rewards
         self.eval_fn: EvalFn | None = (
@@ -441,14 +445,22 @@ async def run_generation(
         RouterDispatch(router, engines) if router is not None else engines
     )
     args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
+    gateway = (AgentGateway(args, tokenizer, cfg.rollout.agent_gateway_host)
+               if hooks.agent is not None else None)
     try:
+        custom_generate = hooks.custom_generate
+        if gateway is not None and hooks.agent is not None:
+            await gateway.start()
+            custom_generate = gateway.generate_fn(hooks.agent)
         loop = GenerationLoop(
             cfg.rollout, dispatch, hooks.rewards, args,
-            custom_generate=hooks.custom_generate, dynamic_filter=hooks.dynamic_filter,
+            custom_generate=custom_generate, dynamic_filter=hooks.dynamic_filter,
             progress=progress, min_weight_version=min_weight_version,
         )
         return await loop.run_dynamic(source, target, journal, restored)
     finally:
+        if gateway is not None:
+            await gateway.stop()
         await asyncio.gather(*(c.aclose() for c in [*engines, *([router] if router else [])]))
 
 
