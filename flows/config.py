@@ -68,6 +68,11 @@ class RollflowConfig(Section):
                 "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
             )
+        if self.algorithm.routing_replay and self.train.backend == "megatron":
+            raise ValueError(
+                "algorithm.routing_replay is implemented by the torch train backend only; the "
+                "megatron backend runs dense models (train.backend: torch for Qwen3-MoE)"
+            )
         if self.algorithm.needs_groups and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.n_samples_per_prompt: 1 sample per prompt gives every advantage 0 "

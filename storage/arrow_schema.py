@@ -3,6 +3,8 @@
 Prompts that are chat messages and dict rewards do not fit a fixed column type, so they go
 in JSON side columns (`prompt_json`, `reward_json`) and the plain columns stay typed for the
 common case (string prompt, float reward) that tools like pandas/duckdb read directly.
+An MoE rollout's routed experts are a flat `list<int16>` per row (`RoutedExperts`), null for
+dense models; a table written before that column existed reads as none recorded.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from storage.sample import Sample, Status
+from storage.sample import RoutedExperts, Sample, Status
 
 SAMPLE_SCHEMA = pa.schema(
     [
@@ -34,14 +37,17 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("status", pa.string(), nullable=False),
         pa.field("weight_version", pa.int64(), nullable=False),
         pa.field("metadata", pa.string(), nullable=False),
+        pa.field("routed_experts", pa.list_(pa.int16())),
     ],
     metadata={"rollflow.schema": "sample/1"},
 )
 _LIST_COLUMNS = ("tokens", "loss_mask", "rollout_log_probs")
+_OPTIONAL_COLUMNS = ("routed_experts",)
 
 
 def samples_to_table(samples: list[Sample]) -> pa.Table:
-    cols: dict[str, list[Any]] = {name: [] for name in SAMPLE_SCHEMA.names}
+    cols: dict[str, list[Any]] = {name: [] for name in SAMPLE_SCHEMA.names
+                                  if name != "routed_experts"}
     for s in samples:
         s.check()
         is_text = isinstance(s.prompt, str)
@@ -61,7 +67,22 @@ def samples_to_table(samples: list[Sample]) -> pa.Table:
         cols["status"].append(str(s.status))
         cols["weight_version"].append(s.weight_version)
         cols["metadata"].append(json.dumps(s.metadata, ensure_ascii=False, sort_keys=True))
-    return pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
+    arrays = [pa.array(cols[f.name], type=f.type) if f.name in cols
+              else _routed_experts_array(samples) for f in SAMPLE_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=SAMPLE_SCHEMA)
+
+
+def _routed_experts_array(samples: list[Sample]) -> pa.Array:
+    """The routed experts of every row as one list array built from numpy buffers (no
+    Python int per id); null where a sample has none."""
+    routed = [s.routed_experts for s in samples]
+    lengths = np.array([0 if r is None else len(r) for r in routed], dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int32)]).astype(np.int32)
+    present = [r.ids for r in routed if r is not None]
+    values = np.concatenate(present) if present else np.zeros(0, dtype=np.int16)
+    mask = pa.array([r is None for r in routed], type=pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int16()),
+                                    mask=mask)
 
 
 @contextmanager
@@ -87,14 +108,30 @@ def _row_lists(column: pa.ChunkedArray) -> list[list[Any]]:
     return [flat[a - base : b - base] for a, b in zip(offsets, offsets[1:], strict=False)]
 
 
+def _routed_experts_rows(table: pa.Table) -> list[RoutedExperts | None]:
+    """Each row's routed experts: int16 slices of the column's one values buffer."""
+    if "routed_experts" not in table.schema.names:
+        return [None] * table.num_rows
+    column = table.column("routed_experts")
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    if array.null_count == len(array):
+        return [None] * table.num_rows
+    offsets = array.offsets.to_numpy()
+    values = array.values.to_numpy(zero_copy_only=False)
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
+    return [RoutedExperts(values[a:b].copy()) if ok else None
+            for a, b, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)]
+
+
 def table_to_samples(table: pa.Table) -> list[Sample]:
-    missing = set(SAMPLE_SCHEMA.names) - set(table.schema.names)
+    missing = set(SAMPLE_SCHEMA.names) - set(table.schema.names) - set(_OPTIONAL_COLUMNS)
     if missing:
         raise ValueError(f"not a sample table: missing columns {sorted(missing)}")
     with _gc_paused():
         lists = {name: _row_lists(table.column(name)) for name in _LIST_COLUMNS}
         col = {name: table.column(name).to_pylist() for name in SAMPLE_SCHEMA.names
-               if name not in _LIST_COLUMNS}  # fmt: skip
+               if name not in _LIST_COLUMNS and name not in _OPTIONAL_COLUMNS}  # fmt: skip
+        routed = _routed_experts_rows(table)
         out = []
         for i in range(table.num_rows):
             prompt_json, reward_json = col["prompt_json"][i], col["reward_json"][i]
@@ -113,6 +150,7 @@ def table_to_samples(table: pa.Table) -> list[Sample]:
                     status=Status(col["status"][i]),
                     weight_version=col["weight_version"][i],
                     metadata=json.loads(col["metadata"][i]),
+                    routed_experts=routed[i],
                 )
             )
     return out

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+
 ChatMessages = list[dict[str, Any]]
 Prompt = str | ChatMessages
 
@@ -32,6 +34,44 @@ class Status(StrEnum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class RoutedExperts:
+    """An MoE model's routing of one sample, as the engine ran it (SGLang's
+    `meta_info["routed_experts"]`): for each token of `tokens[:-1]` (the last token is
+    never fed to the model), each decoder layer's top-k expert ids, flattened
+    `[tokens, layers, topk]`, -1 for a layer without a router. int16, not SGLang's int32:
+    expert ids stay below 32768, and a response of 4k tokens on a 48-layer top-8 model is
+    1.5M ids. The trainer replays them (`algorithm.routing_replay`)."""
+
+    ids: np.ndarray  # int16, 1-D
+
+    @classmethod
+    def of(cls, ids: Any) -> RoutedExperts:
+        array = np.asarray(ids)
+        if array.size and (array.min() < -1 or array.max() > np.iinfo(np.int16).max):
+            raise ValueError(f"routed expert ids must be in [-1, 32767], got {array.min()} "
+                             f"to {array.max()}")
+        return cls(np.ascontiguousarray(array.astype(np.int16, copy=False).reshape(-1)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RoutedExperts) and np.array_equal(self.ids, other.ids)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def per_token(self, tokens: int, layers: int, topk: int, where: str) -> np.ndarray:
+        """`[tokens, layers, topk]`; a clear error naming `where` if the count differs."""
+        if self.ids.size != tokens * layers * topk:
+            raise ValueError(
+                f"{where}: routed_experts has {self.ids.size} ids, not {tokens} tokens x "
+                f"{layers} layers x top-{topk} = {tokens * layers * topk} (the engine's model "
+                "must be the trainer's, and cover every token but the last)"
+            )
+        return self.ids.reshape(tokens, layers, topk)
+
+
 @dataclass(slots=True)
 class Sample:
     """One response to one prompt, in slime's shape.
@@ -39,6 +79,8 @@ class Sample:
     `tokens` holds prompt + response ids; `loss_mask` and `rollout_log_probs` cover only the
     response (`response_length` entries). `reward` is a float or, for reward models that
     return several scores, a dict from which `reward_key` picks the trained one.
+    `routed_experts` (MoE models, when the rollout asks the engine for them) covers every
+    token but the last, prompt included.
     """
 
     index: int
@@ -54,6 +96,7 @@ class Sample:
     status: Status = Status.PENDING
     weight_version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: RoutedExperts | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -151,6 +194,7 @@ class Sample:
             status=self.status,
             weight_version=self.weight_version,
             metadata=copy.deepcopy(self.metadata) if self.metadata else {},
+            routed_experts=self.routed_experts,  # immutable
         )
 
 

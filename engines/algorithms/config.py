@@ -60,6 +60,13 @@ class AlgorithmConfig(Section):
     opd_teacher_path: str | None = Field(
         None, description="HF model directory of the distillation teacher (same vocabulary)."
     )
+    routing_replay: bool = Field(
+        False,
+        description="MoE models: the engines return the experts each token was routed to "
+        "(SGLang's return_routed_experts) and the trainer's old-log-prob and training "
+        "forwards route every token to those experts, weighted by its own router (R3); "
+        "torch train backend only.",
+    )
     custom_loss_function_path: str | None = Field(
         None,
         description="Import string `(algo_cfg, LossInputs, denominator) -> (loss, metrics)`.",

@@ -43,6 +43,9 @@ class ReqState:
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     reason: dict[str, Any] | None = None
+    # MoE models: int16 `[tokens, layers, topk]` routed experts of the tokens fed so far
+    # (the prefill's prefix, then one per decode step); a re-prefill replaces them
+    routed: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def prefix(self) -> list[int]:

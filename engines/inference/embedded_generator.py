@@ -5,7 +5,9 @@ for real on CPU. Its log-probs must equal what the trainer recomputes (a plain f
 forward), so rows are left-padded with an explicit attention mask *and* position ids
 (`decode_batch`), and log-probs come from the untruncated float32 distribution (`sampling`).
 Prefill is the HF forward; each decode step writes one column of a preallocated KV cache
-(`kv_decode`), through a lean Llama step where the model has that layout.
+(`kv_decode`), through a lean step where the model has a Llama layout (Llama, dense Qwen3).
+For an MoE model it records the experts each fed token was routed to (`routed_experts`),
+returned to requests that ask, as SGLang's `return_routed_experts`.
 
 The engine holds no request state: the caller owns a `DecodeBatch` and calls `step` (admit
 new requests, decode one token for the running ones), `abort` or `retract` on it. Weight
@@ -35,6 +37,7 @@ from engines.inference.gen_types import (
     run_to_completion,
 )
 from engines.inference.kv_decode import LlamaDecoder, make_decoder
+from engines.inference.routed_experts import RoutingCapture
 from engines.weights.model_families import check_model_config
 from engines.weights.sync import weights_checksum
 
@@ -80,6 +83,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
         self.model.eval().requires_grad_(False)
         self._decoder = make_decoder(self.model)
+        self._routing = RoutingCapture.of(self.model)  # MoE models only
         self._fused = fused_decode.load() if self.device.type == "cpu" else None
         self.continuous_steps = continuous_steps
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
@@ -246,6 +250,10 @@ class EmbeddedGenerator(GeneratorIdentity):
             logits_to_keep=1,
         )  # fmt: skip
         fresh = DecodeBatch.prefilled(states, attn, out.past_key_values, self.vocab_size, rows)
+        if self._routing is not None:
+            routed = self._routing.take(*ids.shape)
+            for s, row in zip(states, index, strict=True):
+                s.routed = [routed[row, width - len(s.prefix):]]
         logits = out.logits[:, -1, :]
         ended = self._sample(fresh, logits if rows is None else logits[rows])
         batch.merge(fresh)
@@ -260,6 +268,10 @@ class EmbeddedGenerator(GeneratorIdentity):
                 return ended
         logits = self._decoder(b.t["last_tok"], b.t["next_pos"], b.cache)
         b.t["next_pos"].add_(1)
+        if self._routing is not None:  # the token each live row was fed
+            routed = self._routing.take(len(b.rows), 1)
+            for j in b.live_rows():
+                b.rows[j].routed.append(routed[j])
         return self._sample(b, logits)
 
     def _decode_steps(self, b: DecodeBatch, decoder: LlamaDecoder) -> list[ReqState] | None:
@@ -313,6 +325,9 @@ class EmbeddedGenerator(GeneratorIdentity):
 
     def _result(self, s: ReqState) -> GenResult:
         reason = s.reason or dict(_ABORT)
+        routed = None
+        if s.request.return_routed_experts and s.routed:
+            routed = torch.cat(s.routed).numpy().reshape(-1)
         return GenResult(
             rid=s.request.rid,
             output_ids=s.out_ids,
@@ -321,4 +336,5 @@ class EmbeddedGenerator(GeneratorIdentity):
             finish_reason=reason,
             prompt_tokens=len(s.request.input_ids),
             weight_version=self._version,
+            routed_experts=routed,
         )

@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 ShouldAbort = Callable[[str], bool]
@@ -47,14 +48,20 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenRequest:
+    """`return_routed_experts`: SGLang's flag of the same name (MoE models: the experts each
+    token was routed to, in the result)."""
+
     rid: str
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class GenResult:
-    """One finished (or aborted) request; `finish_reason` has SGLang's shape."""
+    """One finished (or aborted) request; `finish_reason` has SGLang's shape.
+    `routed_experts`: int16 `[prompt + output - 1, layers, topk]` flattened, when asked for
+    and the model is an MoE model (`routed_experts.py`)."""
 
     rid: str
     output_ids: list[int]
@@ -63,6 +70,7 @@ class GenResult:
     finish_reason: dict[str, Any]
     prompt_tokens: int
     weight_version: int
+    routed_experts: np.ndarray | None = None
 
 
 class RunningBatch(Protocol):

@@ -206,11 +206,16 @@ class _Layer:
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down_t: torch.Tensor
+    # Qwen3: each head's queries and keys are RMS-normalised before RoPE (None for Llama)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 0.0
 
     @classmethod
     def of(cls, layer: Any) -> _Layer:
         a, m = layer.self_attn, layer.mlp
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return cls(
             n1.weight, n1.variance_epsilon,
             torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
@@ -220,6 +225,8 @@ class _Layer:
             torch.cat([m.gate_proj.weight, m.up_proj.weight]),
             _cat_params(m.gate_proj.bias, m.up_proj.bias),
             m.down_proj.weight.t(),
+            None if qn is None else qn.weight, None if kn is None else kn.weight,
+            0.0 if qn is None else qn.variance_epsilon,
         )  # fmt: skip
 
 
@@ -256,13 +263,16 @@ class LlamaDecoder:
 
     @staticmethod
     def supports(model: Any) -> bool:
-        """Llama layouts with a static RoPE (the table is position-only) and full attention."""
+        """Llama layouts with a static RoPE (the table is position-only) and full attention:
+        Llama, and dense Qwen3 (Llama plus per-head q/k norms) without sliding windows."""
         config = model.config
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
         rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
         inner = getattr(model, "model", None)
+        model_type = getattr(config, "model_type", None)
         return (
-            getattr(config, "model_type", None) == "llama"
+            (model_type == "llama"
+             or (model_type == "qwen3" and not getattr(config, "use_sliding_window", False)))
             and getattr(config, "hidden_act", None) == "silu"
             and rope_type not in ("dynamic", "longrope")
             and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
@@ -291,12 +301,13 @@ class LlamaDecoder:
 
     def _flatten_for_fused(self) -> tuple[list[torch.Tensor], list[float]] | None:
         """The compiled step's weights and per-layer scalars, or None where it does not
-        apply: it covers float32 on CPU without biases (HF's Llama default)."""
+        apply: it covers float32 on CPU without biases or q/k norms (HF's Llama default)."""
         weight, _, _, _, lm_bias = self._head
         layers = self._layers
         if (self._fused is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
                 or lm_bias is not None
-                or any(w.qkv_bias is not None or w.gate_up_bias is not None for w in layers)):
+                or any(w.qkv_bias is not None or w.gate_up_bias is not None
+                       or w.q_norm is not None for w in layers)):
             return None
         weights = [t for w in layers for t in (w.norm1, w.qkv, w.o_t, w.norm2, w.gate_up, w.down_t)]
         scalars = [float(v) for w in layers for v in (w.eps1, w.eps2, w.scaling)]
@@ -396,6 +407,9 @@ class LlamaDecoder:
             h = _rms_norm(x, w.norm1, w.eps1)
             qkv = F.linear(h, w.qkv, w.qkv_bias).view(rows, -1, 1, d)  # heads q | k | v
             q_k = qkv[:, :qk]
+            if w.q_norm is not None and w.k_norm is not None:  # Qwen3, before RoPE
+                q_k[:, :heads] = _rms_norm(q_k[:, :heads], w.q_norm, w.qk_eps)
+                q_k[:, heads:] = _rms_norm(q_k[:, heads:], w.k_norm, w.qk_eps)
             rot = q_k.roll(d // 2, -1)
             torch.addcmul(q_k * cos, rot, sin, out=q_k)  # RoPE on q and k heads, in place
             kv.select(3, col).copy_(qkv[:, heads:].view(rows, 2, self.kv_heads, d).transpose(1, 2))

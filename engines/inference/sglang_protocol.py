@@ -1,8 +1,8 @@
 """SGLang's `/generate` request and response shapes, as pure functions.
 
 Request parsing follows `GenerateReqInput` (single or batched `text` / `input_ids`,
-per-request `sampling_params`, `rid`, `return_logprob`); responses carry SGLang's
-`meta_info`. Bad input raises ValueError naming the field, which the server turns into
+per-request `sampling_params`, `rid`, `return_logprob`, `return_routed_experts`); responses
+carry SGLang's `meta_info` (`routed_experts`: base64 of int32, as SGLang encodes them). Bad input raises ValueError naming the field, which the server turns into
 SGLang's `{"error": {"message"}}` with status 400. Bodies are parsed and written with
 orjson, several times faster than the stdlib's json on a large batch (bench/RESULTS.md,
 "Engine HTTP throughput"), whose floats round-trip exactly, as the log-probs need.
@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engines.inference.gen_types import Generator, GenRequest, GenResult, SamplingParams
+from engines.inference.routed_experts import encode_routed_experts
 
 _NEUTRAL_PARAMS: dict[str, Any] = {
     "frequency_penalty": 0.0,
@@ -130,9 +131,11 @@ def parse_generate(
     if not all(r is None or isinstance(r, str) for r in rids):
         raise ValueError("rid must be a string or a list of strings")
     logprob = [bool(x) for x in _as_list(body.get("return_logprob", False), n, "return_logprob")]
+    routed = _as_list(body.get("return_routed_experts", False), n, "return_routed_experts")
     requests = [
-        GenRequest(rid=r or uuid.uuid4().hex, input_ids=list(ids), params=p)
-        for r, ids, p in zip(rids, prompts, params, strict=True)
+        GenRequest(rid=r or uuid.uuid4().hex, input_ids=list(ids), params=p,
+                   return_routed_experts=bool(e))
+        for r, ids, p, e in zip(rids, prompts, params, routed, strict=True)
     ]
     return requests, logprob, is_batch
 
@@ -147,6 +150,8 @@ def to_response(result: GenResult, return_logprob: bool, latency: float) -> dict
         "weight_version": result.weight_version,
         "e2e_latency": latency,
     }
+    if result.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(result.routed_experts)
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tid, None]

@@ -170,6 +170,8 @@ def sampling_params_for(cfg: RolloutConfig, sample: Sample) -> dict[str, Any]:
 def apply_output(sample: Sample, out: GenerateOutput) -> None:
     sample.metadata.setdefault("start_weight_version", out.weight_version)
     sample.append_response(list(out.output_ids), list(out.log_probs), out.text)
+    if out.routed_experts is not None:  # the whole stream's: supersedes an earlier turn's
+        sample.routed_experts = out.routed_experts
     sample.status = FINISH_TO_STATUS.get(out.finish_reason.get("type", ""), Status.FAILED)
     sample.weight_version = out.weight_version
 
@@ -179,6 +181,7 @@ def reset_to_prompt(sample: Sample) -> None:
     del sample.tokens[sample.prompt_length :]
     sample.response, sample.response_length = "", 0
     sample.loss_mask, sample.rollout_log_probs = [], []
+    sample.routed_experts = None
     sample.status, sample.reward, sample.weight_version = Status.PENDING, None, 0
     sample.metadata.pop("start_weight_version", None)
 

@@ -438,8 +438,9 @@ async def run_generation(
     restored: Restored | None = None,
 ) -> RolloutResult:
     """One step's dynamic-sampling generation through the router (or the engines directly)."""
-    engines = [SGLangClient(url) for url in urls]
-    router = SGLangClient(router_url) if router_url else None
+    replay = cfg.algorithm.routing_replay  # the trainer replays the engines' MoE routing
+    engines = [SGLangClient(url, return_routed_experts=replay) for url in urls]
+    router = SGLangClient(router_url, return_routed_experts=replay) if router_url else None
     # Straight to the engines: the loop decides how many samples a request carries.
     dispatch: Dispatch | list[SGLangClient] = (
         RouterDispatch(router, engines) if router is not None else engines

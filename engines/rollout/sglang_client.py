@@ -15,6 +15,8 @@ Bodies go through orjson, several times faster than the stdlib's json on a large
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import json
 import ssl
@@ -23,7 +25,10 @@ from typing import Any
 
 import aiohttp
 import httpx
+import numpy as np
 import orjson
+
+from storage.sample import RoutedExperts
 
 
 class SGLangError(RuntimeError):
@@ -42,13 +47,16 @@ class SGLangError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class GenerateOutput:
-    """One response: `log_probs[i]` is the log-prob of `output_ids[i]` (empty if not asked)."""
+    """One response: `log_probs[i]` is the log-prob of `output_ids[i]` (empty if not asked);
+    `routed_experts`: an MoE engine's routing of the whole stream (prompt included) when the
+    client asked for it."""
 
     output_ids: list[int]
     text: str
     log_probs: list[float]
     finish_reason: dict[str, Any]
     weight_version: int
+    routed_experts: RoutedExperts | None = None
 
     @property
     def aborted(self) -> bool:
@@ -81,7 +89,24 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
         log_probs=[float(v) for v in values],
         finish_reason=dict(meta.get("finish_reason") or {}),
         weight_version=parse_weight_version(meta.get("weight_version")),
+        routed_experts=parse_routed_experts(meta),
     )
+
+
+def parse_routed_experts(meta: dict[str, Any]) -> RoutedExperts | None:
+    """`meta_info["routed_experts"]`: base64 of little-endian int32 (SGLang's encoding)."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        return None
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise ValueError(f"/generate answer for rid {meta.get('id')!r}: "
+                         f"meta_info.routed_experts is not base64 ({e})") from None
+    if len(raw) % 4:
+        raise ValueError(f"/generate answer for rid {meta.get('id')!r}: meta_info.routed_experts "
+                         f"has {len(raw)} bytes, not whole int32 ids")
+    return RoutedExperts.of(np.frombuffer(raw, dtype="<i4"))
 
 
 def _error_message(body: bytes) -> str:
@@ -100,7 +125,8 @@ def _error_message(body: bytes) -> str:
 
 
 def generate_body(
-    input_ids: Any, sampling_params: Any, rid: Any, return_logprob: bool
+    input_ids: Any, sampling_params: Any, rid: Any, return_logprob: bool,
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
     """SGLang's `/generate` body; a list of `input_ids` (and of rids) makes it a batch."""
     body: dict[str, Any] = {
@@ -110,6 +136,8 @@ def generate_body(
     }
     if rid is not None:
         body["rid"] = rid
+    if return_routed_experts:
+        body["return_routed_experts"] = True
     return body
 
 
@@ -134,7 +162,8 @@ class SGLangClient:
     """Async client of one SGLang endpoint (a server or a router); use as a context manager.
 
     The aiohttp session is made on first use, in the event loop that uses it (a session is
-    bound to its loop, and the rollout actor runs one loop per step)."""
+    bound to its loop, and the rollout actor runs one loop per step).
+    `return_routed_experts`: every `/generate` asks for the MoE routing (routing replay)."""
 
     def __init__(
         self,
@@ -142,8 +171,10 @@ class SGLangClient:
         timeout: float | None = 600.0,
         max_connections: int = 256,
         keepalive_expiry_s: float = 4.0,
+        return_routed_experts: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.return_routed_experts = return_routed_experts
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._max_connections = max_connections
         # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from the
@@ -198,9 +229,8 @@ class SGLangClient:
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateOutput:
-        answer = await self._request(
-            "POST", "/generate", generate_body(input_ids, sampling_params, rid, return_logprob)
-        )
+        answer = await self._request("POST", "/generate", generate_body(
+            input_ids, sampling_params, rid, return_logprob, self.return_routed_experts))
         return parse_output(answer)
 
     async def generate_batch(
@@ -213,9 +243,8 @@ class SGLangClient:
         """One HTTP call for the whole batch (SGLang's batched `input_ids`)."""
         if not input_ids:
             return []
-        answer = await self._request(
-            "POST", "/generate", generate_body(input_ids, sampling_params, rids, return_logprob)
-        )
+        answer = await self._request("POST", "/generate", generate_body(
+            input_ids, sampling_params, rids, return_logprob, self.return_routed_experts))
         return [parse_output(item) for item in answer]
 
     async def abort(self, rid: str) -> None:

@@ -63,6 +63,9 @@ class PaddedBatch:
     # Varlen-packed batches (`packing.py`) only: int32 `[units + 1]` start offsets of the
     # causal sequences laid end to end in the one input row.
     cu_seqlens: Tensor | None = None
+    # Routing replay (`routing_replay.py`) only: int64 `[B, L, layers, topk]`, the experts
+    # the engine routed each input token to.
+    routed_experts: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +94,7 @@ class PaddedBatch:
                 "position_ids",
                 "logit_row",
                 "cu_seqlens",
+                "routed_experts",
             )
             if getattr(self, f) is not None
         }

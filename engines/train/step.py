@@ -51,6 +51,7 @@ ZERO_GRADIENT_SAMPLES = "zero_gradient_samples"
 # losses.zero_gradient_samples): with such samples skipped they keep the whole step's value;
 # the others (approx_kl, entropy, TIS and mismatch terms) become means over trained samples.
 EXACT_WITHOUT_SKIPPED = frozenset({"loss", "pg_loss", "clipfrac", "kl_loss"})
+MOE_AUX_LOSS = "moe_aux_loss"  # what an MoE model's load-balancing loss adds to the step's loss
 
 
 class TrainStep:
@@ -211,6 +212,12 @@ class TrainStep:
             if rescale != 1.0:
                 terms = {k: v if k in EXACT_WITHOUT_SKIPPED else v * rescale
                          for k, v in terms.items()}
+            if fwd.aux_loss is not None:  # a micro-batch mean: weighted by its share of the step
+                rows_weight = (fwd.batch.loss_mask.sum() if algo.calculate_per_token_loss
+                               else torch.tensor(float(len(rows))))
+                aux = fwd.aux_loss * (rows_weight.to(fwd.aux_loss.device) / denominator)
+                loss = loss + aux
+                terms = {**terms, MOE_AUX_LOSS: aux.detach()}
             return loss, terms
 
         return micro_batch_loss

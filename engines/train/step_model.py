@@ -42,12 +42,15 @@ PREFIX: dict[str, str] = {"actor": "", "critic": "critic/"}
 class Forward:
     """One micro-batch's model outputs in response space `[B, R]`, float32, on the model's
     device: log-probs (at the rollout temperature) and entropy for the actor, values for the
-    critic. `batch` is the padded batch they were computed from, on the same device."""
+    critic. `batch` is the padded batch they were computed from, on the same device.
+    `aux_loss`: an MoE actor's load-balancing loss of this micro-batch, already times the
+    model's `router_aux_loss_coef` (a scalar with a gradient; None for dense models)."""
 
     batch: PaddedBatch
     log_probs: Tensor | None = None
     entropy: Tensor | None = None
     values: Tensor | None = None
+    aux_loss: Tensor | None = None
 
 
 MicroBatchLoss = Callable[[list[int], Forward], tuple[Tensor, dict[str, Tensor]]]

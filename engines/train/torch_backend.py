@@ -34,6 +34,7 @@ from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
 from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.rollout_prep import Scorers
+from engines.train.routing_replay import build_replay_batch, replay_layout
 from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
@@ -44,10 +45,11 @@ from engines.train.torch_models import (
     move_state,
     resolve_device,
     response_log_probs,
+    response_outputs,
     score_samples,
 )
 from engines.weights import hf_export
-from engines.weights.model_families import check_model_config
+from engines.weights.model_families import check_model_config, moe_layout
 from storage.sample import Sample
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -89,6 +91,14 @@ class TorchTrainBackend:
         self.ref_model = self._frozen(self._initial) if self._needs_ref() and not lora_on else None
         self.teacher_model = self._frozen(algo_cfg.opd_teacher_path) if algo_cfg.use_opd else None
         self._build_trainables(source)
+        # MoE: plain padded rows, whose 2-D mask HF's load-balancing loss reads and whose
+        # tokens line up with the engine's recorded routing (routing_replay.py)
+        self._moe = moe_layout(self.model.config)
+        if train_cfg.pack_sequences and self._moe is not None:
+            raise ValueError("train.pack_sequences is not supported for MoE models (their "
+                             "router loss and routing replay need one padded row per sample)")
+        if algo_cfg.routing_replay:
+            replay_layout(self.model)  # a clear error for a dense model
         if train_cfg.pack_sequences and not supports_prompt_sharing(self.model):
             raise ValueError(
                 "train.pack_sequences needs a model on sdpa attention (a custom 4-D mask); "
@@ -170,29 +180,36 @@ class TorchTrainBackend:
             by_group=self._share_prompts and build is not build_padded_batch,
         )
 
-    def _log_prob_batch(self, model: torch.nn.Module) -> BuildBatch:
-        """How log-prob forwards of `model` see a micro-batch: packed rows (packing.py) with
-        `pack_sequences`, else one row per prompt where the attention allows it
-        (prompt_sharing.py), else one padded row per sample."""
+    def _log_prob_batch(self, model: torch.nn.Module, replay: bool = False) -> BuildBatch:
+        """How log-prob forwards of `model` see a micro-batch: with `replay` padded rows
+        carrying the engine's routed experts (routing_replay.py); packed rows (packing.py)
+        with `pack_sequences`, else one row per prompt where the attention allows it
+        (prompt_sharing.py), else (and for MoE models) one padded row per sample."""
         cfg = self.train_cfg
+        if replay:
+            return functools.partial(build_replay_batch, layout=replay_layout(model))
+        if moe_layout(getattr(model, "config", None)) is not None:
+            return build_padded_batch
         if cfg.pack_sequences:
             return functools.partial(build_packed_batch, share_prompts=self._share_prompts,
                                      hidden_size=model_hidden_size(model))
         share = self._share_prompts and supports_prompt_sharing(model)
         return build_shared_prompt_batch if share else build_padded_batch
 
-    def _log_prob_scorer(self, model: torch.nn.Module) -> Callable[[list[Sample]], list[Tensor]]:
+    def _log_prob_scorer(
+        self, model: torch.nn.Module, replay: bool = False
+    ) -> Callable[[list[Sample]], list[Tensor]]:
         def scorer(samples: list[Sample]) -> list[Tensor]:
             model.eval()
             return self._score(samples, lambda b: response_log_probs(model, b, self.temperature)[0],
-                               self._log_prob_batch(model))
+                               self._log_prob_batch(model, replay))
 
         return scorer
 
     def _scorers(self) -> Scorers:
         critic = self.critic_model
         return Scorers(
-            policy=self._log_prob_scorer(self.model),
+            policy=self._log_prob_scorer(self.model, self.algo_cfg.routing_replay),
             ref=self._ref_scorer(),
             teacher=(
                 self._log_prob_scorer(self.teacher_model)
@@ -215,7 +232,8 @@ class TorchTrainBackend:
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """Current policy's log-probs of each sample's response tokens (rollout temperature)."""
-        return [t.tolist() for t in self._log_prob_scorer(self.model)(samples)]
+        scorer = self._log_prob_scorer(self.model, self.algo_cfg.routing_replay)
+        return [t.tolist() for t in scorer(samples)]
 
     def score(self, role: Role, samples: list[Sample]) -> list[Tensor]:
         """Response log-probs (policy, ref, teacher) or values (critic) of each sample."""
@@ -245,7 +263,7 @@ class TorchTrainBackend:
 
     @property
     def shares_prompts(self) -> bool:
-        return self._share_prompts and supports_prompt_sharing(self.model)
+        return self._share_prompts and self._moe is None and supports_prompt_sharing(self.model)
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned."""
@@ -268,16 +286,21 @@ class TorchTrainBackend:
     def _forward(self, part: Part, samples: list[Sample], rows: list[int]) -> Forward:
         """The trained (DDP-wrapped) module's outputs for `rows`, with gradients."""
         module = self.actor.module if part == "actor" else None
-        build = self._log_prob_batch(module) if module is not None else build_padded_batch
+        replay = self.algo_cfg.routing_replay
+        build = self._log_prob_batch(module, replay) if module is not None else build_padded_batch
         batch = build([samples[i] for i in rows], self.pad_token_id).to(self.device)
+        coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
+        aux_coef = coef if self._moe is not None else 0.0
         with autocast(self.device, self._amp):
             if part == "critic":
                 assert self.critic is not None
                 return Forward(batch, values=response_values(self.critic.module, batch))
-            log_probs, entropy = response_log_probs(
-                self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0
+            log_probs, entropy, aux = response_outputs(
+                self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0,
+                router_aux_loss=aux_coef > 0.0,
             )
-        return Forward(batch, log_probs=log_probs, entropy=entropy)
+        return Forward(batch, log_probs=log_probs, entropy=entropy,
+                       aux_loss=None if aux is None else aux * aux_coef)
 
     def check_weights_finite(self) -> None:
         check_finite(self._named_weights(), "weights after training")

@@ -13,6 +13,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ from engines.train.batching import (
     logit_positions,
     split_micro_batches,
 )
+from engines.train.routing_replay import replayed_routing
 from storage.sample import Sample
 
 
@@ -57,23 +59,41 @@ def response_log_probs(
     temperature: float,
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`.
+    """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`."""
+    log_probs, entropy, _ = response_outputs(model, batch, temperature, entropy_grad)
+    return log_probs, entropy
+
+
+def response_outputs(
+    model: torch.nn.Module,
+    batch: PaddedBatch,
+    temperature: float,
+    entropy_grad: bool = False,
+    router_aux_loss: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`, and
+    with `router_aux_loss` an MoE model's load-balancing loss (HF's, unscaled; None for a
+    dense model). A batch with `routed_experts` replays them (`routing_replay.py`).
 
     Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
     and is computed off the graph.
     """
-    kw = {}
+    kw: dict[str, Any] = {}
     index = batch.logit_index
     if trims_logits(model):
         kw["logits_to_keep"], index = logit_positions(batch)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, use_cache=False, **kw)
+    if router_aux_loss:
+        kw["output_router_logits"] = True
+    with replayed_routing(model, batch.routed_experts):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, use_cache=False, **kw)
     logits = gather_response_logits(out.logits, index, batch.logit_row).float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, batch.targets)
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return log_probs, entropy
+    aux = getattr(out, "aux_loss", None) if router_aux_loss else None
+    return log_probs, entropy, aux
 
 
 @functools.cache

@@ -146,12 +146,13 @@ def test_run_layout_commits_in_order(tmp_path):
 def test_clone_copies_every_field_and_shares_nothing_mutable(prompt, reward) -> None:
     import dataclasses
 
-    from storage.sample import Sample, Status
+    from storage.sample import RoutedExperts, Sample, Status
 
     s = Sample(index=7, group_index=2, prompt=prompt, tokens=[1, 2, 3, 4], response="ab",
                response_length=2, label="46", reward=reward, loss_mask=[1, 0],
                rollout_log_probs=[-0.5, -0.25], status=Status.COMPLETED, weight_version=3,
-               metadata={"a": [1, {"b": 2}], "source_line": 4})
+               metadata={"a": [1, {"b": 2}], "source_line": 4},
+               routed_experts=RoutedExperts.of([1, 0, 2]))  # immutable: shared by the clone
     defaults = Sample(index=0, group_index=0)
     # every field is set away from its default, so equality covers a field clone forgot
     assert all(getattr(s, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(s))
@@ -174,3 +175,28 @@ def test_an_s3_endpoint_comes_from_the_config_or_the_options_but_not_two():
     assert open_store("s3://b/runs", "http://127.0.0.1:9", endpoint_url="http://127.0.0.1:9")
     with pytest.raises(ValueError, match="name two endpoints"):
         open_store("s3://b/runs", "http://127.0.0.1:9", endpoint_url="http://127.0.0.1:8")
+
+
+def test_routed_experts_round_trip_exactly_and_stay_null_for_dense_rows(tmp_path):
+    from storage.sample import RoutedExperts
+
+    samples = make_samples()
+    # [tokens[:-1] x 2 layers x top-2]; -1 marks a layer without a router; 300 > uint8
+    samples[0].routed_experts = RoutedExperts.of(np.array([[[0, 7], [-1, -1]], [[3, 1], [-1, -1]],
+                                                            [[300, 2], [-1, -1]]]))
+    samples[2].routed_experts = RoutedExperts.of(np.arange(8).reshape(2, 2, 2))
+    store = ObjectStore(str(tmp_path))
+    write_samples(store, samples, "rollout.arrow")
+    table = read_table(store, "rollout.arrow")
+    assert table.schema.field("routed_experts").type == pa.list_(pa.int16())
+    assert table.column("routed_experts").null_count == 1  # the dense (unrecorded) row
+    back = read_samples(store, "rollout.arrow")
+    assert back == samples and back[1].routed_experts is None
+    assert back[0].routed_experts is not None and back[0].routed_experts.ids.dtype == np.int16
+    assert back[0].routed_experts.per_token(3, 2, 2, "s")[2, 0].tolist() == [300, 2]
+    assert table_to_samples(table.slice(2, 1)) == samples[2:]  # offsets of a slice
+    # a batch written before the column existed reads as none recorded
+    assert table_to_samples(table.drop_columns(["routed_experts"]))[0].routed_experts is None
+    with pytest.raises(ValueError, match=r"^sample 0: routed_experts has 12 ids, not 3 tokens x "
+                                         r"4 layers x top-2 = 24"):
+        samples[0].routed_experts.per_token(3, 4, 2, "sample 0")
