@@ -73,6 +73,12 @@ class RollflowConfig(Section):
                 "algorithm.routing_replay is implemented by the torch train backend only; the "
                 "megatron backend runs dense models (train.backend: torch for Qwen3-MoE)"
             )
+        if self.algorithm.routing_replay and self.rollout.use_router:
+            raise ValueError(
+                "algorithm.routing_replay needs rollout.use_router: false: sglang-router 0.3.x "
+                "drops return_routed_experts from the /generate requests it forwards, so the "
+                "engines would record no routing"
+            )
         if self.algorithm.needs_groups and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.n_samples_per_prompt: 1 sample per prompt gives every advantage 0 "
