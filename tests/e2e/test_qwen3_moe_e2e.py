@@ -40,7 +40,7 @@ def test_qwen3_moe_grpo_with_routing_replay(prefect_api, ray_address, arithmetic
         assert {s.weight_version for s in rollout} == {k}
         for s in rollout:  # every token but the last x 2 layers x top-2, ids of 8 experts
             assert s.routed_experts is not None and len(s.routed_experts) == (len(s.tokens) - 1) * 4
-            assert 0 <= s.routed_experts.ids.min() and s.routed_experts.ids.max() < 8
+            assert s.routed_experts.ids.min() >= 0 and s.routed_experts.ids.max() < 8
     trained = layout.store.get_dir(str(tmp_path / "ckpt"), "checkpoints", "000001")
     reloaded = AutoModelForCausalLM.from_pretrained(trained)
     start = AutoModelForCausalLM.from_pretrained(model_dir)
