@@ -181,8 +181,10 @@ def check_storage(cfg: RollflowConfig) -> RunLayout:
 
 
 def check_rewards(cfg: RollflowConfig, hub: RewardHub, fields: FieldReport) -> None:
-    """Every training row has a reward function: the run's, or its metadata.rm_type."""
-    if cfg.rollout.function_path or cfg.rollout.debug_train_only or hub.configured:
+    """Every training row has a reward function: the run's, or its metadata.rm_type (an
+    agent, `rollout.agent_path`, may return the reward itself)."""
+    r = cfg.rollout
+    if r.function_path or r.agent_path or r.debug_train_only or hub.configured:
         return
     if fields.without_rm_type is not None:
         raise ConfigError(

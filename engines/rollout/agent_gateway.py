@@ -48,6 +48,11 @@ from storage.sample import Sample, Status
 log = logging.getLogger(__name__)
 
 SEED_STRIDE = 1_000_003  # each turn samples with its own seed
+# sample.metadata keys: counts the generation loop sums into rollout/{key} metrics, and the
+# flag of a reward the agent gave (the rollout's reward function leaves it alone)
+AGENT_COUNTERS = ("agent_turns", "token_drift_turns", "token_drift_tokens",
+                  "retokenize_mismatch_turns")
+AGENT_REWARD = "agent_reward"
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 _MARK = "\u2063rollflow-content\u2063"  # text no template changes, to find an assistant turn's closing
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -183,6 +188,7 @@ class AgentGateway:
             log.warning("agent failed on sample %d: %r", sample.index, err)
             sample.status, sample.reward = Status.FAILED, 0.0
             sample.metadata["agent_error"] = repr(err)[:500]
+            sample.metadata[AGENT_REWARD] = True
             return sample
         finally:
             del self.sessions[key]
@@ -193,6 +199,7 @@ class AgentGateway:
             raise TypeError(f"rollout.agent_path returned another Sample for sample {sample.index}")
         if isinstance(result, int | float | dict) and not isinstance(result, bool):
             sample.reward = float(result) if isinstance(result, int | float) else result
+            sample.metadata[AGENT_REWARD] = True
         sample.metadata["agent_turns"] = session.turn
         sample.check()
         return sample

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.hooks.protocols import GenerateFn
+from engines.rollout.agent_gateway import AGENT_COUNTERS, AGENT_REWARD
 from engines.rollout.config import RolloutConfig
 from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
 from engines.rollout.filters import DynamicFilter
@@ -103,6 +104,7 @@ class GenerationStats:
     tokens_regenerated: int = 0  # for groups an earlier attempt had in flight
     journal: dict[str, float] = field(default_factory=dict)
     response_lengths: list[int] = field(default_factory=list)
+    agent: Counter[str] = field(default_factory=Counter)  # AGENT_COUNTERS summed over samples
 
     def add_groups(self, groups: list[Group]) -> None:
         for g in groups:
@@ -112,6 +114,7 @@ class GenerationStats:
                 self.response_lengths.append(s.response_length)
                 self.truncated += s.status == Status.TRUNCATED
                 self.aborted += s.status == Status.ABORTED
+                self.agent.update({k: int(s.metadata.get(k, 0)) for k in AGENT_COUNTERS})
 
     def as_metrics(self) -> dict[str, float]:
         n = max(self.samples, 1)
@@ -133,6 +136,16 @@ class GenerationStats:
             "rollout/tokens_restored": float(self.tokens_restored),
             "rollout/tokens_regenerated": float(self.tokens_regenerated),
             **self.journal,
+            **self._agent_metrics(),
+        }
+
+    def _agent_metrics(self) -> dict[str, float]:
+        """Agent rollouts only (engines/rollout/agent_gateway.py says what each one counts)."""
+        if not self.agent["agent_turns"]:
+            return {}
+        return {
+            "rollout/agent_turns_mean": self.agent["agent_turns"] / max(self.samples, 1),
+            **{f"rollout/{k}": float(self.agent[k]) for k in AGENT_COUNTERS if k != "agent_turns"},
         }
 
 
@@ -301,10 +314,11 @@ class GenerationLoop:
                 await asyncio.gather(*(self._send([s], [p]) for s, p in live))
             else:
                 await self._send([s for s, _ in live], [p for _, p in live])
-        if is_finished(group) and (
+        unscored = [s for s in group if not s.metadata.get(AGENT_REWARD)]
+        if is_finished(group) and unscored and (
             self.rewards.configured or any("rm_type" in s.metadata for s in group)
         ):
-            await self.rewards.assign(self.hook_args, group)
+            await self.rewards.assign(self.hook_args, unscored)
             self.reward_timeouts += sum(bool(s.metadata.get(TIMEOUT_FLAG)) for s in group)
         return group
 

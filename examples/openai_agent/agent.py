@@ -27,7 +27,7 @@ from openai import AsyncOpenAI
 from examples.tool_agent.calculator import CalculatorError, evaluate
 
 MAX_TURNS = 4
-MAX_TOKENS_PER_TURN = 24
+MAX_TOKENS_PER_TURN = 96  # a tool call is ~75 characters of the tiny model
 RETRY = "wrong, try again"
 CALCULATOR = {
     "type": "function",
