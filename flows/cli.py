@@ -9,6 +9,7 @@ import sys
 from contextlib import nullcontext, redirect_stdout
 from typing import Any, TextIO
 
+from engines.inference.standalone import add_engine_arguments
 from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
 from flows.prefect_env import prefect_env_defaults
 
@@ -95,6 +96,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     warn_if_public("rollflow server --host", args.host)
 
     return serve_forever(args.host, args.port, args.home, args.result_out, args.database)
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from engines.inference.standalone import serve
+
+    return serve(args)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -246,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server's database, e.g. postgresql://user@127.0.0.1:5432/prefect "
                         "(default: SQLite under its PREFECT_HOME)")
     p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("engine", help="the embedded engine as a server on its own (SGLang's "
+                       "native and OpenAI-compatible API), like sglang.launch_server")
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("cluster", help="the persistent local Ray cluster")
     p.add_argument("action", choices=["up", "down", "status"])
