@@ -51,8 +51,9 @@ SEED_STRIDE = 1_000_003  # each turn samples with its own seed
 # sample.metadata keys: counts the generation loop sums into rollout/{key} metrics, and the
 # flag of a reward the agent gave (the rollout's reward function leaves it alone)
 AGENT_COUNTERS = ("agent_turns", "token_drift_turns", "token_drift_tokens",
-                  "retokenize_mismatch_turns")
+                  "retokenize_mismatch_turns", "agent_replayed_turns", "agent_replay_mismatch")
 AGENT_REWARD = "agent_reward"
+RECORD = "agent_record"  # [[prompt_end, output_end, finish_reason, text, weight_version], ...]
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 _MARK = "\u2063rollflow-content\u2063"  # text no template changes, to find an assistant turn's closing
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -100,6 +101,59 @@ class ChatRenderer:
         return encode_text(self.tokenizer, render_text(self.tokenizer, messages, tools))
 
 
+@dataclass(frozen=True, slots=True)
+class RecordedTurn:
+    """Where one model turn sits in `sample.tokens`, and how the engine ended it."""
+
+    prompt_end: int
+    output_end: int
+    finish: dict[str, Any]
+    text: str
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class Replay:
+    """An aborted agent sample as it was, so its rerun gets the same answers back.
+
+    The agent cannot resume mid-conversation (its state is gone), so it runs again from
+    the start; each call whose prompt is the recorded one is answered from the record
+    without the engine, and the aborted last turn continues from its partial output, as
+    slime's partial rollouts continue a plain sample. A call that differs (the agent is
+    not deterministic) ends the replay and generates afresh, counted."""
+
+    tokens: list[int]
+    prompt_length: int
+    loss_mask: list[int]
+    log_probs: list[float]
+    turns: list[RecordedTurn]
+
+    @classmethod
+    def take(cls, sample: Sample) -> Replay | None:
+        """The partial sample's record (None for a fresh one); the sample is reset to its
+        prompt either way."""
+        record = sample.metadata.pop(RECORD, None)
+        replay = None
+        if sample.response_length and record:
+            replay = cls(list(sample.tokens), sample.prompt_length, list(sample.loss_mask),
+                         list(sample.rollout_log_probs), [RecordedTurn(*t) for t in record])
+        del sample.tokens[sample.prompt_length:]
+        sample.response, sample.response_length = "", 0
+        sample.loss_mask, sample.rollout_log_probs = [], []
+        return replay
+
+    def turn(self, index: int, prompt: list[int]) -> RecordedTurn | None:
+        if index >= len(self.turns) or prompt != self.tokens[: self.turns[index].prompt_end]:
+            return None
+        return self.turns[index]
+
+    def output(self, turn: RecordedTurn) -> tuple[list[int], list[float], list[int]]:
+        """(token ids, log-probs, loss mask) the turn recorded."""
+        lo, hi = turn.prompt_end - self.prompt_length, turn.output_end - self.prompt_length
+        return (self.tokens[turn.prompt_end: turn.output_end], self.log_probs[lo:hi],
+                self.loss_mask[lo:hi])
+
+
 @dataclass
 class Session:
     """One sample's conversation as the engine saw it."""
@@ -112,6 +166,8 @@ class Session:
     last_output: list[int] = field(default_factory=list)
     turn: int = 0
     aborted: bool = False
+    replay: Replay | None = None
+    record: list[list[Any]] = field(default_factory=list)
 
     def count(self, name: str, by: int = 1) -> None:
         self.sample.metadata[name] = int(self.sample.metadata.get(name, 0)) + by
@@ -173,12 +229,11 @@ class AgentGateway:
     ) -> Sample:
         """Run the agent on one sample: its calls fill the sample; its return is the reward
         (a number or dict), the sample itself, or None (the reward function scores it)."""
-        if sample.response_length:  # an agent cannot resume mid-conversation: start over
-            del sample.tokens[sample.prompt_length:]
-            sample.response, sample.response_length = "", 0
-            sample.loss_mask, sample.rollout_log_probs = [], []
+        # the loop hands a partial sample the budget it has left; the rerun starts over
+        budget = int(sampling_params["max_new_tokens"]) + sample.response_length
+        replay = Replay.take(sample)
         key = f"{secrets.token_hex(6)}-{sample.index}"
-        session = Session(key, sample, sampling_params, int(sampling_params["max_new_tokens"]))
+        session = Session(key, sample, sampling_params, budget, replay=replay)
         self.sessions[key] = session
         sample.status = Status.PENDING
         try:
@@ -232,9 +287,9 @@ class AgentGateway:
             prompt = self._prompt(session, messages, body.get("tools"))
         except ValueError as err:
             return _error(str(err), 400)
-        out = await self._generate(session, prompt, body)
+        out, mask = await self._generate(session, prompt, body)
         content, calls = parse_tool_calls(out.text, names) if names else (out.text, [])
-        self._record(session, messages, content, calls, out)
+        self._record(session, messages, content, calls, out, mask)
         done = shapes.Finished(f"sample-{session.sample.index}-turn-{session.turn - 1}",
                                prompt, list(out.output_ids), list(out.log_probs), out.text,
                                out.finish_reason)
@@ -273,21 +328,47 @@ class AgentGateway:
         sample = s.sample
         s.count("token_drift_turns")
         s.count("token_drift_tokens", sum(sample.loss_mask))
+        s.record.clear()
+        s.replay = None
         sample.tokens[:] = self.renderer.full_ids(messages, tools)
         sample.response, sample.response_length = "", 0
         sample.loss_mask, sample.rollout_log_probs = [], []
 
-    async def _generate(self, s: Session, prompt: list[int], body: dict[str, Any]) -> GenerateOutput:
+    async def _generate(
+        self, s: Session, prompt: list[int], body: dict[str, Any]
+    ) -> tuple[GenerateOutput, list[int]]:
+        """This turn's output and its loss mask: recorded (a replayed turn), continued (the
+        aborted turn of a replay) or generated."""
         budget = s.budget - s.sample.response_length
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        limit = min(int(asked), budget) if asked else budget
         if s.aborted or budget <= 0:
             kind = "abort" if s.aborted else "length"
-            return GenerateOutput([], "", [], {"type": kind}, s.sample.weight_version)
+            return GenerateOutput([], "", [], {"type": kind}, s.sample.weight_version), []
+        turn = s.replay.turn(s.turn, prompt) if s.replay else None
+        if s.replay and turn is None:
+            s.count("agent_replay_mismatch")
+            s.replay = None
+        if s.replay is None or turn is None:
+            out = await self._engine(s, prompt, body, limit)
+            return out, [1] * len(out.output_ids)
+        ids, logprobs, mask = s.replay.output(turn)
+        s.count("agent_replayed_turns")
+        if turn.finish.get("type") != "abort" or len(ids) >= limit:
+            return GenerateOutput(ids, turn.text, logprobs, turn.finish, turn.weight_version), mask
+        rest = await self._engine(s, prompt + ids, body, limit - len(ids))
+        return GenerateOutput(ids + list(rest.output_ids), turn.text + rest.text,
+                              logprobs + list(rest.log_probs), rest.finish_reason,
+                              rest.weight_version), mask + [1] * len(rest.output_ids)
+
+    async def _engine(
+        self, s: Session, prompt: list[int], body: dict[str, Any], max_new_tokens: int
+    ) -> GenerateOutput:
         base = s.sampling_params
         stop = body.get("stop") or []
         params = {
             **base,
-            "max_new_tokens": min(int(asked), budget) if asked else budget,
+            "max_new_tokens": max_new_tokens,
             "stop": [*base.get("stop", []), *([stop] if isinstance(stop, str) else stop)],
             "sampling_seed": int(base.get("sampling_seed", 0)) + SEED_STRIDE * s.turn,
         }
@@ -297,9 +378,17 @@ class AgentGateway:
                                      rid=f"sample-{s.sample.index}-turn-{s.turn}")
 
     def _record(self, s: Session, messages: list[dict[str, Any]], content: str | None,
-                calls: list[ToolCall], out: GenerateOutput) -> None:
+                calls: list[ToolCall], out: GenerateOutput, mask: list[int]) -> None:
         sample = s.sample
-        _append(sample, list(out.output_ids), list(out.log_probs), out.text, 1)
+        start = len(sample.tokens)
+        sample.tokens.extend(out.output_ids)
+        sample.response += out.text
+        sample.response_length += len(out.output_ids)
+        sample.loss_mask.extend(mask)
+        sample.rollout_log_probs.extend(out.log_probs)
+        s.record.append([start, len(sample.tokens), dict(out.finish_reason), out.text,
+                         out.weight_version])
+        sample.metadata[RECORD] = s.record
         sample.status = _FINISH.get(str(out.finish_reason.get("type")), Status.FAILED)
         sample.weight_version = out.weight_version
         sample.metadata.setdefault("start_weight_version", out.weight_version)

@@ -184,3 +184,48 @@ def test_an_unknown_session_is_401(engine: EngineActor) -> None:
         finally:
             await gateway.stop()
     assert asyncio.run(go()) == 401
+
+
+def test_an_aborted_agent_sample_resumes_from_its_record(engine: EngineActor) -> None:
+    """A partial rollout of an agent: the rerun agent's calls are answered from the record
+    (turn 1) and the aborted turn continues from its partial output (turn 2), giving the
+    uninterrupted trajectory back."""
+    whole = run(engine, run_agent, make_sample(5, prompt="2+3=", label="5"), params(0.0))
+    record = whole.metadata["agent_record"]
+    (_, first_end, *_), (second_start, second_end, *_) = record
+    cut = second_start + (second_end - second_start) // 2
+    partial = make_sample(5, prompt="2+3=", label="5")
+    partial.tokens = whole.tokens[:cut]
+    keep = cut - whole.prompt_length
+    partial.response_length = keep
+    partial.loss_mask = whole.loss_mask[:keep]
+    partial.rollout_log_probs = whole.rollout_log_probs[:keep]
+    tok = engine.generator.tokenizer  # type: ignore[attr-defined]
+    partial.response = tok.decode(partial.response_tokens)
+    partial.status = Status.ABORTED
+    partial.metadata["agent_record"] = [
+        record[0], [second_start, cut, {"type": "abort"}, tok.decode(whole.tokens[second_start:cut]),
+                    0]]
+    resumed = run(engine, run_agent, partial, params(0.0, budget=200 - keep))
+    assert resumed.reward == 1.0 and resumed.status == Status.COMPLETED
+    assert resumed.metadata["agent_replayed_turns"] == 2
+    assert "agent_replay_mismatch" not in resumed.metadata
+    assert resumed.tokens == whole.tokens and resumed.loss_mask == whole.loss_mask
+    assert resumed.rollout_log_probs[:keep] == whole.rollout_log_probs[:keep]
+    assert resumed.rollout_log_probs == pytest.approx(whole.rollout_log_probs, abs=1e-5)
+    assert first_end < second_start
+
+
+async def other_agent(base_url: str, sample: Sample, api_key: str = "") -> float:
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        await client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "what is 9+9?"}], max_tokens=4)
+    return 0.0
+
+
+def test_a_rerun_that_asks_otherwise_generates_afresh_and_is_counted(engine: EngineActor) -> None:
+    whole = run(engine, run_agent, make_sample(6, prompt="2+3=", label="5"), params(0.0))
+    whole.status = Status.ABORTED
+    out = run(engine, other_agent, whole, params(0.0, budget=200 - whole.response_length))
+    assert out.metadata["agent_replay_mismatch"] == 1
+    assert out.response_length == 4 and out.loss_mask == [1] * 4
