@@ -21,7 +21,7 @@ from engines.cluster.config import ClusterConfig
 from engines.data.config import DataConfig
 from engines.inference.config import EngineConfig
 from engines.rollout.config import EvalConfig, EvalDataset, RolloutConfig
-from engines.train.config import TrainConfig
+from engines.train.config import TrainConfig, check_parallel_sizes
 from flows.logging_sinks import LoggingConfig
 from storage.config import ConfigError, Section, StorageConfig
 from storage.secrets import REDACTED, drop_redacted, option_secrets, url_secrets
@@ -67,6 +67,17 @@ class RollflowConfig(Section):
             raise ValueError(
                 "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
+            )
+        if self.train.backend == "megatron":
+            world = self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
+            check_parallel_sizes(world, self.train.tensor_parallel, self.train.pipeline_parallel,
+                                 self.train.expert_parallel)
+        if self.engine.expert_parallel > 1 and (
+                self.cluster.rollout_num_gpus_per_engine % self.engine.expert_parallel):
+            raise ValueError(
+                f"engine.expert_parallel={self.engine.expert_parallel} must divide "
+                f"cluster.rollout_num_gpus_per_engine={self.cluster.rollout_num_gpus_per_engine}"
+                " (SGLang splits an engine's experts over its tensor-parallel GPUs)"
             )
         if self.algorithm.routing_replay and self.train.backend == "megatron":
             raise ValueError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_serializer
+from pydantic import Field, field_serializer, model_validator
 
 from storage.config import Section
 from storage.secrets import redact_url
@@ -43,3 +43,19 @@ class EngineConfig(Section):
     mock_response: str = Field(
         "", description="Mock backend: fixed answer template; '' echoes the label."
     )
+    expert_parallel: int = Field(
+        1, ge=1,
+        description="SGLang engines, MoE models: expert-parallel size inside one engine "
+        "(SGLang's --ep-size), dividing its GPUs (cluster.rollout_num_gpus_per_engine). "
+        "The embedded engine holds every expert on one device and refuses more than 1.",
+    )
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> EngineConfig:
+        if self.expert_parallel > 1 and self.backend != "sglang":
+            raise ValueError(
+                f"engine.expert_parallel={self.expert_parallel}: the {self.backend} engine "
+                "holds every expert on one device; expert parallelism in rollout needs "
+                "engine.backend: sglang (its --ep-size)"
+            )
+        return self

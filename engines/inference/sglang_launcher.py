@@ -23,7 +23,8 @@ def launch_command(
     cfg: EngineConfig, port: int, tp_size: int = 1, base_gpu_id: int | None = None
 ) -> list[str]:
     """The `sglang.launch_server` command line of one engine (SGLang's own flag names);
-    `base_gpu_id`: the first of the engine's `tp_size` consecutive GPUs (placement)."""
+    `base_gpu_id`: the first of the engine's `tp_size` consecutive GPUs (placement). An MoE
+    model's experts are split over `engine.expert_parallel` of those GPUs (`--ep-size`)."""
     if cfg.model_path is None:
         raise ValueError("engine.model_path is required to launch SGLang servers")
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.dtype]
@@ -38,6 +39,7 @@ def launch_command(
         "--enable-memory-saver",  # lets colocated runs release/resume GPU memory
         "--skip-server-warmup",
         *(["--base-gpu-id", str(base_gpu_id)] if base_gpu_id is not None else []),
+        *(["--ep-size", str(cfg.expert_parallel)] if cfg.expert_parallel > 1 else []),
     ]
 
 

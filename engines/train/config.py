@@ -55,12 +55,41 @@ class LoraConfig(Section):
         return self
 
 
+def check_parallel_sizes(world: int | None, tp: int, pp: int, ep: int) -> None:
+    """The megatron TP x PP x DP grid fits `world` train ranks (None: not known here), and
+    expert parallelism fits inside it: megatron places an expert's EP ranks among the DP
+    ranks (its expert grid is tp x ep x expert-dp x pp, with the experts' TP equal to TP), so
+    EP divides the DP size. EP beside TP > 1 needs sequence parallelism in megatron, which
+    rollflow does not set up."""
+    if ep > 1 and tp > 1:
+        raise ValueError(
+            f"train.expert_parallel={ep} needs train.tensor_parallel=1 (not {tp}): megatron "
+            "runs expert parallelism beside tensor parallelism only with sequence parallelism"
+        )
+    if world is None:
+        return
+    sizes = f"train.tensor_parallel={tp} x train.pipeline_parallel={pp}"
+    if world % (tp * pp):
+        raise ValueError(f"{sizes} does not divide the {world} train ranks")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(
+            f"train.expert_parallel={ep} does not divide the data-parallel size "
+            f"{world // (tp * pp)} ({world} train ranks / ({sizes}))"
+        )
+
+
 class TrainConfig(Section):
     backend: Literal["torch", "megatron", "mock"] = Field(
         "torch", description="torch (HF model, CPU/GPU), megatron (megatron-core, GPU only), mock."
     )
     tensor_parallel: int = Field(1, ge=1, description="megatron: tensor-parallel size.")
     pipeline_parallel: int = Field(1, ge=1, description="megatron: pipeline-parallel size.")
+    expert_parallel: int = Field(
+        1, ge=1, description="megatron, MoE models: expert-parallel size, the ranks one "
+        "layer's experts are split over (whole experts each). Must divide the model's "
+        "num_experts and the data-parallel size (train ranks / (tensor x pipeline)); needs "
+        "tensor_parallel 1."
+    )
     model_path: str | None = Field(None, description="HF-format initial policy.")
     load: str | None = Field(None, description="Checkpoint directory (HF format) to start from.")
     critic_model_path: str | None = Field(
@@ -181,6 +210,13 @@ class TrainConfig(Section):
     def _check_train(self) -> TrainConfig:
         if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
             raise ValueError("set train.global_batch_size or train.num_steps_per_rollout, not both")
+        if self.expert_parallel > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"train.expert_parallel={self.expert_parallel}: expert parallelism is "
+                f"implemented by train.backend=megatron only (not {self.backend})"
+            )
+        check_parallel_sizes(None, self.tensor_parallel, self.pipeline_parallel,
+                             self.expert_parallel)
         if self.lora.enabled and self.backend == "megatron":
             raise ValueError(
                 "train.lora: LoRA is implemented by train.backend=torch only; set "

@@ -22,7 +22,7 @@ from engines.algorithms.config import AlgorithmConfig
 from engines.train.config import TrainActorConfig, TrainConfig
 
 FIXED_AT_BUILD: frozenset[str] = frozenset({
-    "backend", "tensor_parallel", "pipeline_parallel", "model_path", "load",
+    "backend", "tensor_parallel", "pipeline_parallel", "expert_parallel", "model_path", "load",
     "critic_model_path", "seed", "dtype", "device", "lora",
 })
 """`train.*` keys every backend reads only when it is built (megatron adds its optimizer's:

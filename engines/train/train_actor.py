@@ -51,6 +51,7 @@ def _megatron_backend(cfg: TrainActorConfig) -> Any:
     return MegatronTrainBackend(
         cfg.train, cfg.algorithm, cfg.rollout.temperature, reward_key=cfg.rollout.reward_key,
         tensor_parallel=cfg.train.tensor_parallel, pipeline_parallel=cfg.train.pipeline_parallel,
+        expert_parallel=cfg.train.expert_parallel,
     )
 
 

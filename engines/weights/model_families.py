@@ -19,7 +19,7 @@ import torch
 SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
     "embedded": ("llama", "qwen2", "qwen3", "qwen3_moe"),
     "torch": ("llama", "qwen2", "qwen3", "qwen3_moe"),
-    "megatron": ("llama", "qwen2", "qwen3"),
+    "megatron": ("llama", "qwen2", "qwen3", "qwen3_moe"),
 }
 
 

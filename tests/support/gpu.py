@@ -63,6 +63,7 @@ def group_config(runs_root: str, model_dir: str, run_name: str, weight_sync: str
         "data": {"prompt_data": "unused.jsonl"},
         "rollout": {"num_rollout": 1, "rollout_batch_size": 4, "n_samples_per_prompt": 2},
         "engine": {"backend": "mock"},
+        "cluster": {"actor_num_gpus_per_node": 2},
         "train": {"backend": "megatron", "tensor_parallel": 2, "model_path": model_dir,
                   "lr": 1e-3, "max_tokens_per_micro_batch": 64, "weight_sync": weight_sync,
                   "weight_sync_backend": "gloo"},

@@ -146,3 +146,41 @@ def test_overrides_index_lists_as_errors_name_them(tmp_path):
         load_config(write(tmp_path, text), ["rollout.num_rollout[0]=1"])
     with pytest.raises(ConfigError, match=r"cannot read the key part 'datasets\[x\]'"):
         load_config(write(tmp_path, text), ["eval.datasets[x].path=a"])
+
+
+def _megatron(train: dict, cluster: dict | None = None, engine: dict | None = None):
+    return config_from_dict({
+        "data": {"prompt_data": "x.jsonl"},
+        "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
+        "engine": engine or {"backend": "mock"}, "cluster": cluster or {},
+        "train": {"backend": "megatron", "model_path": "m", **train},
+    })
+
+
+def test_expert_parallel_fits_the_train_group_or_is_refused_by_name(tmp_path):
+    cfg = _megatron({"expert_parallel": 2}, {"actor_num_gpus_per_node": 4})
+    assert cfg.train.expert_parallel == 2
+    with pytest.raises(ConfigError, match=r"train.expert_parallel=2 does not divide the "
+                       r"data-parallel size 1 \(2 train ranks"):
+        _megatron({"expert_parallel": 2, "pipeline_parallel": 2}, {"actor_num_gpus_per_node": 2})
+    with pytest.raises(ConfigError, match="train.expert_parallel=2 needs train.tensor_parallel=1"):
+        _megatron({"expert_parallel": 2, "tensor_parallel": 2}, {"actor_num_gpus_per_node": 4})
+    with pytest.raises(ConfigError, match=r"train.tensor_parallel=2 x train.pipeline_parallel=1 "
+                       "does not divide the 1 train ranks"):
+        _megatron({"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="expert parallelism is implemented by "
+                       "train.backend=megatron only"):
+        load_config(write(tmp_path), ["train.expert_parallel=2"])
+
+
+def test_engine_expert_parallel_is_sglangs_and_divides_an_engines_gpus():
+    cfg = _megatron({"weight_sync": "disk"}, {"rollout_num_gpus_per_engine": 4},
+                    {"backend": "sglang", "urls": ["http://h:1"], "expert_parallel": 2})
+    assert cfg.engine.expert_parallel == 2
+    with pytest.raises(ConfigError, match="engine.expert_parallel=2: the embedded engine holds "
+                       "every expert on one device"):
+        _megatron({}, None, {"backend": "embedded", "expert_parallel": 2})
+    with pytest.raises(ConfigError, match="engine.expert_parallel=4 must divide "
+                       "cluster.rollout_num_gpus_per_engine=2"):
+        _megatron({"weight_sync": "disk"}, {"rollout_num_gpus_per_engine": 2},
+                  {"backend": "sglang", "urls": ["http://h:1"], "expert_parallel": 4})

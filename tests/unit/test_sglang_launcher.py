@@ -39,3 +39,11 @@ def test_a_placed_multi_gpu_engine_sees_its_gpus_by_id():
     ray_env = {"CUDA_VISIBLE_DEVICES": "4", "PATH": "/bin"}
     assert server_env(4, ray_env) == {"PATH": "/bin"}  # Ray's narrowing is undone
     assert server_env(None, ray_env) == ray_env
+
+
+def test_an_expert_parallel_engine_gets_sglangs_ep_size():
+    cfg = EngineConfig(backend="sglang", model_path="/models/qwen3-moe", expert_parallel=2)
+    cmd = launch_command(cfg, port=31000, tp_size=2)
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert flags["--tp-size"] == "2" and flags["--ep-size"] == "2"
+    assert "--ep-size" not in launch_command(EngineConfig(backend="sglang", model_path="/m"), 1)

@@ -19,6 +19,7 @@ waiting in a collective. Weight export (`export_weights`) is a collective over T
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -38,10 +39,12 @@ from engines.train.megatron import checkpoint as ckpt
 from engines.train.megatron import parallel, schedule
 from engines.train.megatron.hf_convert import (
     ModelShape,
+    check_ep,
     check_tp,
     hf_to_mcore,
     mcore_to_hf,
     select_stage,
+    shard_ep,
     shard_tp,
     stage_layers,
 )
@@ -54,6 +57,7 @@ from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
 from storage.sample import Sample
 
 META_FILE = ckpt.META_FILE
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class MegatronTrainBackend:
         reward_key: str | None = None,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
     ) -> None:
         source = train_cfg.load or train_cfg.model_path
         if train_cfg.model_path is None:
@@ -97,9 +102,14 @@ class MegatronTrainBackend:
         self.train_cfg, self.algo_cfg = train_cfg, algo_cfg
         self.temperature = effective_temperature(rollout_temperature)
         self.hf_config, self.shape = _shape(train_cfg.model_path, tensor_parallel)
-        self.tp, self.pp = tensor_parallel, pipeline_parallel
+        check_ep(self.shape, expert_parallel)
+        if self.shape.router_aux_loss_coef > 0:
+            log.warning("%s: router_aux_loss_coef=%g is not applied by the megatron backend "
+                        "(no load-balancing loss; docs/models.md)", train_cfg.model_path,
+                        self.shape.router_aux_loss_coef)
+        self.tp, self.pp, self.ep = tensor_parallel, pipeline_parallel, expert_parallel
         self._dtype = getattr(torch, train_cfg.dtype)
-        parallel.init_parallel(tensor_parallel, pipeline_parallel, train_cfg.seed)
+        parallel.init_parallel(tensor_parallel, pipeline_parallel, train_cfg.seed, expert_parallel)
         torch.manual_seed(train_cfg.seed)
         self._shuffle = torch.Generator().manual_seed(train_cfg.seed)
         self.step = TrainStep(train_cfg, algo_cfg, self, self._shuffle, reward_key)
@@ -137,7 +147,8 @@ class MegatronTrainBackend:
     # -- construction ---------------------------------------------------------------------
     def _config(self, shape: ModelShape) -> Any:
         # The schedule reads `finalize_model_grads_func` from the model it runs.
-        config = transformer_config(shape, self.tp, self.pp, self._dtype)
+        config = transformer_config(shape, self.tp, self.pp, self._dtype,
+                                    ep=self.ep if shape.is_moe else 1)
         config.finalize_model_grads_func = _finalize_grads
         return config
 
@@ -157,6 +168,9 @@ class MegatronTrainBackend:
         if post and not pre and shape.tie_word_embeddings and not critic:
             stage["output_layer.weight"] = hf["model.embed_tokens.weight"]
         stage = shard_tp(stage, ps.get_tensor_model_parallel_rank(), self.tp)
+        if shape.is_moe:
+            stage = shard_ep(stage, ps.get_expert_model_parallel_rank(), self.ep,
+                             shape.num_experts)
         if critic and post:
             stage.update({f"output_layer.{n}": p.detach()
                           for n, p in model.output_layer.named_parameters()})
@@ -167,6 +181,7 @@ class MegatronTrainBackend:
 
         assert hf_path is not None
         _, shape = _shape(hf_path, self.tp)
+        check_ep(shape, self.ep if shape.is_moe else 1)
         config = self.config if shape == self.shape else self._config(shape)
         model = build_gpt_model(shape, config)
         self._load_hf(model, hf_path, shape, critic=False)
@@ -257,8 +272,8 @@ class MegatronTrainBackend:
         t.model.zero_grad_buffer()
         t.optimizer.zero_grad()
         with record_function("megatron.forward_backward"):
-            outs = schedule.run(t.model, samples, micro_batches, self.pad_token_id, on_output,
-                                False, self.train_cfg.pack_sequences)
+            outs = schedule.run(t.model, samples, schedule.even_micro_batches(micro_batches),
+                                self.pad_token_id, on_output, False, self.train_cfg.pack_sequences)
         ranks = parallel.all_gather_dp(_sum_on_host(outs))
         result = {k: sum(r.get(k, 0.0) for r in ranks) for k in set().union(*ranks)}
         result = parallel.broadcast_from_last_stage(result)

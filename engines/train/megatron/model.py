@@ -1,7 +1,10 @@
-"""Build a megatron-core `GPTModel` for a Llama / Qwen2 HF config, with no TE and no apex.
+"""Build a megatron-core `GPTModel` for a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config, with no
+TE and no apex.
 
 The layer spec is megatron's *local* spec (plain `ColumnParallelLinear`/`RowParallelLinear`,
-torch RMSNorm) with its core attention swapped for `SDPACoreAttention`: the local
+torch RMSNorm; for MoE a `TopKRouter` and a `SequentialMLP` of local experts, a loop over
+plain linears, since grouped GEMM needs TE) with its core attention swapped for
+`SDPACoreAttention`: the local
 `DotProductAttention` materialises `[b, heads, s, s]` scores, while
 `torch.nn.functional.scaled_dot_product_attention` runs flash / memory-efficient kernels.
 
@@ -108,22 +111,49 @@ def varlen_causal_attention(
     return torch.cat(parts, dim=0)
 
 
-def layer_spec(sdpa: bool = True, qk_layernorm: bool = False) -> Any:
-    """megatron's local GPT layer spec (RMSNorm; per-head q/k norms for Qwen3), optionally
-    with SDPA core attention."""
+def layer_spec(sdpa: bool = True, qk_layernorm: bool = False, num_experts: int = 0) -> Any:
+    """megatron's local GPT layer spec (RMSNorm; per-head q/k norms for Qwen3; an MoE MLP of
+    `num_experts` sequential experts), optionally with SDPA core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+        normalization="RMSNorm",
+    )
     if sdpa:
         spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
 
 
+def moe_config(shape: ModelShape) -> dict[str, Any]:
+    """`TransformerConfig` fields of an MoE model, routed as HF Qwen3-MoE routes: softmax over
+    all experts, top-k, the k weights renormalised when `norm_topk_prob` (top-k of the logits
+    then a softmax over those k is the same thing), else softmax first (`pre_softmax`).
+
+    No load-balancing loss: megatron's differs from HF's (per layer rather than pooled over
+    layers, a 1/top-k factor, pad tokens counted, and with `calculate_per_token_loss` summed
+    over micro-batches and DP ranks), so the torch backend alone adds one
+    (docs/models.md)."""
+    if not shape.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.moe_topk,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+    )
+
+
 def transformer_config(
-    shape: ModelShape, tp: int, pp: int, dtype: torch.dtype, cpu_init: bool = False
+    shape: ModelShape, tp: int, pp: int, dtype: torch.dtype, cpu_init: bool = False,
+    ep: int = 1,
 ) -> Any:
-    """A `TransformerConfig` matching HF Llama/Qwen2/Qwen3 numerics (no fusions needing apex/TE;
-    the swiglu fusion is megatron's own, through torch.compile).
+    """A `TransformerConfig` matching HF Llama/Qwen2/Qwen3/Qwen3-MoE numerics (no fusions
+    needing apex/TE; the swiglu fusion is megatron's own, through torch.compile).
 
     `calculate_per_token_loss=True` makes megatron *sum* (not average) gradients over DP
     ranks and micro-batches: our losses are already divided by the global step denominator.
@@ -154,13 +184,15 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # dense model; allgather rejects varlen
+        moe_token_dispatcher_type="alltoall",  # allgather rejects varlen
         calculate_per_token_loss=True,
         use_cpu_initialization=cpu_init,
+        **moe_config(shape),
     )
 
 
@@ -192,7 +224,7 @@ def build_gpt_model(
     post = ps.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(sdpa, shape.qk_layernorm),
+        transformer_layer_spec=layer_spec(sdpa, shape.qk_layernorm, shape.num_experts),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -15,11 +15,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.process import free_port
-from engines.train.megatron.hf_convert import merge_stages, merge_tp, stage_layers
+from engines.train.config import check_parallel_sizes
+from engines.train.megatron.hf_convert import (
+    expert_tensors,
+    merge_ep,
+    merge_stages,
+    merge_tp,
+    stage_layers,
+)
 
 
-def init_parallel(tp: int, pp: int, seed: int) -> None:
-    """torch.distributed (NCCL) + megatron's TP/PP/DP groups + its CUDA RNG tracker."""
+def init_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
+    """torch.distributed (NCCL) + megatron's TP/PP/DP(/EP) groups + its CUDA RNG tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -29,12 +36,12 @@ def init_parallel(tp: int, pp: int, seed: int) -> None:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", rank=rank, world_size=world)
-    if dist.get_world_size() % (tp * pp):
-        raise ValueError(f"world size {dist.get_world_size()} is not divisible by tp*pp={tp * pp}")
+    check_parallel_sizes(dist.get_world_size(), tp, pp, ep)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tp, pp)
-    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-        raise ValueError("megatron is already initialised with a different tp/pp")
+        ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+          ps.get_expert_model_parallel_world_size()) != (tp, pp, ep):
+        raise ValueError("megatron is already initialised with a different tp/pp/ep")
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -59,10 +66,17 @@ def _local_params(model: Any) -> dict[str, Tensor]:
 
 
 def gather_full_state(model: Any, num_layers: int) -> dict[str, Tensor]:
-    """The full megatron state dict (all TP shards, all PP stages) on every rank, on CPU."""
+    """The full megatron state dict (all TP shards, EP ranks' experts, PP stages) on every
+    rank, on CPU."""
     from megatron.core import parallel_state as ps
 
     local = _local_params(model)
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1:  # the other EP ranks' experts; the rest is the same on every EP rank
+        experts: list[Any] = [None] * ep
+        dist.all_gather_object(experts, expert_tensors(local),
+                               group=ps.get_expert_model_parallel_group())
+        local = merge_ep([{**local, **experts[0]}, *experts[1:]])
     tp = ps.get_tensor_model_parallel_world_size()
     shards: list[Any] = [None] * tp
     if tp > 1:
@@ -119,3 +133,18 @@ def all_gather_dp(obj: Any) -> list[Any]:
     out: list[Any] = [None] * size
     dist.all_gather_object(out, obj, group=ps.get_data_parallel_group())
     return out
+
+
+def max_over_dp(n: int) -> int:
+    """The largest `n` of the DP ranks (their micro-batch counts, say); `n` without EP.
+
+    An MoE layer under expert parallelism exchanges tokens between the EP ranks (all-to-all)
+    in every forward, so every rank of an EP group must run as many micro-batches as the
+    others, though its share of the samples may need fewer."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return n
+    box = torch.tensor([n], device=current_device())
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    return int(box.item())

@@ -100,6 +100,13 @@ def run(
     ))
 
 
+def even_micro_batches(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    """`micro_batches` plus uncounted stand-ins (sample 0) up to the most any DP rank runs,
+    where expert parallelism needs every rank in each forward (`parallel.max_over_dp`)."""
+    extra = parallel.max_over_dp(len(micro_batches)) - len(micro_batches)
+    return micro_batches + [MicroBatch([0], counted=False) for _ in range(extra)]
+
+
 def to_forward(
     batch: PaddedBatch, output: Tensor, values: bool, temperature: float,
     entropy: bool = True, entropy_grad: bool = False,
@@ -129,17 +136,17 @@ def score(
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = list(range(rank, len(samples), dp))
     local: dict[int, Tensor] = {}
-    if mine:
-        lengths = [len(samples[i].tokens) for i in mine]
-        split = split_micro_batches(lengths, max_tokens, packed)
-        mbs = [MicroBatch([mine[j] for j in mb]) for mb in split]
+    lengths = [len(samples[i].tokens) for i in mine]
+    split = split_micro_batches(lengths, max_tokens, packed) if mine else []
+    mbs = even_micro_batches([MicroBatch([mine[j] for j in mb]) for mb in split])
+    if mbs:
 
         def on_output(mb: MicroBatch, batch: PaddedBatch, output: Tensor) -> tuple[Tensor, Any]:
             fwd = to_forward(batch, output, values, temperature, entropy=False)
             t = fwd.values if values else fwd.log_probs
             assert t is not None
             per = [(i, t[r, : samples[i].response_length].float().cpu().clone())
-                   for r, i in enumerate(mb.rows)]
+                   for r, i in enumerate(mb.rows)] if mb.counted else []
             return t.sum() * 0.0, per
 
         for out in run(model, samples, mbs, pad_token_id, on_output, True, packed):
