@@ -1,10 +1,13 @@
-"""GRPO steps on a randomly initialised Qwen2-shaped ~0.5B model, torch vs megatron backend.
+"""GRPO steps on a randomly initialised Qwen2-shaped ~0.5B model (or, `--family qwen3_moe`, a
+Qwen3-MoE of 2B parameters with 0.3B active outside the embeddings), torch vs megatron.
 
     python -m bench.megatron_grpo --backend torch
     python -m bench.megatron_grpo --backend megatron [--pack]        # --pack: pack_sequences
     torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --tp 2
     python -m bench.megatron_grpo --backend all     # each of the above (TP=2 if 2 GPUs)
     python -m bench.megatron_grpo --backend megatron --prompt-len 1024 --response-len 3072 --profile
+    python -m bench.megatron_grpo --backend megatron --family qwen3_moe
+    torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --family qwen3_moe --ep 2
 
 Prints one JSON line per run: training tokens/s (prompt + response tokens of the batch per
 `train()` second, steps after the first), MFU, the input token slots the step's
@@ -15,7 +18,8 @@ more step.
 MFU counts the model FLOPs of the tokens the backend needs to compute (`step_flops`): 6N per
 token plus 12·h per attended query/key pair and layer (forward + backward), N the
 non-embedding matmul parameters, plus 6H per response token for the LM head H (both
-backends project the response positions only); a prompt shared by its group's responses
+backends project the response positions only), N counting for an MoE model the attention,
+the router and the experts a token is routed to (its active parameters); a prompt shared by its group's responses
 (the torch backend's `share_prompts`) once; padding never; and the no-grad old-log-prob
 forward only where the step runs it (the step takes the old log-probs from the first
 training forward on one DP rank and one stage).
@@ -45,21 +49,31 @@ QWEN2_05B = dict(
     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
+# Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts of 768) with 8
+# layers of 32 experts, 4 per token: one H100 holds it with Adam's state.
+QWEN3_MOE_2B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+    num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.0,
+    max_position_embeddings=4096, tie_word_embeddings=False,
+)
+SHAPES: dict[str, dict[str, Any]] = {"qwen2": QWEN2_05B, "qwen3_moe": QWEN3_MOE_2B}
 
 
-def make_model(path: str) -> int:
-    """Save a random Qwen2-0.5B-shaped model (bf16); returns its parameter count."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def make_model(path: str, family: str = "qwen2") -> int:
+    """Save a random model of `family`'s shape (bf16); returns its parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
+    config = {"qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[family](**SHAPES[family])
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16)  # type: ignore[arg-type]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
 
 def make_samples(n_groups: int, group: int, prompt_len: int, resp_len: int) -> list[Sample]:
     rng = random.Random(0)
-    vocab = int(QWEN2_05B["vocab_size"])
+    vocab = int(QWEN2_05B["vocab_size"])  # the same in both shapes
     samples = []
     for g in range(n_groups):
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
@@ -72,21 +86,31 @@ def make_samples(n_groups: int, group: int, prompt_len: int, resp_len: int) -> l
     return samples
 
 
-def _dims() -> tuple[int, int, int, int]:
-    """(hidden, layers, N, H): N = the non-embedding matmul parameters, H = the LM head's."""
-    c = QWEN2_05B
-    h, layers, f, v = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
-    kv = h * int(c["num_key_value_heads"]) // int(c["num_attention_heads"])
-    return h, layers, layers * (h * (h + 2 * kv) + h * h + 3 * h * f), h * v
+def _dims(family: str = "qwen2") -> tuple[int, int, int, int]:
+    """(hidden, layers, N, H): N = the non-embedding matmul parameters a token runs through
+    (an MoE layer's router and its top-k experts, not the others), H = the LM head's."""
+    c = SHAPES[family]
+    h, layers, v = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    heads = int(c["num_attention_heads"])
+    d = int(c.get("head_dim") or h // heads)
+    attn = h * d * (2 * heads + 2 * int(c["num_key_value_heads"]))  # q, o; k, v
+    if "num_experts" in c:
+        mlp = h * int(c["num_experts"]) + 3 * h * int(c["moe_intermediate_size"]) * int(
+            c["num_experts_per_tok"])
+    else:
+        mlp = 3 * h * int(c["intermediate_size"])
+    return h, layers, layers * (attn + mlp), h * v
 
 
-def step_flops(samples: list[Sample], shared_prompts: bool, old_forward: bool) -> tuple[float, int]:
+def step_flops(
+    samples: list[Sample], shared_prompts: bool, old_forward: bool, family: str = "qwen2"
+) -> tuple[float, int]:
     """(model FLOPs, tokens computed) of one `train()` over `samples`: forward + backward
     (6N per token, 12·h per attended query/key pair and layer) of the tokens the backend
     computes (a shared prompt once per group), the LM head (6H) at the response positions
     only (both backends project only those), plus a forward (a third of that) for the old
     log-probs where the step runs one (`lazy_old_log_probs` is False). Padding is not counted."""
-    h, layers, n, head = _dims()
+    h, layers, n, head = _dims(family)
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group_index, []).append(s)
@@ -126,6 +150,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", choices=["torch", "megatron", "all"], required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="megatron: expert parallel (qwen3_moe)")
+    ap.add_argument("--family", choices=sorted(SHAPES), default="qwen2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
@@ -138,13 +164,16 @@ def main() -> None:
                     help="train.share_prompts (torch; auto: on the CPU only)")
     ap.add_argument("--profile", action="store_true",
                     help="one more step under torch.profiler: the top CUDA kernels")
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "qwen2-05b-random"))
+    ap.add_argument("--model-dir", default=None,
+                    help="default: a random model of --family's shape in the temp directory")
     args = ap.parse_args()
+    args.model_dir = args.model_dir or os.path.join(
+        tempfile.gettempdir(), {"qwen2": "qwen2-05b-random", "qwen3_moe": "qwen3-moe-2b-random"}[args.family])
 
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if rank == 0 and not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        make_model(args.model_dir)
+        make_model(args.model_dir, args.family)
     if world > 1:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group("nccl")
@@ -161,14 +190,15 @@ def main() -> None:
     else:
         from engines.train.megatron import MegatronTrainBackend
 
-        backend = MegatronTrainBackend(train_cfg, algo, tensor_parallel=args.tp)
+        backend = MegatronTrainBackend(train_cfg, algo, tensor_parallel=args.tp,
+                                       expert_parallel=args.ep)
     samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len)
     tokens = sum(len(s.tokens) for s in samples)
     runs = [backend.train(samples, step) for step in range(args.steps)]
     timed = runs[1:] or runs
     tok_s = sum(r["train_tokens_per_s"] for r in timed) / len(timed)
     shared = backend.shares_prompts
-    flops, computed = step_flops(samples, shared, not backend.lazy_old_log_probs)
+    flops, computed = step_flops(samples, shared, not backend.lazy_old_log_probs, args.family)
     layout = {(False, False): "padded", (True, False): "shared", (False, True): "packed",
               (True, True): "packed+shared"}[(shared, args.pack)]
     if args.backend == "megatron" and args.pack:
@@ -176,11 +206,12 @@ def main() -> None:
     mfu = flops * tok_s / tokens / (args.peak_tflops * 1e12 * world)
     if rank == 0:
         print(json.dumps({
-            "backend": args.backend, "tp": args.tp, "gpus": world, "samples": len(samples),
+            "backend": args.backend, "family": args.family, "tp": args.tp, "ep": args.ep,
+            "gpus": world, "samples": len(samples),
             "seq": args.prompt_len + args.response_len,
             "pack": args.pack, "layout": layout, "tokens_per_step": tokens,
             "tokens_computed": computed,
-            "input_slots": layout_slots(samples, args.micro_tokens, layout, _dims()[0])[0],
+            "input_slots": layout_slots(samples, args.micro_tokens, layout, _dims(args.family)[0])[0],
             "tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
             "step_s": round(tokens / tok_s, 3),
             "step0_ppo_kl": runs[0]["approx_kl"], "step0_clipfrac": runs[0]["clipfrac"],

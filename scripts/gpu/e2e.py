@@ -4,6 +4,8 @@ their placement-group bundle, weights over `train.weight_sync`. `scripts/gpu/e2e
 parts on a 2-GPU machine; each also runs on a CPU (`--quick`, gloo instead of NCCL).
 
     python scripts/gpu/e2e.py arithmetic [--backend torch|megatron]   # (a) SFT, then GRPO
+    python scripts/gpu/e2e.py arithmetic --family qwen3_moe --backend megatron \
+        --set train.expert_parallel=2 ...                              # (e) the same, MoE
     python scripts/gpu/e2e.py qwen [--colocate]                       # (b), (c)
 
 Everything printed comes from what the flow stored: each step's metrics.json (the per-task
@@ -46,12 +48,18 @@ def step_rows(run_dir: str) -> list[dict[str, Any]]:
 
 
 def flops_per_token(model_dir: str, seq: float) -> float:
-    """bench.megatron_grpo's count for any Llama/Qwen2-like config: 8N + 8·L·h·s per token
-    (old log-prob forward 2N + 2·attn, forward + backward 6N + 6·attn)."""
+    """bench.megatron_grpo's count for any Llama/Qwen2/Qwen3(-MoE) config: 8N + 8·L·h·s per
+    token (old log-prob forward 2N + 2·attn, forward + backward 6N + 6·attn), N the
+    parameters a token runs through (an MoE layer's router and top-k experts only)."""
     c = json.loads(Path(model_dir, "config.json").read_text())
-    h, layers, f, v = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    kv = h * c.get("num_key_value_heads", c["num_attention_heads"]) // c["num_attention_heads"]
-    n = layers * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * v
+    h, layers, v, heads = (c[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                          "num_attention_heads"))
+    d = c.get("head_dim") or h // heads
+    attn_params = h * d * (2 * heads + 2 * c.get("num_key_value_heads", heads))
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    mlp = (h * experts + 3 * h * c["moe_intermediate_size"] * c["num_experts_per_tok"]
+           if experts else 3 * h * c["intermediate_size"])
+    n = layers * (attn_params + mlp) + h * v
     attn = layers * h * seq
     return 8 * n + 8 * attn
 
@@ -60,8 +68,10 @@ def task_sum(m: dict[str, Any]) -> float:
     return sum(m.get(f"time/{t}", 0.0) for t in TASKS)
 
 
-def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tflops: float) -> dict[str, Any]:
-    """The per-task time table and the run's weight-sync seconds, tok/s and MFU."""
+def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tflops: float,
+                gpus: int = 1) -> dict[str, Any]:
+    """The per-task time table and the run's weight-sync seconds, tok/s and MFU (over the
+    trainer's `gpus`)."""
     print(f"\n=== {title}: seconds per task, per step (from steps/*/metrics.json) ===")
     head = ["step", "prompts", "generate", "filter", "reward", "train", "w-sync", "commit",
             "sum", "gen tok", "gen tok/s", "trn tok/s", "MFU"]
@@ -69,7 +79,7 @@ def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tfl
     mfus = []
     for m in rows:
         mfu = m.get("train/train_tokens_per_s", 0.0) * flops_per_token(
-            model_dir, m["tokens_per_sample"]) / (peak_tflops * 1e12)
+            model_dir, m["tokens_per_sample"]) / (peak_tflops * 1e12 * gpus)
         mfus.append(mfu)
         cells = [m["rollout_id"], *(m.get(f"time/{t}", 0.0) for t in TASKS),
                  task_sum(m), m.get("rollout/generated_tokens", 0),
@@ -110,20 +120,26 @@ def arithmetic(args: argparse.Namespace) -> None:
 
     art = Path(args.work, "arithmetic")
     data = write_datasets(str(art / "data"), n_train=4000, n_test=500, n_sft=1000)
-    model = save_tiny_model(str(art / "tiny-llama"))
+    llama = args.family == "llama"
+    model = save_tiny_model(str(art / ("tiny-llama" if llama else f"tiny-{args.family}")),
+                            family=args.family)
     runs = str(Path(args.work, "runs"))
     common = [f"storage.uri={runs}",
               f"eval.datasets=[{{name: test, path: {data['test']}, temperature: 0.0}}]"]
     quick = ["rollout.num_rollout=2", "rollout.rollout_batch_size=32"] if args.quick else []
-    sft_ckpt = Path(runs, "arithmetic-sft", "checkpoints")
+    sft_run = "arithmetic-sft" if llama else f"arithmetic-sft-{args.family}"
+    sft_ckpt = Path(runs, sft_run, "checkpoints")
+    sft_steps = args.sft_rollouts or (2 if args.quick else None)
     t0 = time.perf_counter()
     if args.backend == "torch" or not sft_ckpt.exists():
         sft = load("sft", [*common, f"data.prompt_data={data['sft']}", f"train.model_path={model}",
-                           *(["rollout.num_rollout=2"] if args.quick else [])])
+                           f"storage.run_name={sft_run}",
+                           *([f"rollout.num_rollout={sft_steps}"] if sft_steps else [])])
         res = train(sft)
         print(f"SFT: {res['run_dir']} ({time.perf_counter() - t0:.1f} s)")
     last = sorted(p.name for p in sft_ckpt.iterdir() if p.name.isdigit())[-1]
     run_name = "arithmetic-grpo" if args.backend == "torch" else f"arithmetic-grpo-{args.backend}"
+    run_name += "" if llama else f"-{args.family}"
     grpo = load("grpo", [*common, f"data.prompt_data={data['train']}",
                          f"train.model_path={sft_ckpt / last}", f"storage.run_name={run_name}",
                          f"train.backend={args.backend}", f"train.weight_sync={args.weight_sync}",
@@ -133,7 +149,9 @@ def arithmetic(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - t1
     before, after = (100.0 * res["evals"][v]["eval/test"] for v in (0, grpo.rollout.num_rollout))
     rows = step_rows(res["run_dir"])
-    summary = print_table(f"arithmetic GRPO ({args.backend} trainer)", rows, model, args.peak_tflops)
+    gpus = grpo.cluster.actor_num_nodes * grpo.cluster.actor_num_gpus_per_node
+    summary = print_table(f"arithmetic GRPO ({args.backend} trainer, {args.family})", rows,
+                          model, args.peak_tflops, gpus)
     print(f"held-out exact match ({args.backend}): before RL {before:.1f}%, after RL {after:.1f}% "
           f"({after - before:+.1f} points); GRPO {seconds:.1f} s, {grpo.rollout.num_rollout} steps")
     print(f"resumed at step {res['resumed_at']}, trainer: {res['restored']}")
@@ -204,6 +222,10 @@ def main() -> None:
     ap.add_argument("part", choices=["arithmetic", "qwen"])
     ap.add_argument("--work", default=os.environ.get("E2E_WORK", "/tmp/rf-e2e"))
     ap.add_argument("--backend", default="torch", choices=["torch", "megatron"])
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen3", "qwen3_moe"],
+                    help="arithmetic: the tiny model's family (examples/arithmetic/build_model.py)")
+    ap.add_argument("--sft-rollouts", type=int, default=None,
+                    help="arithmetic: SFT warm-start steps (default: sft.yaml's)")
     ap.add_argument("--weight-sync", default="distributed", choices=["distributed", "tensor", "disk"])
     ap.add_argument("--colocate", action="store_true")
     ap.add_argument("--steps", type=int, default=4)

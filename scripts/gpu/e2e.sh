@@ -15,6 +15,9 @@
 #       6 steps with a checkpoint every 3, the run's actors stopped, then the same run resumed
 #       to 8 steps, its fresh group loading the TP=2 checkpoint (not run by default). The
 #       resumed run's trainer is rebuilt at the checkpoint's version with nothing to replay.
+#   (e) (d) for a tiny Qwen3-MoE (8 experts, 2 per token) with expert parallelism instead of
+#       TP: a megatron EP=2 train group on both GPUs (4 experts each), its SFT warm start
+#       (2 steps, torch trainer) first (not run by default).
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
 # run: bench/RESULTS.md, "GPU end to end".
@@ -79,6 +82,12 @@ for part in $PARTS; do
        run d_tp2 "${T_D:-300}" arithmetic-grpo-megatron arithmetic "${TP2[@]}" --set rollout.num_rollout=6
        run d_tp2_resume "${T_D:-300}" arithmetic-grpo-megatron arithmetic "${TP2[@]}" --set rollout.num_rollout=8
        grep -hE "rebuilt|replayed|restored|checkpoint" "$LOG"/d_tp2_resume.log | head -n 5 ;;
+    e) EP2=(--family qwen3_moe --sft-rollouts 2 --backend megatron --set train.expert_parallel=2
+            --set cluster.actor_num_gpus_per_node=2 --set cluster.colocate=true
+            --set train.weight_sync=tensor --set train.save_interval=3)
+       run e_ep2 "${T_E:-300}" arithmetic-grpo-megatron-qwen3_moe arithmetic "${EP2[@]}" --set rollout.num_rollout=6
+       run e_ep2_resume "${T_E:-300}" arithmetic-grpo-megatron-qwen3_moe arithmetic "${EP2[@]}" --set rollout.num_rollout=8
+       grep -hE "rebuilt|replayed|restored|checkpoint" "$LOG"/e_ep2_resume.log | head -n 5 ;;
   esac
 done
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1

@@ -9,6 +9,10 @@
 #   group     both: TP=2 behind the train group (torchrun, and Ray where it imports)
 #   parallel  both: TP=2 / PP=2 / DP=2 vs one GPU
 #   nccl      both: NCCL weight sync trainer -> engine
+#   moe       GPU 1: the Qwen3 / Qwen3-MoE rows of the parity table; beside it on GPU 0,
+#             bench.megatron_grpo --family qwen3_moe (megatron, one GPU), then on both
+#             megatron EP=2 (MOE_BENCH_ARGS adds flags to both); parts moe_parity,
+#             moe_bench, moe_ep2 one by one
 #   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
 #             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072";
 #             BENCH_TORCH / BENCH_MEGATRON to one backend's runs, e.g. "--profile")
@@ -43,7 +47,7 @@ part() {  # name, timeout (s), command...
   case " $PARTS " in *" $name "*) ;; *) return ;; esac
   timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
   echo "== $name rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
-  grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| " "$LOG/$name.log" | tail -n 40
+  grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| |tokens_per_s" "$LOG/$name.log" | tail -n 40
 }
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 LAST=$(( NGPU > 1 ? 1 : 0 ))  # the "other" GPU; the same one on a one-GPU machine
@@ -52,6 +56,15 @@ CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-300} $PYTEST tests/gpu/test_meg
 [ "$NGPU" -gt 1 ] || wait
 CUDA_VISIBLE_DEVICES=$LAST part parity ${T_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py &
 wait
+# moe: parity rows on GPU 1 beside the one-GPU MoE bench on GPU 0, then EP=2 on both
+case " $PARTS " in *" moe "*) PARTS="$PARTS moe_parity moe_bench moe_ep2" ;; esac
+MOE_BENCH="-m bench.megatron_grpo --backend megatron --family qwen3_moe --steps ${BENCH_STEPS:-4} --micro-tokens 8192 ${MOE_BENCH_ARGS:-}"
+CUDA_VISIBLE_DEVICES=$LAST part moe_parity ${T_MOE_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py -k qwen3 &
+[ "$NGPU" -gt 1 ] || wait
+CUDA_VISIBLE_DEVICES=0 part moe_bench ${T_MOE_BENCH:-300} $PY $MOE_BENCH &
+wait
+[ "$NGPU" -gt 1 ] && part moe_ep2 ${T_MOE_EP2:-240} $PY -m torch.distributed.run --standalone \
+  --nproc-per-node=2 $MOE_BENCH --ep 2
 part group ${T_GROUP:-300} $PYTEST tests/gpu/test_megatron_group.py
 part parallel ${T_PARALLEL:-420} $PYTEST tests/gpu/test_megatron_parallel.py
 part nccl ${T_NCCL:-240} $PYTEST tests/gpu/test_nccl_weight_sync.py

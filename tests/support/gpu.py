@@ -27,6 +27,27 @@ def save_qwen2_tiny(path: str, tie_word_embeddings: bool = False, seed: int = 0)
     return path
 
 
+def save_qwen3_tiny(path: str, moe: bool = False, seed: int = 0) -> str:
+    """A random Qwen3-shaped model (per-head q/k norms, GQA, head_dim not hidden / heads),
+    or (`moe`) Qwen3-MoE-shaped with 8 experts, 2 per token, every split dim divisible by 2.
+    No load-balancing loss: the megatron backend adds none, so torch must not either for the
+    two to agree."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=48, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    cfg = (Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0,
+                          **common)
+           if moe else Qwen3Config(intermediate_size=256, **common))
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
 def grpo_samples(n_groups: int = 4, group: int = 4, vocab: int = 256, seed: int = 0) -> list[Sample]:
     """Groups of random prompt + response tokens, 0/1 rewards, one masked token per group."""
     rng = random.Random(seed)
