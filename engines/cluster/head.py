@@ -124,7 +124,11 @@ def start_local_head(num_cpus: int | None = None, num_gpus: int | None = None) -
         dashboard = f"http://127.0.0.1:{dash_port}"
     else:
         cmd.append("--include-dashboard=false")
-    subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True)
+    # In a directory of rollflow's own: the head's processes, and every worker they start,
+    # inherit it, and a head started in the user's directory broke once that was deleted
+    # (its new workers could not even load torch) until `rollflow cluster down`.
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True, cwd=temp_dir)
     address = f"127.0.0.1:{port}"
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     STATE_FILE.write_text(json.dumps({
@@ -158,6 +162,35 @@ def check_environment(state: dict[str, Any]) -> None:
         )
 
 
+class BrokenHead(ClusterMismatch):
+    """The running local head cannot start workers any more."""
+
+
+def check_head_usable(state: dict[str, Any]) -> None:
+    """Raise, in one line, when a process of the head recorded in `state` runs in a
+    directory that no longer exists: the workers it starts inherit that directory and die
+    (`ActorDiedError` on every run). Heads rollflow starts run in ROLLFLOW_HOME/ray; one
+    started elsewhere (by hand, or by an older rollflow) can be caught out."""
+    import psutil
+
+    temp_dir = state.get("temp_dir")
+    if not temp_dir:
+        return
+    for proc in psutil.process_iter(["cmdline"]):
+        if not any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+            continue
+        try:
+            cwd = proc.cwd()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if not os.path.isdir(cwd.removesuffix(" (deleted)")) or cwd.endswith(" (deleted)"):
+            raise BrokenHead(
+                f"the local Ray head at {state['address']} is broken: it runs in "
+                f"{cwd.removesuffix(' (deleted)')}, which was deleted, so no worker can start "
+                "there; stop it with `rollflow cluster down` (the next run starts a new one)"
+            )
+
+
 def check_auth(state: dict[str, Any]) -> None:
     """A token head needs a token client; an open head works with either, but is said."""
     auth = state.get("auth", "disabled")
@@ -184,6 +217,7 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
     state = read_state()
     if state and _alive(state["address"]):
         check_environment(state)
+        check_head_usable(state)
         check_auth(state)
         return str(state["address"])
     return start_local_head(cfg.num_cpus, cfg.num_gpus) if start else None
