@@ -81,8 +81,8 @@ class RollflowConfig(Section):
             )
         if self.algorithm.routing_replay and self.train.backend == "megatron":
             raise ValueError(
-                "algorithm.routing_replay is implemented by the torch train backend only; the "
-                "megatron backend runs dense models (train.backend: torch for Qwen3-MoE)"
+                "algorithm.routing_replay is implemented by the torch train backend only "
+                "(train.backend: torch); the megatron backend routes with its own router"
             )
         if self.algorithm.routing_replay and self.rollout.use_router:
             raise ValueError(

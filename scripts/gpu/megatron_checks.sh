@@ -9,8 +9,8 @@
 #   group     both: TP=2 behind the train group (torchrun, and Ray where it imports)
 #   parallel  both: TP=2 / PP=2 / DP=2 vs one GPU
 #   nccl      both: NCCL weight sync trainer -> engine
-#   moe       GPU 1: the Qwen3 / Qwen3-MoE rows of the parity table; beside it on GPU 0,
-#             bench.megatron_grpo --family qwen3_moe (megatron, one GPU), then on both
+#   moe       GPU 1: the Qwen3 / Qwen3-MoE rows of the parity table; then GPU 0:
+#             bench.megatron_grpo --family qwen3_moe (megatron, one GPU), then both:
 #             megatron EP=2 (MOE_BENCH_ARGS adds flags to both); parts moe_parity,
 #             moe_bench, moe_ep2 one by one
 #   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
@@ -56,13 +56,12 @@ CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-300} $PYTEST tests/gpu/test_meg
 [ "$NGPU" -gt 1 ] || wait
 CUDA_VISIBLE_DEVICES=$LAST part parity ${T_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py &
 wait
-# moe: parity rows on GPU 1 beside the one-GPU MoE bench on GPU 0, then EP=2 on both
+# moe: one after the other (beside the bench's model build the MoE parity test stalled; see
+# bench/RESULTS.md, "Megatron vs torch parity")
 case " $PARTS " in *" moe "*) PARTS="$PARTS moe_parity moe_bench moe_ep2" ;; esac
 MOE_BENCH="-m bench.megatron_grpo --backend megatron --family qwen3_moe --steps ${BENCH_STEPS:-4} --micro-tokens 8192 ${MOE_BENCH_ARGS:-}"
-CUDA_VISIBLE_DEVICES=$LAST part moe_parity ${T_MOE_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py -k qwen3 &
-[ "$NGPU" -gt 1 ] || wait
-CUDA_VISIBLE_DEVICES=0 part moe_bench ${T_MOE_BENCH:-300} $PY $MOE_BENCH &
-wait
+CUDA_VISIBLE_DEVICES=$LAST part moe_parity ${T_MOE_PARITY:-240} $PYTEST tests/gpu/test_megatron_parity.py -k qwen3
+CUDA_VISIBLE_DEVICES=0 part moe_bench ${T_MOE_BENCH:-300} $PY $MOE_BENCH
 [ "$NGPU" -gt 1 ] && part moe_ep2 ${T_MOE_EP2:-240} $PY -m torch.distributed.run --standalone \
   --nproc-per-node=2 $MOE_BENCH --ep 2
 part group ${T_GROUP:-300} $PYTEST tests/gpu/test_megatron_group.py
