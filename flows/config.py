@@ -79,11 +79,6 @@ class RollflowConfig(Section):
                 f"cluster.rollout_num_gpus_per_engine={self.cluster.rollout_num_gpus_per_engine}"
                 " (SGLang splits an engine's experts over its tensor-parallel GPUs)"
             )
-        if self.algorithm.routing_replay and self.train.backend == "megatron":
-            raise ValueError(
-                "algorithm.routing_replay is implemented by the torch train backend only "
-                "(train.backend: torch); the megatron backend routes with its own router"
-            )
         if self.algorithm.routing_replay and self.rollout.use_router:
             raise ValueError(
                 "algorithm.routing_replay needs rollout.use_router: false: sglang-router 0.3.x "

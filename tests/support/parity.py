@@ -36,6 +36,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name: (algorithm,
                                        "global_batch_size": None, "num_steps_per_rollout": 3}),
     "sft, 2 epochs": ({"loss_type": "sft_loss"}, {"num_epochs_per_rollout": 2}),
 }
+MOE_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # random recorded experts, not the model's own: both backends must route by them
+    "grpo+routing_replay": ({"routing_replay": True}, {}),
+}
 KEYS = ("loss", "pg_loss", "kl_loss", "entropy", "approx_kl", "clipfrac")
 
 
@@ -48,10 +52,27 @@ def parity_samples(seed: int = 0) -> list[Sample]:
     return samples
 
 
+def with_random_routing(samples: list[Sample], model_dir: str, seed: int = 0) -> list[Sample]:
+    """`samples` with routed experts for every token but the last: k distinct random experts
+    per layer (MoE model `model_dir`), as an engine's `routed_experts` would come."""
+    import numpy as np
+    from transformers import AutoConfig
+
+    from storage.sample import RoutedExperts
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    layers, k, experts = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts
+    rng = np.random.default_rng(seed)
+    for s in samples:
+        ids = np.stack([rng.permutation(experts)[:k] for _ in range((len(s.tokens) - 1) * layers)])
+        s.routed_experts = RoutedExperts.of(ids.astype(np.int16).reshape(-1))
+    return samples
+
+
 def configs(name: str, model_dir: str, teacher_dir: str) -> tuple[Any, Any]:
     from flows.config import AlgorithmConfig, TrainConfig
 
-    algo, train = CASES[name]
+    algo, train = {**CASES, **MOE_CASES}[name]
     if algo.get("use_opd"):
         algo = {**algo, "opd_teacher_path": teacher_dir}
     train = {"model_path": model_dir, "lr": 1e-3, "global_batch_size": 8,
@@ -78,6 +99,8 @@ def compare(name: str, model_dir: str, teacher_dir: str) -> dict[str, Any]:
 
     train, algo = configs(name, model_dir, teacher_dir)
     samples = parity_samples()
+    if algo.routing_replay:
+        samples = with_random_routing(samples, model_dir)
     mg, tb = MegatronTrainBackend(train, algo), TorchTrainBackend(train, algo)
     before = tb.state_dict_for_engine()
     loss, grad, terms = 0.0, 0.0, 0.0

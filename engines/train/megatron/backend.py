@@ -103,6 +103,7 @@ class MegatronTrainBackend:
         self.temperature = effective_temperature(rollout_temperature)
         self.hf_config, self.shape = _shape(train_cfg.model_path, tensor_parallel)
         check_ep(self.shape, expert_parallel)
+        self._replay()  # a clear error now for a dense model or packed rows
         if self.shape.router_aux_loss_coef > 0:
             log.warning("%s: router_aux_loss_coef=%g is not applied by the megatron backend "
                         "(no load-balancing loss; docs/models.md)", train_cfg.model_path,
@@ -240,8 +241,23 @@ class MegatronTrainBackend:
         if model is None:
             raise ValueError(f"this megatron trainer has no {role} model")
         cfg = self.train_cfg
+        replay = self._replay() if role == "policy" else None
         return schedule.score(model, samples, cfg.max_tokens_per_micro_batch, self.pad_token_id,
-                              role == "critic", self.temperature, cfg.pack_sequences)
+                              role == "critic", self.temperature, cfg.pack_sequences, replay)
+
+    def _replay(self) -> schedule.Replay:
+        """(MoE layers, experts per token) while `algorithm.routing_replay` is on: the
+        policy's forwards route as the engine did (docs/models.md); reference, teacher and
+        critic route on their own."""
+        if not self.algo_cfg.routing_replay:
+            return None
+        if not self.shape.is_moe:
+            raise ValueError(f"algorithm.routing_replay needs an MoE model; "
+                             f"{self.train_cfg.model_path} is dense")
+        if self.train_cfg.pack_sequences:
+            raise ValueError("algorithm.routing_replay needs train.pack_sequences off (one "
+                             "padded row per sample, as the engine's routing was recorded)")
+        return self.shape.num_layers, self.shape.moe_topk
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
         """Current policy's log-probs of each sample's response tokens (rollout temperature)."""
@@ -273,7 +289,8 @@ class MegatronTrainBackend:
         t.optimizer.zero_grad()
         with record_function("megatron.forward_backward"):
             outs = schedule.run(t.model, samples, schedule.even_micro_batches(micro_batches),
-                                self.pad_token_id, on_output, False, self.train_cfg.pack_sequences)
+                                self.pad_token_id, on_output, False, self.train_cfg.pack_sequences,
+                                None if critic else self._replay())
         ranks = parallel.all_gather_dp(_sum_on_host(outs))
         result = {k: sum(r.get(k, 0.0) for r in ranks) for k in set().union(*ranks)}
         result = parallel.broadcast_from_last_stage(result)

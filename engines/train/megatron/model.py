@@ -18,7 +18,9 @@ Megatron is imported inside the functions: this module is safe to import without
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -133,10 +135,12 @@ def moe_config(shape: ModelShape) -> dict[str, Any]:
     No load-balancing loss: megatron's differs from HF's (per layer rather than pooled over
     layers, a 1/top-k factor, pad tokens counted, and with `calculate_per_token_loss` summed
     over micro-batches and DP ranks), so the torch backend alone adds one
-    (docs/models.md)."""
+    (docs/models.md). Every router gets megatron's `RouterReplay`, which routes as usual
+    until `replayed_routing` hands it ids."""
     if not shape.is_moe:
         return {}
     return dict(
+        moe_enable_routing_replay=True,
         num_moe_experts=shape.num_experts,
         moe_router_topk=shape.moe_topk,
         moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
@@ -194,6 +198,38 @@ def transformer_config(
         use_cpu_initialization=cpu_init,
         **moe_config(shape),
     )
+
+
+@contextlib.contextmanager
+def replayed_routing(model: Any, routed: Tensor | None) -> Iterator[None]:
+    """While open, each MoE router of `model` (this rank's stage; DDP-wrapped or not) sends
+    the forward's tokens to the experts in `routed` (`[B, L, layers, topk]`, as
+    `routing_replay.build_replay_batch` lays them out, all layers) with its own weights for
+    them: megatron's `RouterReplay` in REPLAY_FORWARD, which gathers the router's scores at
+    those ids (then the softmax over the k, or the renormalised softmax, as it routes itself).
+    A router sees its `[L, B]` tokens sequence-first, so the ids go position-major. `routed`
+    None replays nothing. The backward needs no ids (no activation recompute)."""
+    if routed is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = []
+    for layer in getattr(model, "module", model).decoder.layers:
+        replay = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+        if replay is None:
+            raise ValueError("algorithm.routing_replay needs an MoE model; this megatron "
+                             "model's layers have no router")
+        ids = routed[:, :, layer.layer_number - 1].transpose(0, 1).reshape(-1, routed.shape[-1])
+        replay.set_target_indices(ids)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        replays.append(replay)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
 
 
 class ValueHead(torch.nn.Linear):

@@ -21,20 +21,28 @@ from torch import Tensor
 
 from engines.train.batching import PaddedBatch, build_padded_batch
 from engines.train.megatron import parallel
+from engines.train.megatron.model import replayed_routing
 from engines.train.megatron.response_head import response_view, select_positions
 from engines.train.megatron.token_stats import token_stats
 from engines.train.packing import build_packed_batch
+from engines.train.routing_replay import build_replay_batch
 from engines.train.step_model import Forward, MicroBatch
 from storage.sample import Sample
 
 OnOutput = Callable[[MicroBatch, PaddedBatch, Tensor], tuple[Tensor, Any]]
+Replay = tuple[int, int] | None  # routing replay: (MoE layers, experts per token), or off
 
 
-def build_batch(samples: list[Sample], pad_token_id: int, packed: bool) -> PaddedBatch:
+def build_batch(
+    samples: list[Sample], pad_token_id: int, packed: bool, replay: Replay = None
+) -> PaddedBatch:
     """A micro-batch as the model takes it: right-padded rows, or (`packed`) one row of the
-    samples end to end for varlen attention (`packing.py`)."""
+    samples end to end for varlen attention (`packing.py`); with `replay` (the model's MoE
+    layers and experts per token) padded rows carrying the engine's routed experts."""
     if packed:
         return build_packed_batch(samples, pad_token_id, varlen=True)
+    if replay is not None:
+        return build_replay_batch(samples, pad_token_id, replay)
     return build_padded_batch(samples, pad_token_id)
 
 
@@ -54,20 +62,21 @@ def packed_seq_params(batch: PaddedBatch, device: torch.device) -> Any:
 
 def _device_batches(
     samples: list[Sample], micro_batches: list[MicroBatch], pad_token_id: int, packed: bool,
-    device: torch.device,
+    device: torch.device, replay: Replay = None,
 ) -> Iterator[tuple[MicroBatch, PaddedBatch, Any]]:
     """Each micro-batch built on the CPU when the schedule asks for it and copied without
     waiting (pinned memory): building the next one overlaps the GPU's work on the last."""
     for mb in micro_batches:
-        batch = build_batch([samples[i] for i in mb.rows], pad_token_id, packed)
+        batch = build_batch([samples[i] for i in mb.rows], pad_token_id, packed, replay)
         yield mb, batch.to(device, non_blocking=True), packed_seq_params(batch, device)
 
 
 def run(
     model: Any, samples: list[Sample], micro_batches: list[MicroBatch], pad_token_id: int,
-    on_output: OnOutput, forward_only: bool, packed: bool = False,
+    on_output: OnOutput, forward_only: bool, packed: bool = False, replay: Replay = None,
 ) -> list[Any]:
-    """Megatron's schedule over `micro_batches` (rows of `samples`); see the module doc."""
+    """Megatron's schedule over `micro_batches` (rows of `samples`); see the module doc.
+    `replay`: route every token to the experts the engine did (`model.replayed_routing`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = parallel.current_device()
@@ -79,8 +88,9 @@ def run(
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         select_positions(m, batch.logit_index, batch.logit_row)
-        out = m(input_ids=ids, position_ids=pos, attention_mask=None,
-                packed_seq_params=seq_params)
+        with replayed_routing(m, batch.routed_experts):
+            out = m(input_ids=ids, position_ids=pos, attention_mask=None,
+                    packed_seq_params=seq_params)
 
         def loss_func(output: Tensor) -> tuple[Tensor, Tensor, Any]:
             loss, result = on_output(mb, batch, output)
@@ -92,7 +102,8 @@ def run(
     lengths = [[len(samples[i].tokens) for i in mb.rows] for mb in micro_batches]
     return list(get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=_device_batches(samples, micro_batches, pad_token_id, packed, device),
+        data_iterator=_device_batches(samples, micro_batches, pad_token_id, packed, device,
+                                      replay),
         model=[model], num_microbatches=len(micro_batches),
         seq_length=max(sum(ls) if packed else max(ls) for ls in lengths),
         micro_batch_size=1 if packed else max(len(ls) for ls in lengths),
@@ -124,7 +135,7 @@ def to_forward(
 @torch.no_grad()
 def score(
     model: Any, samples: list[Sample], max_tokens: int, pad_token_id: int, values: bool,
-    temperature: float, packed: bool = False,
+    temperature: float, packed: bool = False, replay: Replay = None,
 ) -> list[Tensor]:
     """Per-sample response log-probs (or values) as CPU float32, on every rank. DP ranks
     split the samples (strided, as a training step does, so a step scored alone runs in the
@@ -149,7 +160,7 @@ def score(
                    for r, i in enumerate(mb.rows)] if mb.counted else []
             return t.sum() * 0.0, per
 
-        for out in run(model, samples, mbs, pad_token_id, on_output, True, packed):
+        for out in run(model, samples, mbs, pad_token_id, on_output, True, packed, replay):
             local.update(out)
     local = parallel.broadcast_from_last_stage(local)
     merged: dict[int, Tensor] = {}
