@@ -65,7 +65,7 @@ class AlgorithmConfig(Section):
         description="MoE models: the engines return the experts each token was routed to "
         "(SGLang's return_routed_experts) and the trainer's old-log-prob and training "
         "forwards route every token to those experts, weighted by its own router (R3); "
-        "torch train backend only.",
+        "both train backends, padded rows (not train.pack_sequences).",
     )
     custom_loss_function_path: str | None = Field(
         None,
