@@ -103,7 +103,10 @@ class MegatronTrainBackend:
         self.temperature = effective_temperature(rollout_temperature)
         self.hf_config, self.shape = _shape(train_cfg.model_path, tensor_parallel)
         check_ep(self.shape, expert_parallel)
-        self._replay()  # a clear error now for a dense model or packed rows
+        self._replay()  # a clear error now for a dense model
+        if self.shape.is_moe and train_cfg.pack_sequences:
+            raise ValueError("train.pack_sequences is not supported for MoE models (one padded "
+                             "row per sample, as on the torch backend)")
         if self.shape.router_aux_loss_coef > 0:
             log.warning("%s: router_aux_loss_coef=%g is not applied by the megatron backend "
                         "(no load-balancing loss; docs/models.md)", train_cfg.model_path,
@@ -248,15 +251,12 @@ class MegatronTrainBackend:
     def _replay(self) -> schedule.Replay:
         """(MoE layers, experts per token) while `algorithm.routing_replay` is on: the
         policy's forwards route as the engine did (docs/models.md); reference, teacher and
-        critic route on their own."""
+        critic route on their own. MoE models train on padded rows only (`__init__`)."""
         if not self.algo_cfg.routing_replay:
             return None
         if not self.shape.is_moe:
             raise ValueError(f"algorithm.routing_replay needs an MoE model; "
                              f"{self.train_cfg.model_path} is dense")
-        if self.train_cfg.pack_sequences:
-            raise ValueError("algorithm.routing_replay needs train.pack_sequences off (one "
-                             "padded row per sample, as the engine's routing was recorded)")
         return self.shape.num_layers, self.shape.moe_topk
 
     def compute_log_probs(self, samples: list[Sample]) -> list[list[float]]:
