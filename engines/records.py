@@ -137,18 +137,23 @@ class GenerateRecord(StageRecord):
     rollout_metrics: dict[str, float] = field(default_factory=dict)
     """The generation loop's own metrics, already named `rollout/...` (none for a custom
     rollout function); stored flat beside the other keys."""
+    lost_engines: list[str] = field(default_factory=list)
+    """Engines found dead or hung while generating (engines/rollout/engine_watch.py): the
+    generate task replaces them."""
 
     def to_json(self) -> dict[str, Any]:
         return {"uri": self.uri, "groups": self.groups,
                 **_present(extra_draws=self.extra_draws, buffer_groups=self.buffer_groups,
                            debug_train_only=self.debug_train_only),
+                **({"lost_engines": self.lost_engines} if self.lost_engines else {}),
                 **self.rollout_metrics, **self.timing_json()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         own = {"uri", "groups", "extra_draws", "buffer_groups", "debug_train_only",
-               "from_storage", *TIMING_KEYS}
+               "from_storage", "lost_engines", *TIMING_KEYS}
         return cls(uri=data["uri"], groups=data["groups"], extra_draws=data.get("extra_draws"),
+                   lost_engines=list(data.get("lost_engines", [])),
                    buffer_groups=data.get("buffer_groups"),
                    debug_train_only=bool(data.get("debug_train_only")),
                    rollout_metrics={k: v for k, v in data.items() if k not in own},

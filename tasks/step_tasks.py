@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from prefect import task
 
-from engines.cluster.actors import RunActors
+from engines.cluster.actors import RunActors, replace_lost_engines
 from engines.records import (
     FilterRecord,
     GenerateRecord,
@@ -52,12 +52,18 @@ def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
         if ctx.cfg.cluster.colocate:
             colocate.enter_rollout_phase(actors)
         # A restarted engine comes back with the initial weights: bring it up to date.
+        actors, versions = answering_engines(ctx, actors)
         sync_engine_weights(
-            actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync
+            actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync,
+            versions,
         )
-        return wait_showing_progress(
+        record = wait_showing_progress(
             ctx, rollout_id, actors.rollout.generate.remote(rollout_id)
         )
+        if record.lost_engines:  # the step went on without them; new ones join now
+            ctx.actors = replace_lost_engines(ctx.cfg, actors, record.lost_engines)
+            sync_engine_weights(ctx.actors, None, ctx.cfg.train.weight_sync)
+        return record
 
     return run_once(ctx.layout, rollout_id, GenerateRecord, work)
 
@@ -105,7 +111,8 @@ def broadcast_weights(ctx: StepContext, rollout_id: int) -> BroadcastRecord:
         colocate.resume_engines(actors)
     if not pushes_weights(ctx.cfg, rollout_id):  # train.update_weights_interval
         return BroadcastRecord(engines_updated=0, seconds=time.perf_counter() - start)
-    record = sync_engine_weights(actors, weight_sync=ctx.cfg.train.weight_sync)
+    actors, versions = answering_engines(ctx, actors)
+    record = sync_engine_weights(actors, None, ctx.cfg.train.weight_sync, versions)
     return replace(record, seconds=time.perf_counter() - start)
 
 
@@ -141,17 +148,45 @@ def evaluate_version(ctx: StepContext, weight_version: int) -> dict[str, float]:
 
 # --- what the tasks share ---------------------------------------------------
 
+def answering_engines(ctx: StepContext, actors: RunActors) -> tuple[RunActors, list[int]]:
+    """(actors, each engine's weight version), an engine that is dead or does not answer
+    within `rollout.engine_hang_timeout_s` replaced first: outside generation nothing else
+    watches the engines, and a call to a hung one (SIGSTOPped, a stuck GPU) would wait for
+    Ray's keep-alive, minutes."""
+    refs = [e.weight_version.remote() for e in actors.engines]
+    if not refs or not isinstance(refs[0], ray.ObjectRef):  # the fakes of the unit tests
+        return actors, list(refs)
+    ready, _ = ray.wait(refs, num_returns=len(refs),
+                        timeout=ctx.cfg.rollout.engine_hang_timeout_s)
+    lost = []
+    for url, ref in zip(actors.urls, refs, strict=True):
+        try:
+            if ref not in ready:
+                raise TimeoutError
+            ray.get(ref)
+        except (TimeoutError, ray.exceptions.ActorDiedError,
+                ray.exceptions.ActorUnavailableError):
+            lost.append(url)
+    if lost:
+        ctx.actors = actors = replace_lost_engines(ctx.cfg, actors, lost)
+        refs = [e.weight_version.remote() for e in actors.engines]
+    return actors, resolve(refs)
+
+
 def sync_engine_weights(
-    actors: RunActors, min_version: int | None = None, weight_sync: str = "tensor"
+    actors: RunActors, min_version: int | None = None, weight_sync: str = "tensor",
+    versions: list[int] | None = None,
 ) -> BroadcastRecord:
     """Push the trainer's weights to every engine that is not at its version. The state
     dict travels trainer -> Ray object store -> engines; the driver only holds the ref.
 
+    `versions`: the engines' weight versions, when the caller already asked them.
     With `min_version`, engines already at or past it are left alone without asking the
     trainer (which, in async mode, may be busy training the previous step). `weight_sync`
     other than "tensor" goes over the engines' HTTP API (process-group broadcast or disk).
     """
-    engine_versions = resolve([e.weight_version.remote() for e in actors.engines])
+    engine_versions = versions if versions is not None else resolve(
+        [e.weight_version.remote() for e in actors.engines])
     if min_version is not None and engine_versions and min(engine_versions) >= min_version:
         return BroadcastRecord(weight_version=min(engine_versions), engines_updated=0)
     version = resolve(actors.trainer.version.remote())

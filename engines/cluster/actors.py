@@ -13,7 +13,10 @@ data-parallel `TrainGroup`; one rank is the plain `TrainActor`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import signal
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -69,6 +72,7 @@ class RunActors:
     rollout: Any
     trainer: Any
     engines: list[Any]
+    urls: list[str] = field(default_factory=list)  # engine i's URL, asked once at attach
 
 
 def _engine(cfg: RunConfig, i: int, placement: Placement | None) -> Any:
@@ -166,7 +170,7 @@ def get_or_create_actors(cfg: RunConfig) -> RunActors:
     trainer = _trainer(cfg, placement)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get(rollout.set_engines.remote(urls))
-    actors = RunActors(rollout=rollout, trainer=trainer, engines=engines)
+    actors = RunActors(rollout=rollout, trainer=trainer, engines=engines, urls=urls)
     _ATTACHED[_attach_key(cfg)] = actors
     return actors
 
@@ -188,6 +192,50 @@ def attached_actors(cfg: RunConfig) -> RunActors:
     else `get_or_create_actors(cfg)`."""
     cached = _ATTACHED.get(_attach_key(cfg))
     return cached if cached is not None else get_or_create_actors(cfg)
+
+
+def replace_lost_engines(
+    cfg: RunConfig, actors: RunActors, lost_urls: list[str], timeout_s: float = 60.0
+) -> RunActors:
+    """New engines in place of the ones the rollout found dead or hung: the old actor is
+    killed (a hung one is alive to Ray), its name freed, and the run's actors looked up
+    again, which creates the engine anew and hands the rollout the new URL set."""
+    lost = [(i, e) for i, (e, url) in enumerate(zip(actors.engines, actors.urls, strict=True))
+            if url in lost_urls]
+    for _, engine in lost:
+        _kill_local_process(engine)
+        ray.kill(engine, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    for i, _ in lost:
+        name = actor_name(cfg, f"engine-{i}")
+        while _named_actor_exists(name, cfg.cluster.namespace):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine actor {name} still exists {timeout_s:g} s after kill")
+            time.sleep(0.1)
+    _ATTACHED.pop(_attach_key(cfg), None)
+    return get_or_create_actors(cfg)
+
+
+def _kill_local_process(actor: Any) -> None:
+    """SIGKILL an actor's process when it runs on this node: `ray.kill` asks the process to
+    exit, which a stopped (SIGSTOP) or wedged one never does, and it would hold its memory."""
+    try:
+        from ray.util.state import get_actor
+
+        state = get_actor(actor._actor_id.hex())
+        if state is not None and state.node_id == ray.get_runtime_context().get_node_id() \
+                and state.pid:
+            os.kill(state.pid, signal.SIGKILL)
+    except Exception:  # best effort: ray.kill below still frees the name and resources
+        pass
+
+
+def _named_actor_exists(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
 
 
 def kill_run_actors(cfg: RunConfig) -> int:

@@ -115,6 +115,10 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.generator.weight_version
 
+    def pid(self) -> int:
+        """The engine's process, for fault tests (kill -9, SIGSTOP) and operators."""
+        return os.getpid()
+
     def update_weights_from_tensor(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         """Load the trainer's state dict (waits for the running batch); returns the version."""
         self.generator.update_weights(state_dict, version)

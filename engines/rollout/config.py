@@ -139,6 +139,17 @@ class RolloutConfig(Section):
     agent_gateway_host: str = Field(
         "127.0.0.1", description="Address the agent gateway listens on (the agent's side)."
     )
+    engine_health_interval_s: float = Field(
+        2.0, ge=0.0,
+        description="Seconds between health probes of each engine while a step generates "
+        "(SGLang's /health_generate); a dead or hung engine is taken out and its requests go "
+        "to the others, and the generate task replaces it (0: no probes; a lost engine then "
+        "fails the step and the task retry recreates it).",
+    )
+    engine_hang_timeout_s: float = Field(
+        30.0, gt=0.0,
+        description="A health probe unanswered for this long marks its engine hung (lost).",
+    )
     partial_rollout: bool = Field(
         False,
         description="Aborted groups go back to the buffer with their partial tokens and are "

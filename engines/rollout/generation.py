@@ -38,7 +38,8 @@ from typing import Any
 from engines.hooks.protocols import GenerateFn
 from engines.rollout.agent_gateway import AGENT_COUNTERS, AGENT_REWARD
 from engines.rollout.config import RolloutConfig
-from engines.rollout.dispatch import Dispatch, RoundRobinDispatch
+from engines.rollout.dispatch import Dispatch, Healing, RoundRobinDispatch
+from engines.rollout.engine_watch import EngineWatch
 from engines.rollout.filters import DynamicFilter
 from engines.rollout.restore import (
     DRAIN,
@@ -158,10 +159,15 @@ class RolloutResult:
     returned: list[Group]
     stats: GenerationStats
     counts: dict[str, int]
+    lost_engines: dict[str, str] = field(default_factory=dict)  # url -> why (EngineWatch)
+    resent_samples: int = 0  # sent again after the engine they were on was lost
 
     def metrics(self) -> dict[str, float]:
+        healing = {"rollout/engines_lost": float(len(self.lost_engines)),
+                   "rollout/resent_samples": float(self.resent_samples)}
         return {**self.stats.as_metrics(),
-                **{f"rollout/groups_{k}": float(v) for k, v in self.counts.items()}}
+                **{f"rollout/groups_{k}": float(v) for k, v in self.counts.items()},
+                **(healing if self.lost_engines or self.resent_samples else {})}
 
 
 def sampling_params_for(cfg: RolloutConfig, sample: Sample) -> dict[str, Any]:
@@ -236,8 +242,10 @@ class GenerationLoop:
         dynamic_filter: DynamicFilter | None = None,
         progress: Callable[[int, int], None] | None = None,
         min_weight_version: int | None = None,
+        watch: EngineWatch | None = None,
     ) -> None:
         self.cfg = cfg
+        self.watch = watch  # probes the engines; a lost one's requests go to the others
         # Buffered samples started on an older policy are regenerated (async max_staleness).
         self.min_weight_version = min_weight_version
         self.stale_regenerated = 0
@@ -245,7 +253,7 @@ class GenerationLoop:
         # functions): groups share requests up to `max_request_samples` where every group
         # finishes (`run`); `run_dynamic` narrows that where it may abort (request_cap).
         self._clients = None if isinstance(dispatch, Dispatch) else list(dispatch)
-        self.dispatch: Dispatch = (
+        self.dispatch: Dispatch = self._watched(
             dispatch if isinstance(dispatch, Dispatch)
             else RoundRobinDispatch(dispatch, cfg.max_request_samples)
         )
@@ -262,6 +270,20 @@ class GenerationLoop:
         self._group_tokens: Counter[int] = Counter()  # generated_tokens by group_index
         self.resumed_samples = 0
         self.reward_timeouts = 0  # every group scored, kept or not: each one stalled the step
+
+    def _watched(self, dispatch: Dispatch) -> Dispatch:
+        if self.watch is not None and isinstance(dispatch, Healing):
+            dispatch.suspect = self.watch.suspect
+        return dispatch
+
+    async def lose_engine(self, url: str, why: str) -> None:
+        """The watch's verdict: go on without `url` (the step fails if it was the last)."""
+        if isinstance(self.dispatch, Healing):
+            await self.dispatch.lose(url)
+
+    @property
+    def resent_samples(self) -> int:
+        return self.dispatch.resent_samples if isinstance(self.dispatch, Healing) else 0
 
     # -- one group -----------------------------------------------------------------------
     def _prepare(self, s: Sample) -> dict[str, Any] | None:
@@ -346,7 +368,7 @@ class GenerationLoop:
         groups count as done, its in-flight ones are sent again."""
         if self._clients is not None:
             cap = request_cap(self.cfg, self.dynamic_filter is not None, target)
-            self.dispatch = RoundRobinDispatch(self._clients, cap)
+            self.dispatch = self._watched(RoundRobinDispatch(self._clients, cap))
         log_ = journal or NullLog()
         r = restored or Restored()
         start = time.perf_counter()

@@ -23,6 +23,7 @@ from engines.process import freeze_actor_heap
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.agent_gateway import AgentGateway
 from engines.rollout.dispatch import Dispatch, RouterDispatch
+from engines.rollout.engine_watch import EngineWatch
 from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
 from engines.rollout.filters import (
     DynamicFilter,
@@ -284,6 +285,7 @@ class RolloutManager:
         step_source = self._step_source(rollout_id)
         target = self._keep_target()
         metrics: dict[str, float] = {}
+        lost: list[str] = []
         if self.rollout_fn is not None:
             groups = self.rollout_fn(self.cfg, rollout_id, step_source, False)
             kept, returned = split_for_training(
@@ -296,9 +298,11 @@ class RolloutManager:
                 self.tokenizer, progress=ProgressFile(self.layout, rollout_id),
                 min_weight_version=oldest_trainable_version(self.cfg, rollout_id),
                 journal=step_log, restored=restored,
+                router_workers=self.router.sync_workers if self.router is not None else None,
             ))
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
+            lost = sorted(result.lost_engines)
         uri = write_samples(
             self.layout.store,
             flatten(kept),
@@ -309,7 +313,7 @@ class RolloutManager:
         self.data_source.add_samples(returned + step_source.unused())
         record = GenerateRecord(uri=uri, groups=len(kept), extra_draws=step_source.extra_draws,
                                 buffer_groups=len(self.data_source.buffer),
-                                rollout_metrics=metrics)
+                                rollout_metrics=metrics, lost_engines=lost)
         self.data_source.save(self.layout, rollout_id, self._compression(), "generate",
                               record.to_json())
         journal.clear()  # committed: rollout.arrow and the buffer hold all it had
@@ -436,14 +440,25 @@ async def run_generation(
     min_weight_version: int | None = None,
     journal: StepLog | None = None,
     restored: Restored | None = None,
+    router_workers: Callable[[list[str]], None] | None = None,
 ) -> RolloutResult:
-    """One step's dynamic-sampling generation through the router (or the engines directly)."""
+    """One step's dynamic-sampling generation through the router (or the engines directly).
+    `router_workers(urls)` sets the router's worker set (a lost engine leaves it)."""
     replay = cfg.algorithm.routing_replay  # the trainer replays the engines' MoE routing
     engines = [SGLangClient(url, return_routed_experts=replay) for url in urls]
     router = SGLangClient(router_url, return_routed_experts=replay) if router_url else None
+    r = cfg.rollout
+    watch = EngineWatch(list(urls), r.engine_health_interval_s, r.engine_hang_timeout_s,
+                        on_lost=lambda url, why: loop.lose_engine(url, why)) \
+        if urls and r.engine_health_interval_s > 0 else None
+
+    async def remove_worker(url: str) -> None:
+        if router_workers is not None and watch is not None:
+            await asyncio.to_thread(router_workers, watch.live())
+
     # Straight to the engines: the loop decides how many samples a request carries.
     dispatch: Dispatch | list[SGLangClient] = (
-        RouterDispatch(router, engines) if router is not None else engines
+        RouterDispatch(router, engines, remove_worker) if router is not None else engines
     )
     args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
     gateway = (AgentGateway(args, tokenizer, cfg.rollout.agent_gateway_host)
@@ -456,10 +471,22 @@ async def run_generation(
         loop = GenerationLoop(
             cfg.rollout, dispatch, hooks.rewards, args,
             custom_generate=custom_generate, dynamic_filter=hooks.dynamic_filter,
-            progress=progress, min_weight_version=min_weight_version,
+            progress=progress, min_weight_version=min_weight_version, watch=watch,
         )
-        return await loop.run_dynamic(source, target, journal, restored)
+        watching = asyncio.ensure_future(watch.run()) if watch is not None else None
+        try:
+            result = await loop.run_dynamic(source, target, journal, restored)
+        finally:
+            if watching is not None:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+        if watch is not None:
+            result.lost_engines = dict(watch.lost)
+        result.resent_samples = loop.resent_samples
+        return result
     finally:
+        if watch is not None:
+            await watch.close()
         if gateway is not None:
             await gateway.stop()
         await asyncio.gather(*(c.aclose() for c in [*engines, *([router] if router else [])]))

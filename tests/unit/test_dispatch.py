@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import pytest
 
 from engines.rollout.dispatch import RoundRobinDispatch
@@ -123,3 +124,84 @@ def test_a_loop_on_plain_clients_shares_requests_only_when_it_cannot_abort(filte
     result = asyncio.run(loop.run_dynamic(source, target=3))
     assert len(result.kept) == 3
     assert [len(r) for r in engine.requests] == ([2, 2, 2] if filtered else [6])
+
+
+class HangingEngine(RecordingEngine):
+    """A SIGSTOPped engine: takes requests and never answers."""
+
+    base_url = "http://hung"
+
+    async def generate_batch(self, input_ids: Any, sampling_params: Any, rids: Any = None,
+                             return_logprob: bool = True) -> list[GenerateOutput]:
+        self.requests.append(list(rids or []))
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_a_lost_engine_s_requests_go_to_the_engine_left() -> None:
+    async def go() -> tuple[list[Any], HangingEngine, RecordingEngine, int]:
+        hung, alive = HangingEngine(), RecordingEngine()
+        alive.base_url = "http://alive"  # type: ignore[attr-defined]
+        dispatch = RoundRobinDispatch([alive, hung], max_request_samples=1)
+        sent = [asyncio.ensure_future(dispatch.generate([[1]], [{"sampling_seed": i}],
+                                                        [f"s{i}"])) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert all(not f.done() for f in sent[1::2])  # those on the hung engine wait
+        await dispatch.lose("http://hung")
+        outs = await asyncio.gather(*sent)
+        return outs, hung, alive, dispatch.resent_samples
+    outs, hung, alive, resent = asyncio.run(go())
+    assert [o[0].output_ids for o in outs] == [[0], [1], [2], [3]]
+    assert resent == len(hung.requests) == 2
+    assert sorted(r for req in alive.requests for r in req) == ["s0", "s1", "s2", "s3"]
+
+
+class RefusingEngine(RecordingEngine):
+    """A killed engine: the connection is refused."""
+
+    base_url = "http://killed"
+
+    async def generate_batch(self, input_ids: Any, sampling_params: Any, rids: Any = None,
+                             return_logprob: bool = True) -> list[GenerateOutput]:
+        self.requests.append(list(rids or []))
+        raise aiohttp.ClientConnectionError("Connection refused")
+
+
+@pytest.mark.parametrize("found_lost", [True, False])
+def test_a_request_that_fails_in_transit_is_resent_if_a_probe_finds_its_engine_lost(
+    found_lost: bool,
+) -> None:
+    async def go() -> Any:
+        killed, alive = RefusingEngine(), RecordingEngine()
+        alive.base_url = "http://alive"  # type: ignore[attr-defined]
+        dispatch = RoundRobinDispatch([killed, alive], max_request_samples=1)
+        probed: list[str] = []
+
+        async def suspect(url: str) -> bool:
+            probed.append(url)
+            if found_lost:
+                await dispatch.lose(url)
+            return found_lost
+        dispatch.suspect = suspect
+        outs = await dispatch.generate([[1]], [{"sampling_seed": 9}], ["s9"])
+        return outs, probed, alive
+    if found_lost:
+        outs, probed, alive = asyncio.run(go())
+        assert outs[0].output_ids == [9] and probed == ["http://killed"]
+        assert alive.requests == [["s9"]]
+    else:  # the engine answers its probe: the request's own error stands
+        with pytest.raises(aiohttp.ClientConnectionError):
+            asyncio.run(go())
+
+
+def test_losing_every_engine_fails_the_request() -> None:
+    from engines.rollout.engine_watch import EnginesLost
+
+    async def go() -> Any:
+        dispatch = RoundRobinDispatch([HangingEngine()], max_request_samples=1)
+        sent = asyncio.ensure_future(dispatch.generate([[1]], [{"sampling_seed": 1}], ["s1"]))
+        await asyncio.sleep(0.02)
+        await dispatch.lose("http://hung")
+        return await sent
+    with pytest.raises(EnginesLost):
+        asyncio.run(go())

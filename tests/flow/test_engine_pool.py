@@ -1,0 +1,128 @@
+"""A dead or hung engine does not fail the step: the rollout's health probes take it out,
+its requests go to the other engine, and the generate task replaces it before the step
+trains. Each run trains exactly the samples of an uninterrupted run (tokens, loss masks,
+rewards), step 1's generate ran once and names the engine it lost, and the run ends with
+two engines again, the replaced one a new process at the final weights."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from engines.cluster.actors import kill_run_actors
+from engines.cluster.registry import get_run_actor
+from examples.arithmetic.build_model import save_tiny_model
+from storage.batch_io import read_samples
+from storage.run_layout import RunLayout
+from tests.support.faults import THREE_STEPS, run_with_fault
+
+TWO_ENGINES = ("engine.num_engines=2", "rollout.use_router=false",
+               "rollout.rollout_batch_size=32", "rollout.max_response_len=100",
+               # one request at a time per engine, each of 100 tokens of a wider model
+               # (`slower_model`): a step generates for seconds, long enough to lose an
+               # engine in the middle
+               "engine.max_batch_size=1", "rollout.ignore_eos=true",
+               # a request per group, so both engines have requests in flight
+               "rollout.max_request_samples=1",
+               "rollout.engine_health_interval_s=0.5", "rollout.engine_hang_timeout_s=10",
+               "cluster.keep_actors=true")  # the engines are inspected after the run
+
+
+def trained(cfg: Any) -> list[tuple[Any, ...]]:
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    return [(s.index, s.tokens, s.loss_mask, s.reward) for k in layout.committed_steps()
+            for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
+
+
+def generating(step: int, after_s: float = 1.5) -> Any:
+    """True from `after_s` into step `step`'s generate: its prompts were drawn (the task
+    record's end) that long ago, and the generation that follows takes seconds (see
+    TWO_ENGINES)."""
+    def when(layout: RunLayout) -> bool:
+        drawn = layout.task_record(step, "sample_prompts")
+        return drawn is not None and time.time() >= (
+            drawn["started_at"] + drawn["seconds"] + after_s)
+    return when
+
+
+def engine(cfg: Any, i: int) -> Any:
+    return get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, f"engine-{i}")
+
+
+@pytest.fixture(scope="module")
+def slower_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    path = save_tiny_model(str(tmp_path_factory.mktemp("pool") / "wider"), num_layers=4,
+                           hidden_size=256)
+    return f"engine.model_path={path}", f"train.model_path={path}"
+
+
+_REFERENCE: list[list[tuple[Any, ...]]] = []  # one uninterrupted run serves both tests
+
+
+def reference(make_config: Any, model: tuple[str, str]) -> list[tuple[Any, ...]]:
+    from flows.train import train
+
+    if not _REFERENCE:
+        cfg = make_config("pool-ref", *THREE_STEPS, *TWO_ENGINES, *model, backend="embedded")
+        train(cfg)
+        kill_run_actors(cfg)
+        _REFERENCE.append(trained(cfg))
+    return _REFERENCE[0]
+
+
+@pytest.mark.parametrize(("fault", "why"), [(signal.SIGKILL, "dead"), (signal.SIGSTOP, "hung")],
+                         ids=["kill-9", "sigstop"])
+def test_a_lost_engine_is_replaced_without_failing_the_step(
+    prefect_api: str, make_config: Any, fault_matrix: Any, fault: signal.Signals, why: str,
+    slower_model: tuple[str, str],
+) -> None:
+    expected = reference(make_config, slower_model)
+    cfg = make_config("pool", *THREE_STEPS, *TWO_ENGINES, *slower_model, backend="embedded")
+    victim: dict[str, Any] = {}
+
+    def ready(layout: RunLayout) -> bool:
+        """Mid-generate of step 1, the victim's pid and URL looked up beforehand (the
+        lookup lists the cluster's actors, which can take seconds)."""
+        if not victim and layout.task_record(0, "sample_prompts") is not None:
+            victim["pid"] = ray.get(engine(cfg, 0).pid.remote())
+            victim["url"] = ray.get(engine(cfg, 0).url.remote())
+        return bool(victim) and mid_generate(layout)
+
+    def fire() -> None:
+        os.kill(victim["pid"], fault)
+
+    try:
+        mid_generate = generating(1)
+        run_with_fault(cfg, ready, fire)
+        check_run(cfg, victim, expected, fault_matrix, why)
+    finally:
+        if fault == signal.SIGSTOP:  # never leave a stopped process behind
+            with contextlib.suppress(KeyError, ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGCONT)
+        kill_run_actors(cfg)
+
+
+def check_run(cfg: Any, victim: dict[str, Any], expected: list[tuple[Any, ...]],
+              fault_matrix: Any, why: str) -> None:
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    assert layout.committed_steps() == [0, 1, 2]
+    generate = layout.task_record(1, "generate")
+    assert generate is not None and generate["lost_engines"] == [victim["url"]]
+    assert generate["rollout/engines_lost"] == 1.0
+    assert generate["rollout/resent_samples"] > 0  # it had requests in flight, sent again
+    same = trained(cfg) == expected
+    assert same
+    pids = [ray.get(engine(cfg, i).pid.remote()) for i in (0, 1)]
+    assert victim["pid"] not in pids and len(set(pids)) == 2
+    versions = [ray.get(engine(cfg, i).weight_version.remote()) for i in (0, 1)]
+    assert versions == [3, 3]
+    fault_matrix.add(f"one of two engines {'killed' if why == 'dead' else 'SIGSTOPped'} "
+                     "mid-generate", f"health probe finds it {why}",
+                     "its requests go to the other engine, the step goes on, the engine is "
+                     "replaced", same)
