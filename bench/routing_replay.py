@@ -29,10 +29,11 @@ from examples.arithmetic.build_model import save_tiny_model
 from storage.sample import RoutedExperts, Sample
 
 
-def measure(model_dir: str, prompts: int, response_len: int, engine_dtype: str) -> dict[str, float]:
+def measure(model_dir: str, prompts: int, response_len: int, engine_dtype: str,
+            device: str = "cpu") -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    gen = EmbeddedGenerator(model_dir, dtype=engine_dtype, device="cpu")
+    gen = EmbeddedGenerator(model_dir, dtype=engine_dtype, device=device)
     params = SamplingParams(max_new_tokens=response_len, ignore_eos=True)
     texts = [f"{i}+{2 * i + 1}=" for i in range(prompts)]
     reqs = [GenRequest(f"r{i}", gen.tokenize(t), SamplingParams(
@@ -47,6 +48,7 @@ def measure(model_dir: str, prompts: int, response_len: int, engine_dtype: str) 
             rollout_log_probs=res.output_logprobs,
             routed_experts=RoutedExperts.of(res.routed_experts)))
     trainer: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.nn.Module.to(trainer, device)
     layers, topk = trainer.config.num_hidden_layers, trainer.config.num_experts_per_tok
     own_ids: list[torch.Tensor] = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: own_ids.append(out[2]))
@@ -56,13 +58,15 @@ def measure(model_dir: str, prompts: int, response_len: int, engine_dtype: str) 
         for name, batch in (("own", build_padded_batch(samples, 0)),
                             ("replay", build_replay_batch(samples, 0, (layers, topk)))):
             own_ids.clear()
-            log_probs = response_log_probs(trainer, batch, 1.0)[0]
+            batch = batch.to(torch.device(device))
+            log_probs = response_log_probs(trainer, batch, 1.0)[0].cpu()
             old = [log_probs[b, : s.response_length] for b, s in enumerate(samples)]
             out[f"logprob_abs_diff_{name}"] = rollout_logprob_abs_diff(samples, list(old))
             if name == "own":
                 recorded = build_replay_batch(samples, 0, (layers, topk)).routed_experts
                 assert recorded is not None
                 mask = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+                own_ids[:] = [ids.cpu() for ids in own_ids]
                 for b, s in enumerate(samples):
                     mask[b, : len(s.tokens) - 1] = True
                 differ = [
@@ -83,11 +87,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--engine-dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="engine and trainer: cpu or cuda")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_model(os.path.join(tmp, "moe"), args.layers, args.hidden,
                                     family="qwen3_moe")
-        result = measure(model_dir, args.prompts, args.response_len, args.engine_dtype)
+        result = measure(model_dir, args.prompts, args.response_len, args.engine_dtype,
+                         args.device)
     print(" ".join(f"{k}={v:.4g}" for k, v in result.items()))
 
 
