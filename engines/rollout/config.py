@@ -142,7 +142,7 @@ class RolloutConfig(Section):
     engine_health_interval_s: float = Field(
         2.0, ge=0.0,
         description="Seconds between health probes of each engine while a step generates "
-        "(SGLang's /health_generate); a dead or hung engine is taken out and its requests go "
+        "(GET /health); a dead or hung engine is taken out and its requests go "
         "to the others, and the generate task replaces it (0: no probes; a lost engine then "
         "fails the step and the task retry recreates it).",
     )

@@ -11,6 +11,7 @@ forward it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -72,6 +73,12 @@ class Healing(Protocol):
     async def lose(self, url: str) -> None:
         """Take a dead or hung engine out; its in-flight requests go to the others."""
         ...
+
+
+async def _abort_quietly(client: Any, timeout_s: float = 5.0) -> None:
+    """Best effort: a dead engine refuses it, a hung one never answers."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.abort_all(), timeout_s)
 
 
 def _url(client: Any) -> str:
@@ -174,9 +181,14 @@ class RoundRobinDispatch:
             self.resent_samples += sum(len(u.rids) for u in units)
 
     async def lose(self, url: str) -> None:
+        lost = [c for c in self.live if _url(c) == url]
         self.live = [c for c in self.live if _url(c) != url]
         for attempt in list(self._attempts.get(url, ())):
             attempt.cancel()
+        for client in lost:  # if it was only slow, it must not go on with what was resent
+            abort = asyncio.ensure_future(_abort_quietly(client))
+            self._in_flight.add(abort)
+            abort.add_done_callback(self._in_flight.discard)
 
     async def _request(self, units: list[_Unit]) -> None:
         try:

@@ -1,8 +1,9 @@
 """Engines health-checked while a step generates, so a dead or hung one does not fail it.
 
 ```
- EngineWatch ── every interval: GET /health_generate on each live engine (SGLang's probe: a
-      │         one-token generation through the engine's own batch) with a deadline
+ EngineWatch ── every interval: GET /health on each live engine, with a deadline (not
+      │         /health_generate: that one queues behind the engine's running requests, so a
+      │         busy engine would look hung)
       │  refused / reset      -> dead
       │  no answer in time    -> hung (SIGSTOPped, deadlocked, a stuck GPU)
       ▼
@@ -37,13 +38,13 @@ class EnginesLost(RuntimeError):
 async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
     """None if the engine answered its health probe in time, else why not."""
     try:
-        async with session.get(f"{url}/health_generate",
+        async with session.get(f"{url}/health",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             if response.status == 200:
                 return None
-            return f"unhealthy: /health_generate answered {response.status}"
+            return f"unhealthy: /health answered {response.status}"
     except TimeoutError:
-        return f"hung: /health_generate did not answer in {timeout_s:g} s"
+        return f"hung: /health did not answer in {timeout_s:g} s"
     except aiohttp.ClientError as err:
         return f"dead: {type(err).__name__}: {err}"
 

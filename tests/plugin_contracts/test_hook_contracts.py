@@ -83,9 +83,14 @@ async def async_any(*args: Any) -> None:
     return None
 
 
+async def agent_ok(base_url: str, sample: Any, api_key: str = "", **kwargs: Any) -> float:
+    return 0.0
+
+
 GOOD: dict[type, str] = {
     protocols.RolloutFn: "rollout_ok",
     protocols.GenerateFn: "generate_ok",
+    protocols.AgentFn: "agent_ok",
     protocols.RewardFn: "reward_ok",
     protocols.GroupRewardFn: "group_reward_ok",
     protocols.DynamicFilterFn: "two_args_ok",
@@ -110,7 +115,8 @@ def test_user_hooks_are_checked_with_the_key_named(key: str, protocol: type) -> 
         load_hook(f"{mod}:missing_fn", key, protocol)
     with pytest.raises(HookError, match=rf"^{key}: one_arg cannot take \d positional arguments"):
         load_hook(f"{mod}:one_arg", key, protocol)
-    wants_async = protocol in (protocols.GenerateFn, protocols.RewardFn, protocols.GroupRewardFn, protocols.EvalFn)
+    wants_async = protocol in (protocols.GenerateFn, protocols.AgentFn, protocols.RewardFn,
+                               protocols.GroupRewardFn, protocols.EvalFn)
     wrong_kind = "sync_any" if wants_async else "async_any"
     with pytest.raises(HookError, match=rf"^{key}: {wrong_kind} must be"):
         load_hook(f"{mod}:{wrong_kind}", key, protocol)
