@@ -22,6 +22,9 @@ from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+# Tries at pausing a 120-token request mid-generation: it takes ~50 ms, and a machine running
+# three test workers can deschedule the test for longer (5 tries all missed in a CI run).
+ATTEMPTS = 30
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +340,7 @@ def test_pause_and_continue_keep_requests(engine: EngineActor, mode: str) -> Non
 
     async def main() -> None:
         async with SGLangClient(engine.url()) as client:
-            for attempt in range(5):
+            for attempt in range(ATTEMPTS):
                 task = await paused_while_running(client, rid=f"p{attempt}")
                 if task is not None:
                     break
@@ -373,7 +376,7 @@ def test_pause_abort_returns_partial_and_holds_new_requests(engine: EngineActor)
 
     async def main() -> None:
         async with SGLangClient(engine.url()) as client:
-            for attempt in range(5):
+            for attempt in range(ATTEMPTS):
                 first = await aborted_while_running(client, rid=f"a{attempt}")
                 if first is not None:
                     break
