@@ -26,7 +26,8 @@ from engines.weights.sender import (
 )
 from engines.weights.sync import buckets, decode_named_tensors, encode_named_tensors
 from examples.arithmetic.build_model import save_tiny_model
-from flows.config import EngineConfig, TrainConfig
+from flows.config import TrainConfig
+from tests.support.engines import embedded_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 ENGINE_SCRIPT = """
@@ -61,11 +62,8 @@ def generate(url: str) -> dict[str, Any]:
 
 @pytest.fixture()
 def engine(model_dir: str) -> Iterator[EngineActor]:
-    threads = torch.get_num_threads()
-    actor = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, num_threads=1)
-    yield actor
-    actor.shutdown()
-    torch.set_num_threads(threads)
+    with embedded_engine(model_dir) as actor:
+        yield actor
 
 
 def test_buckets_and_encoding_round_trip() -> None:

@@ -15,12 +15,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import torch
 
 from engines.chat.template import encode_text, normalise_messages, render_text
 from engines.inference.engine_actor import EngineActor
-from flows.config import EngineConfig
 from tests.support.agent_model import CALL, LESSONS, TOOLS, taught_agent_model
+from tests.support.engines import embedded_engine
 
 SGLANG_CHAT_CHOICE = {"index", "message", "logprobs", "finish_reason", "matched_stop",
                       "hidden_states", "prompt_token_ids", "token_ids", "meta_info"}
@@ -35,11 +34,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: str) -> Iterator[EngineActor]:
-    threads = torch.get_num_threads()
-    actor = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, num_threads=1)
-    yield actor
-    actor.shutdown()
-    torch.set_num_threads(threads)
+    with embedded_engine(model_dir) as actor:
+        yield actor
 
 
 @pytest.fixture()

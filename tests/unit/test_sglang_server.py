@@ -20,6 +20,7 @@ from engines.inference.scheduler import ContinuousScheduler
 from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output, tls_verify
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config import EngineConfig
+from tests.support.engines import embedded_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 # Tries at pausing a 120-token request mid-generation: it takes ~50 ms, and a machine running
@@ -34,11 +35,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture()
 def engine(model_dir: str) -> Iterator[EngineActor]:
-    threads = torch.get_num_threads()
-    actor = EngineActor(EngineConfig(backend="embedded", model_path=model_dir), 0, num_threads=1)
-    yield actor
-    actor.shutdown()
-    torch.set_num_threads(threads)
+    with embedded_engine(model_dir) as actor:
+        yield actor
 
 
 def prompt_ids(engine: EngineActor, text: str) -> list[int]:
