@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,7 @@ from engines.cluster.registry import (
     run_suffix,
     stop_run,
 )
-from engines.cluster.train_group import get_or_create_group
+from engines.cluster.train_group import actor_exists, get_or_create_group, kill_group
 from engines.inference.engine_actor import EngineActor
 from engines.inference.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.rollout.rollout_manager import RolloutManager
@@ -200,18 +199,13 @@ def replace_lost_engines(
     """New engines in place of the ones the rollout found dead or hung: the old actor is
     killed (a hung one is alive to Ray), its name freed, and the run's actors looked up
     again, which creates the engine anew and hands the rollout the new URL set."""
-    lost = [(i, e) for i, (e, url) in enumerate(zip(actors.engines, actors.urls, strict=True))
-            if url in lost_urls]
-    for _, engine in lost:
-        _kill_local_process(engine)
-        ray.kill(engine, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    for i, _ in lost:
-        name = actor_name(cfg, f"engine-{i}")
-        while _named_actor_exists(name, cfg.cluster.namespace):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine actor {name} still exists {timeout_s:g} s after kill")
-            time.sleep(0.1)
+    lost = [i for i, url in enumerate(actors.urls) if url in lost_urls]
+    for i in lost:
+        _kill_local_process(actors.engines[i])
+    names = [actor_name(cfg, f"engine-{i}") for i in lost]
+    kill_group(names, cfg.cluster.namespace, wait_s=timeout_s)  # waits for the names to free
+    if any(actor_exists(n, cfg.cluster.namespace) for n in names):
+        raise TimeoutError(f"engine actors {names} still exist {timeout_s:g} s after kill")
     _ATTACHED.pop(_attach_key(cfg), None)
     return get_or_create_actors(cfg)
 
@@ -228,14 +222,6 @@ def _kill_local_process(actor: Any) -> None:
             os.kill(state.pid, signal.SIGKILL)
     except Exception:  # best effort: ray.kill below still frees the name and resources
         pass
-
-
-def _named_actor_exists(name: str, namespace: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return False
-    return True
 
 
 def kill_run_actors(cfg: RunConfig) -> int:

@@ -44,7 +44,7 @@ class TrainGroupError(RuntimeError):
     """A rank failed; the group was killed so that the next attach rebuilds it."""
 
 
-def _actor_exists(name: str, namespace: str) -> bool:
+def actor_exists(name: str, namespace: str) -> bool:
     try:
         ray.get_actor(name, namespace=namespace)
     except ValueError:
@@ -62,7 +62,7 @@ def kill_group(names: Sequence[str], namespace: str, wait_s: float = 30.0) -> in
         except ValueError:
             pass
     deadline = time.monotonic() + wait_s
-    while any(_actor_exists(n, namespace) for n in names) and time.monotonic() < deadline:
+    while any(actor_exists(n, namespace) for n in names) and time.monotonic() < deadline:
         time.sleep(0.1)
     return killed
 
@@ -129,7 +129,7 @@ def get_or_create_group(
     group that lost a member.
     """
     world = len(names)
-    alive = [_actor_exists(n, namespace) for n in names]
+    alive = [actor_exists(n, namespace) for n in names]
     if all(alive):
         ranks = [ray.get_actor(n, namespace=namespace) for n in names]
         return TrainGroup(ranks, names, namespace, collective_export)
