@@ -183,7 +183,8 @@ def sync_engine_weights(
     `versions`: the engines' weight versions, when the caller already asked them.
     With `min_version`, engines already at or past it are left alone without asking the
     trainer (which, in async mode, may be busy training the previous step). `weight_sync`
-    other than "tensor" goes over the engines' HTTP API (process-group broadcast or disk).
+    other than "tensor" goes over the engines' HTTP API (process-group broadcast or disk), and
+    so does "tensor" when trainer and engines share a GPU: SGLang's CUDA IPC handles.
     """
     engine_versions = versions if versions is not None else resolve(
         [e.weight_version.remote() for e in actors.engines])
@@ -191,7 +192,7 @@ def sync_engine_weights(
         return BroadcastRecord(weight_version=min(engine_versions), engines_updated=0)
     version = resolve(actors.trainer.version.remote())
     stale = [e for e, v in zip(actors.engines, engine_versions, strict=True) if v != version]
-    if stale and weight_sync == "tensor":
+    if stale and weight_sync == "tensor" and not resolve(actors.trainer.sends_cuda_ipc.remote()):
         weights_ref = actors.trainer.weights.remote()
         resolve([e.update_weights_from_tensor.remote(weights_ref, version) for e in stale])
     elif stale:

@@ -2,8 +2,11 @@
 
 Request and response shapes follow SGLang's io_struct: `PauseGenerationReqInput(mode)`,
 `ReleaseMemoryOccupationReqInput(tags)`, `UpdateWeightsFromTensorReqInput`
-(`serialized_named_tensors`: one entry per TP rank, here exactly one, encoded as base64 of
-`torch.save(list[(name, tensor)])` -- see `engines.weights.sync`), `UpdateWeightFromDiskReqInput`,
+(`serialized_named_tensors`: one entry per TP rank, here rank 0's is read; SGLang's
+`MultiprocessingSerializer` payload of CUDA IPC handles, plain or `load_format:
+"flattened_bucket"`, through an allow-list unpickler -- `engines.weights.cuda_ipc` -- or, for
+CPU weights, base64 of `torch.save(list[(name, tensor)])` -- `engines.weights.sync`),
+`UpdateWeightFromDiskReqInput`,
 `InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput(names, dtypes, shapes)`,
 `CheckWeightsReqInput(action="checksum")`. Weight updates answer `{"success", "message"}`
 (400 on failure); weight versions are strings in SGLang and ints in rollflow.
@@ -15,12 +18,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engines.inference.gen_types import MEMORY_TAGS, Generator
 from engines.inference.scheduler import ContinuousScheduler
 from engines.inference.sglang_protocol import error_response, json_body
+from engines.weights.cuda_ipc import FLATTENED_BUCKET, is_pickle, named_tensors_from_entry
 from engines.weights.sync import WeightUpdateGroup, decode_named_tensors
 
 Handler = Callable[[dict[str, Any]], Awaitable[str]]
@@ -75,16 +80,28 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
                 return JSONResponse(content, status_code=400)
             return JSONResponse({"success": True, "message": message})
 
+    def load_tensor_entry(entry: str, load_format: str | None, version: int | None) -> int:
+        """Decode and copy in the scheduler's gap; CUDA IPC tensors alias the trainer's
+        memory, so the copy is finished before the handles are let go."""
+        if load_format == FLATTENED_BUCKET or is_pickle(entry):
+            named = named_tensors_from_entry(entry, load_format)
+        else:
+            named = decode_named_tensors(entry)
+        scheduler.between_steps(generator.load_weights, named, version)
+        if any(t.is_cuda for _, t in named):
+            torch.cuda.synchronize()
+        return len(named)
+
     async def from_tensor(body: dict[str, Any]) -> str:
         entries = _str_list(body, "serialized_named_tensors")
-        if len(entries) != 1:
-            raise ValueError(
-                f"serialized_named_tensors needs 1 entry (tp_size=1), got {len(entries)}"
-            )
-        named = decode_named_tensors(entries[0])
-        await asyncio.to_thread(
-            scheduler.between_steps, generator.load_weights, named, _version(body))
-        return f"Updated {len(named)} tensors (weight_version={generator.weight_version})."
+        if not entries or not all(isinstance(e, str) for e in entries):
+            raise ValueError("serialized_named_tensors must be a non-empty list of strings")
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", FLATTENED_BUCKET):
+            raise ValueError(f"load_format {load_format!r} is not one of None, 'direct', "
+                             f"{FLATTENED_BUCKET!r}")
+        count = await asyncio.to_thread(load_tensor_entry, entries[0], load_format, _version(body))
+        return f"Updated {count} tensors (weight_version={generator.weight_version})."
 
     async def from_disk(body: dict[str, Any]) -> str:
         path = body.get("model_path")

@@ -174,7 +174,8 @@ class TrainConfig(Section):
     weight_sync: Literal["tensor", "distributed", "disk"] = Field(
         "tensor",
         description="How new weights reach the engines: tensor (trainer -> Ray object store -> "
-        "engine actors), distributed (pause, process-group broadcast in buckets, flush, continue), "
+        "engine actors; colocated on a GPU, SGLang's /update_weights_from_tensor with CUDA IPC "
+        "handles, no bytes copied), distributed (pause, process-group broadcast in buckets, flush, continue), "
         "disk (save_pretrained + /update_weights_from_disk).",
     )
     update_weights_interval: int = Field(

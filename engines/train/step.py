@@ -170,11 +170,15 @@ class TrainStep:
             self.model.check_weights_finite()
         elapsed = max(time.perf_counter() - start, 1e-9)
         self.model.version = rollout_id + 1
-        tokens = sum(len(s.tokens) for s in samples) * len(epochs)
+        # tokens the optimizer steps computed on: zero-gradient samples left out of the
+        # actor's rows are not work done (a step that trained none has no throughput)
+        rows = full_steps if uses_critic or not train_actor else prep.steps
+        tokens = sum(len(samples[i].tokens) for step_rows in rows for i in step_rows)
         metrics = summarise(
             samples, prep.rewards, prep.advantages, prep.old_log_probs, steps,
             tokens / elapsed, self.model.version,
         ).to_dict()
+        metrics["trained_tokens"] = float(tokens)
         if self.train_cfg.skip_zero_gradient_samples:
             metrics[ZERO_GRADIENT_SAMPLES] = float(prep.zero_gradient)
         return metrics

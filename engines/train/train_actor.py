@@ -157,6 +157,15 @@ class TrainActor:
             self._sender_urls = list(engine_urls)
         return list(self._sender.update(self.backend, self.version()))
 
+    def sends_cuda_ipc(self) -> bool:
+        """Colocated on a GPU, `tensor` sync hands the engines CUDA IPC handles over HTTP
+        (SGLang's format, nothing copied through the CPU) instead of a CPU copy through
+        Ray's object store."""
+        from engines.train.torch_models import resolve_device
+
+        return (self.cfg.cluster.colocate and self.cfg.train.weight_sync == "tensor"
+                and resolve_device(self.cfg.train.device).type == "cuda")
+
     def close_weight_sender(self) -> None:
         if self._sender is not None:
             self._sender.close()

@@ -3,7 +3,9 @@
 Each update is   pause_generation -> push weights -> flush_cache -> continue_generation,
 then the engines' `get_weight_version` is read back. The push is one of (`train.weight_sync`):
 
-- `tensor`: `/update_weights_from_tensor` per bucket (base64 torch.save payload, HTTP);
+- `tensor`: `/update_weights_from_tensor` per bucket: weights on a GPU go as SGLang's CUDA IPC
+  handles (`load_format: "flattened_bucket"`, engines.weights.cuda_ipc: no bytes move, for
+  engines that share the trainer's GPU), CPU weights as base64 `torch.save` bytes;
 - `distributed`: the trainer is rank 0 of a process group with the engines (ranks 1..n);
   per bucket it POSTs `/update_weights_from_distributed` (names, dtypes, shapes) to every
   engine and broadcasts the bucket's tensors while those requests wait on the group;
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor
 
 from engines.process import free_port
+from engines.weights.cuda_ipc import FLATTENED_BUCKET, serialize_bucket
 from engines.weights.hf_export import NotHFModelError, engine_state_dict, save_hf
 from engines.weights.sync import (
     NamedTensors,
@@ -146,14 +149,57 @@ class _HTTPSender:
 
 
 class TensorWeightSender(_HTTPSender):
+    """`/update_weights_from_tensor`; CUDA buckets are held until the whole update is done,
+    because the engine reads the trainer's memory through the handles (and real SGLang
+    answers before its copy has finished)."""
+
+    def __init__(self, engine_urls: list[str], bucket_bytes: int = 512 * 1024**2,
+                 tp_size: int = 1, **kw: Any) -> None:
+        super().__init__(engine_urls, bucket_bytes, **kw)
+        self.tp_size = tp_size
+        self._held: list[Tensor] = []
+
+    def update(self, weights: Weights, version: int) -> list[int]:
+        try:
+            return super().update(weights, version)
+        finally:
+            if self._held:
+                torch.cuda.synchronize()
+            self._held.clear()
+
     def push(self, source: WeightSource, version: int) -> None:
         for bucket in self.named_buckets(source):
-            body = {
-                "serialized_named_tensors": [encode_named_tensors(bucket)],
-                "weight_version": str(version),
-                "flush_cache": False,
-            }
-            self.post_all("/update_weights_from_tensor", body)
+            for load_format, entries in self.encode(bucket):
+                body = tensor_update_body(entries, version, load_format)
+                self.post_all("/update_weights_from_tensor", body)
+
+    def encode(self, bucket: NamedTensors) -> list[tuple[str | None, list[str]]]:
+        """(load_format, serialized_named_tensors) per request: a CUDA bucket is one
+        flattened bucket per dtype, a CPU bucket one safe `torch.save` payload."""
+        if not all(t.is_cuda for _, t in bucket):
+            return [(None, [encode_named_tensors(bucket)] * self.tp_size)]
+        by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+        for name, tensor in bucket:
+            by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+        requests: list[tuple[str | None, list[str]]] = []
+        for named in by_dtype.values():
+            entries, flat = serialize_bucket(named, self.tp_size)
+            if flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+                bad = [n for n, t in named if not bool(torch.isfinite(t).all())]
+                raise WeightSyncError(f"weights for the engines hold NaN/inf: {bad[:5]}")
+            self._held.append(flat)
+            requests.append((FLATTENED_BUCKET, entries))
+        return requests
+
+
+def tensor_update_body(entries: list[str], version: int, load_format: str | None) -> dict[str, Any]:
+    """SGLang's `UpdateWeightsFromTensorReqInput` as JSON; the cache is flushed once at the
+    end of the update rather than per bucket."""
+    body: dict[str, Any] = {"serialized_named_tensors": entries, "flush_cache": False,
+                            "weight_version": str(version)}
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
 
 
 class DistributedWeightSender(_HTTPSender):

@@ -71,31 +71,42 @@ def task_sum(m: dict[str, Any]) -> float:
 def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tflops: float,
                 gpus: int = 1) -> dict[str, Any]:
     """The per-task time table and the run's weight-sync seconds, tok/s and MFU (over the
-    trainer's `gpus`)."""
+    trainer's `gpus`). Train tok/s and MFU count the tokens the optimizer steps computed
+    (`train/trained_tokens`; zero-gradient samples excluded): a step that trained none has
+    neither, and shows '-'."""
     print(f"\n=== {title}: seconds per task, per step (from steps/*/metrics.json) ===")
     head = ["step", "prompts", "generate", "filter", "reward", "train", "w-sync", "commit",
-            "sum", "gen tok", "gen tok/s", "trn tok/s", "MFU"]
+            "sum", "gen tok", "gen tok/s", "trn tok", "trn tok/s", "MFU"]
     print(" | ".join(f"{h:>9}" for h in head))
-    mfus = []
+    mfus: dict[int, float] = {}
     for m in rows:
-        mfu = m.get("train/train_tokens_per_s", 0.0) * flops_per_token(
-            model_dir, m["tokens_per_sample"]) / (peak_tflops * 1e12 * gpus)
-        mfus.append(mfu)
+        trained = m.get("train/trained_tokens", 0.0)
+        tok_s = m.get("train/train_tokens_per_s", 0.0) if trained else None
+        mfu = None
+        if tok_s:
+            mfu = tok_s * flops_per_token(model_dir, m["tokens_per_sample"]) / (
+                peak_tflops * 1e12 * gpus)
+            mfus[m["rollout_id"]] = mfu
         cells = [m["rollout_id"], *(m.get(f"time/{t}", 0.0) for t in TASKS),
                  task_sum(m), m.get("rollout/generated_tokens", 0),
-                 m.get("rollout/tokens_per_s", 0.0), m.get("train/train_tokens_per_s", 0.0), mfu]
-        print(" | ".join(f"{c:>9.4g}" if isinstance(c, float) else f"{c:>9}" for c in cells))
+                 m.get("rollout/tokens_per_s", 0.0), int(trained), tok_s, mfu]
+        print(" | ".join("        -" if c is None else f"{c:>9.4g}" if isinstance(c, float)
+                         else f"{c:>9}" for c in cells))
     later = rows[1:] or rows  # step 0 includes warm-up (CUDA init, allocator growth)
+    trained_later = [m for m in later if m.get("train/trained_tokens", 0.0)]
 
-    def mean(key: str, src: list[dict[str, Any]] = later) -> float:
-        return sum(m.get(key, 0.0) for m in src) / max(len(src), 1)
+    def mean(key: str, src: list[dict[str, Any]] = later) -> float | None:
+        return sum(m.get(key, 0.0) for m in src) / len(src) if src else None
 
+    later_mfus = [v for k, v in mfus.items() if k != rows[0]["rollout_id"]] or list(mfus.values())
     summary = {
         "part": title, "steps": len(rows),
         "weight_sync_s": [round(m.get("broadcast_weights/seconds", 0.0), 3) for m in rows],
-        "gen_tokens_per_s": round(mean("rollout/tokens_per_s"), 1),
-        "train_tokens_per_s": round(mean("train/train_tokens_per_s"), 1),
-        "mfu": round(sum(mfus[1:] or mfus) / max(len(mfus[1:] or mfus), 1), 4),
+        "gen_tokens_per_s": round(mean("rollout/tokens_per_s") or 0.0, 1),
+        "trained_tokens": [int(m.get("train/trained_tokens", 0.0)) for m in rows],
+        "train_tokens_per_s": (round(v, 1) if (v := mean("train/train_tokens_per_s", trained_later))
+                               is not None else None),
+        "mfu": round(sum(later_mfus) / len(later_mfus), 4) if later_mfus else None,
         "step_s": round(sum(task_sum(m) for m in later) / max(len(later), 1), 2),
         "reward_mean": [round(m.get("reward/mean", 0.0), 3) for m in rows],
         # the engine's log-probs vs the trainer's recomputation of the same tokens
@@ -205,6 +216,8 @@ def qwen(args: argparse.Namespace) -> None:
         f"train.dtype={args.dtype}", f"engine.dtype={args.dtype}",
         f"cluster.colocate={str(args.colocate).lower()}",
         f"train.weight_sync={'tensor' if args.colocate else args.weight_sync}",
+        # a random model earns 0 on exact-match arithmetic, and then trains nothing
+        "rollout.rm_type=null", "rollout.custom_rm_path=scripts.gpu.rewards:even_tokens",
         "logging.plot=false", *args.set,
     ])
     t0 = time.perf_counter()

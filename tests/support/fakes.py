@@ -180,6 +180,10 @@ class FakeTrainer:
         return [self._version] * len(engine_urls)
 
     @remote
+    def sends_cuda_ipc(self) -> bool:
+        return False
+
+    @remote
     def offload(self) -> None:
         pass
 
