@@ -161,6 +161,8 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
     ("torch", "UntypedStorage"): torch.UntypedStorage,
     ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "TypedStorage"): torch.TypedStorage,
+    ("torch.storage", "TypedStorage"): torch.TypedStorage,
     **{(module, "FlattenedTensorMetadata"): types.SimpleNamespace for module in _METADATA_CLASSES},
     ("types", "SimpleNamespace"): types.SimpleNamespace,
     **{("torch", name): getattr(torch, name) for name in _DTYPE_NAMES},
@@ -179,20 +181,27 @@ class _WeightUnpickler(pickle.Unpickler):
         return found
 
 
+class _Anything:
+    """Stands in for every global while `payload_globals` walks a payload."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
 def payload_globals(payload: str | bytes) -> set[str]:
-    """The `module.name` globals a payload would load, read without loading it."""
-    import pickletools
+    """The `module.name` globals a payload names, read without resolving any of them."""
+    found: set[str] = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found.add(f"{module}.{name}")
+            return _Anything
 
     raw = base64.b64decode(payload) if isinstance(payload, str) else payload
-    found: set[str] = set()
-    strings: list[str] = []
-    for opcode, arg, _ in pickletools.genops(raw):
-        if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
-            strings.append(str(arg))
-        elif opcode.name == "STACK_GLOBAL":
-            found.add(f"{strings[-2]}.{strings[-1]}")
-        elif opcode.name == "GLOBAL":
-            found.add(str(arg).replace(" ", "."))
+    Recorder(io.BytesIO(raw)).load()
     return found
 
 
