@@ -57,8 +57,11 @@ def _inner(exc: BaseException, stop_at: tuple[type[BaseException], ...]) -> Base
 
 
 def cause_chain(exc: BaseException) -> list[BaseException]:
-    """`exc`, then what it wraps, down to the root cause."""
-    stop_at = input_error_types()
+    """`exc`, then what it wraps, down to the root cause (a `StorageError` already names the
+    file and the store that failed; its cause, botocore's error, is in its message)."""
+    from storage.object_store import StorageError
+
+    stop_at = (*input_error_types(), StorageError)
     chain = [exc]
     while (inner := _inner(chain[-1], stop_at)) is not None and inner not in chain:
         chain.append(inner)

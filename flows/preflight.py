@@ -171,7 +171,7 @@ def check_storage(cfg: RollflowConfig) -> RunLayout:
     """The run directory exists (or can be made) and takes a write."""
     s = cfg.storage
     try:
-        layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
+        layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options())
         layout.store.write_text("ok", ".preflight")
         layout.store.delete(".preflight")
     except OSError as e:

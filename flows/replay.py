@@ -213,7 +213,7 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     connect(config.cluster)
     layout = open_layout(config)
     s = config.storage
-    source = RunLayout.open(s.uri, source_run, s.endpoint_url, s.storage_options)
+    source = RunLayout.open(s.uri, source_run, s.endpoint_url, s.store_options())
     plan = plan_replay(source, source_run, start, end)
     check_source(source, plan)
     if not layout.store.exists("config.yaml"):

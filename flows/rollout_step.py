@@ -18,7 +18,7 @@ overlap; see tasks/step_gates.py for the picture.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, cast
 
 from prefect import State, flow
@@ -31,6 +31,7 @@ from flows.config import RollflowConfig
 from flows.prefect_workarounds import results_linked_within_step, untagged_tasks
 from flows.reporting import publish_step_report
 from flows.step_flow_runs import DRIVER, CommitHook, step_flow_runs
+from storage.object_store import StorageError
 from storage.run_layout import RunLayout
 from tasks import step_gates as gates
 from tasks.step_context import StepContext
@@ -92,7 +93,9 @@ def run_step_tasks(
         with untagged_tasks(), results_linked_within_step():
             metrics = run_stages(ctx, rollout_id)
     except BaseException as e:
-        layout.mark_failed(rollout_id, repr(e))
+        # (a store that failed the step may still be down: then its own error is the cause)
+        with suppress(StorageError):
+            layout.mark_failed(rollout_id, repr(e))
         raise
     if on_commit is not None:
         on_commit(metrics)
@@ -155,7 +158,7 @@ def steps_are_flow_runs(config: RollflowConfig) -> bool:
 
 def open_layout(cfg: RollflowConfig) -> RunLayout:
     s = cfg.storage
-    return RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options)
+    return RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options())
 
 
 def plots_curves(cfg: RollflowConfig, rollout_id: int) -> bool:

@@ -30,6 +30,36 @@ class ConfigError(ValueError):
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
+class StorageRetryConfig(Section):
+    """How each S3 request rides out a store that is briefly down (503 SlowDown, a timeout,
+    a refused or dropped connection): botocore's own retry modes, with exponential backoff
+    and jitter, retry it before anything fails. A request that still fails raises
+    `StorageError` naming the file and the store; the step's task is then retried (twice),
+    and a step that still fails keeps every committed step: run the same command again
+    once the store is back. Local paths ignore this section."""
+
+    max_attempts: int = Field(
+        10, ge=1, le=100,
+        description="Attempts per S3 request, the first included (botocore `max_attempts`). "
+        "In standard mode the n-th retry waits a random 0..2^(n-1) s, at most 20 s: the "
+        "default rides out an outage of about a minute per request.",
+    )
+    mode: Literal["standard", "adaptive"] = Field(
+        "standard",
+        description="botocore retry mode: `standard`, or `adaptive` (standard plus a "
+        "client-side rate limit that backs off further while the store answers SlowDown).",
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open a connection.")
+    read_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds to wait for a response before retrying the request."
+    )
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """botocore `Config` arguments (s3fs `config_kwargs`)."""
+        return {"retries": {"max_attempts": self.max_attempts, "mode": self.mode},
+                "connect_timeout": self.connect_timeout_s, "read_timeout": self.read_timeout_s}
+
+
 class StorageConfig(Section):
     uri: str = Field("./runs", description="Root of all runs: a path or s3://bucket/prefix.")
     run_name: str = Field(
@@ -57,6 +87,19 @@ class StorageConfig(Section):
         "a replay, a resume or a UI retry finds the credentials again.",
     )
     compression: Literal["zstd", "lz4"] | None = "zstd"
+    retries: StorageRetryConfig = Field(
+        default_factory=StorageRetryConfig,
+        description="Retries of S3 requests while the store is briefly unavailable.",
+    )
+
+    def store_options(self) -> dict[str, Any]:
+        """`storage_options` as the store opens with them: on S3 with the retry settings
+        under s3fs's `config_kwargs` (keys given there in storage_options win)."""
+        options = dict(self.storage_options)
+        if self.uri.startswith("s3://"):
+            options["config_kwargs"] = {**self.retries.config_kwargs(),
+                                        **options.get("config_kwargs", {})}
+        return options
 
     @field_validator("run_name")
     @classmethod

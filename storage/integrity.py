@@ -69,9 +69,10 @@ def _digest_stream(f: BinaryIO) -> FileDigest:
 def _files(store: ObjectStore, *parts: str) -> dict[str, int]:
     """Relative path -> size of every file under `parts` (one listing)."""
     base = store.fs._strip_protocol(store.path(*parts)).rstrip("/")  # as `find` spells it
-    if not store.fs.exists(base):
-        return {}
-    found = store.fs.find(base, detail=True)
+    with store.failures_named("list", *parts):
+        if not store.fs.exists(base):
+            return {}
+        found = store.fs.find(base, detail=True)
     return {p[len(base):].lstrip("/"): int(info["size"]) for p, info in found.items()
             if info.get("type") != "directory"}
 
@@ -83,7 +84,8 @@ def dir_manifest(store: ObjectStore, *parts: str, skip: Collection[str] = ()) ->
     for rel in sorted(_files(store, *parts)):
         if rel in skip or ".tmp-" in rel:
             continue
-        with store.fs.open(store.path(*parts, rel), "rb") as f:
+        with store.failures_named("read", *parts, rel), \
+                store.fs.open(store.path(*parts, rel), "rb") as f:
             out[rel] = _digest_stream(f)
     return out
 
@@ -126,7 +128,8 @@ def check_dir(
             problems.append(CorruptFileError(
                 uri, f"{sizes[rel]} bytes, {expected.size} when recorded (truncated?)"))
         elif checksums:
-            with store.fs.open(store.path(*parts, rel), "rb") as f:
+            with store.failures_named("read", *parts, rel), \
+                    store.fs.open(store.path(*parts, rel), "rb") as f:
                 if _digest_stream(f).sha256 != expected.sha256:
                     problems.append(CorruptFileError(uri, "sha256 differs from the recorded one"))
     return problems

@@ -3,6 +3,10 @@
 Every write is atomic: bytes go to a temporary name beside the target and are then moved into
 place, so a crash never leaves a half-written file under the final name. On S3 a PUT is
 already atomic per object, so the same code path simply writes the object.
+
+A store that fails a request (S3 still answering 503 after botocore's retries,
+`storage.retries`; a refused connection; a full local disk) raises `StorageError`, naming the
+file and the store; a file that is not there stays `FileNotFoundError`.
 """
 
 from __future__ import annotations
@@ -10,10 +14,46 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+
+from storage.secrets import redact_url
+
+# What a file's absence or kind raises: the caller's business, not a failing store.
+_NOT_STORE_FAILURES = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+
+
+class StorageError(Exception):
+    """A request to the store failed for good (after the client's retries): `uri` is the
+    file or directory, `store` the service (`s3 at http://...`, `local disk`). The
+    constructor arguments stay in `args`, so it pickles (and crosses Ray) as itself. Not a
+    deterministic failure: a task that raises it is retried."""
+
+    def __init__(self, uri: str, store: str, action: str, reason: str) -> None:
+        super().__init__(uri, store, action, reason)
+        self.uri, self.store, self.action, self.reason = uri, store, action, reason
+
+    def __str__(self) -> str:
+        return f"{self.uri}: {self.action} failed on {self.store}: {self.reason}"
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """An error of the store itself (its service, the network, the disk), not a bug or a
+    missing file: an OSError, or one of botocore's (or its HTTP stack's) own errors."""
+    if isinstance(exc, _NOT_STORE_FAILURES):
+        return False
+    if isinstance(exc, OSError):
+        return True
+    return type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 @dataclass
@@ -32,6 +72,10 @@ class ObjectStore:
         self.fs: fsspec.AbstractFileSystem = fsspec.filesystem(
             self.protocol, **self.storage_options
         )
+        if "retries" in self.storage_options.get("config_kwargs", {}):
+            # botocore retries each request as configured (`storage.retries`); s3fs would
+            # repeat a whole call that still failed up to 5 times more, on top of that.
+            self.fs.retries = 1
 
     # -- paths ---------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -46,24 +90,48 @@ class ObjectStore:
     def child(self, *parts: str) -> ObjectStore:
         return ObjectStore(self.uri(*parts), self.storage_options)
 
+    @property
+    def name(self) -> str:
+        """The service, for error messages: `s3 at <endpoint>`, `AWS S3`, `local disk`."""
+        if self.protocol == "file":
+            return "local disk"
+        endpoint = (self.storage_options.get("endpoint_url")
+                    or self.storage_options.get("client_kwargs", {}).get("endpoint_url"))
+        return f"{self.protocol} at {redact_url(endpoint)}" if endpoint else "AWS S3"
+
+    @contextmanager
+    def failures_named(self, action: str, *parts: str) -> Iterator[None]:
+        """Requests inside that fail for good raise `StorageError` naming `parts` and the
+        store (also for callers that use `fs` directly)."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_store_failure(exc):
+                raise
+            raise StorageError(self.uri(*parts), self.name, action, _reason(exc)) from exc
+
     # -- queries -------------------------------------------------------------------------
     def exists(self, *parts: str) -> bool:
-        return bool(self.fs.exists(self.path(*parts)))
+        with self.failures_named("check", *parts):
+            return bool(self.fs.exists(self.path(*parts)))
 
     def list(self, *parts: str) -> list[str]:
         """Names (not paths) directly under `parts`, sorted; empty if it does not exist."""
         p = self.path(*parts)
-        if not self.fs.exists(p):
-            return []
-        if self.protocol != "file":
-            self.fs.invalidate_cache(p)
-        return sorted(os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
+        with self.failures_named("list", *parts):
+            if not self.fs.exists(p):
+                return []
+            if self.protocol != "file":
+                self.fs.invalidate_cache(p)
+            names = self.fs.ls(p, detail=False)
+        return sorted(os.path.basename(x.rstrip("/")) for x in names)
 
     # -- reads ---------------------------------------------------------------------------
     def read_bytes(self, *parts: str) -> bytes:
         """The whole file; FileNotFoundError if it does not exist. One request on S3 (opening
         a file object first asks for its size: a HEAD before the GET)."""
-        return bytes(self.fs.cat_file(self.path(*parts)))
+        with self.failures_named("read", *parts):
+            return bytes(self.fs.cat_file(self.path(*parts)))
 
     def read_json(self, *parts: str) -> Any:
         return json.loads(self.read_bytes(*parts))
@@ -77,21 +145,29 @@ class ObjectStore:
         local file: the rename is still atomic for a crashed process, but a lost machine
         may leave the file empty or short, so only a reader that checks the content (a
         digest) may ask for it."""
-        target = self.path(*parts)
-        if self.protocol == "file":
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        with self.failures_named("write", *parts):
+            self._write(data, self.path(*parts), sync)
+        return self.uri(*parts)
+
+    def _write(self, data: bytes, target: str, sync: bool) -> None:
+        if self.protocol != "file":
+            with self.fs.open(target, "wb") as f:
+                f.write(data)
+            self.fs.invalidate_cache(os.path.dirname(target))
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 if sync:
                     os.fsync(f.fileno())
             os.replace(tmp, target)
-        else:
-            with self.fs.open(target, "wb") as f:
-                f.write(data)
-            self.fs.invalidate_cache(os.path.dirname(target))
-        return self.uri(*parts)
+        except OSError:  # e.g. a full disk: no temporary left behind
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
 
     def write_json(self, obj: Any, *parts: str) -> str:
         return self.write_bytes(
@@ -117,13 +193,15 @@ class ObjectStore:
         if self.protocol == "file":
             return src
         os.makedirs(local_dir, exist_ok=True)
-        self.fs.get(src.rstrip("/") + "/", local_dir.rstrip("/") + "/", recursive=True)
+        with self.failures_named("download", *parts):
+            self.fs.get(src.rstrip("/") + "/", local_dir.rstrip("/") + "/", recursive=True)
         return local_dir
 
     def delete(self, *parts: str) -> None:
         p = self.path(*parts)
-        if self.fs.exists(p):
-            self.fs.rm(p, recursive=True)
+        with self.failures_named("delete", *parts):
+            if self.fs.exists(p):
+                self.fs.rm(p, recursive=True)
 
 
 def open_store(uri: str, endpoint: str | None = None, /, **options: Any) -> ObjectStore:

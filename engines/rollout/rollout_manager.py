@@ -138,7 +138,7 @@ class RolloutManager:
             cfg.storage.uri,
             cfg.storage.run_name,
             cfg.storage.endpoint_url,
-            cfg.storage.storage_options,
+            cfg.storage.store_options(),
         )
         self.tokenizer = self._load_tokenizer()
         limit = prompt_limit(  # as preflight computed it in the driver

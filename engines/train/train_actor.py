@@ -72,7 +72,7 @@ class TrainActor:
         self.rank, self.world_size = rank, world_size
         self.layout = RunLayout.open(
             cfg.storage.uri, cfg.storage.run_name, cfg.storage.endpoint_url,
-            cfg.storage.storage_options,
+            cfg.storage.store_options(),
         )
         self._backend: Any = None
         self._rendezvous: tuple[str, int] | None = None
