@@ -9,7 +9,7 @@ and times it; the engine's checksum must then equal the trainer's.
 - `bytes`: the same weights copied to the CPU and sent as base64 `torch.save` (what a CPU
   trainer sends; the bytes cost of the old colocated path, which also went through the CPU).
 
-    python -m bench.weight_sync [--shape qwen2|tiny] [--repeats 5]
+    python -m bench.weight_sync [--shape qwen2|tiny] [--repeats 5] [--bytes-repeats 2]
 
 Figures: bench/RESULTS.md, "Colocated weight sync (CUDA IPC)".
 """
@@ -86,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=["qwen2", "tiny"], default="qwen2")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bytes-repeats", type=int, default=2, help="the bytes path takes seconds")
     ap.add_argument("--bucket-mib", type=int, default=512)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +98,9 @@ def main() -> None:
             sender = TensorWeightSender([url], args.bucket_mib * 1024**2)
             rows = []
             for method, source in (("ipc", ModuleWeights(model)), ("bytes", CpuCopies(model))):
-                version = 1 + len(rows) * args.repeats
-                seconds = time_updates(sender, model, source, version, args.repeats)
+                version = 1 + len(rows) * args.repeats  # versions of both methods differ
+                repeats = args.repeats if method == "ipc" else args.bytes_repeats
+                seconds = time_updates(sender, model, source, version, repeats)
                 check_weight_update_equal(model, [url])  # raises unless the engine matches
                 request_bytes = [len(e) for _, entries in sender.encode(
                     list(source.export_weights().items())[:1]) for e in entries]

@@ -96,7 +96,8 @@ class EmbeddedGenerator(GeneratorIdentity):
         self._rng = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
         self._version = 0
-        self._weights_backup: str | None = None
+        self._weights_backup: str | None = None  # "pinned", or the file the weights wait in
+        self._pinned: dict[str, torch.Tensor] = {}
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -139,31 +140,48 @@ class EmbeddedGenerator(GeneratorIdentity):
             return weights_checksum(self.model.state_dict().items())
 
     def release_memory(self, tags: Collection[str]) -> None:
-        """Free the weights (saved to a local file first); the KV cache lives in batches,
-        which the caller empties (pause) before releasing."""
+        """Free the weights; the KV cache lives in batches, which the caller empties (pause)
+        before releasing. On a GPU they wait in pinned host buffers kept from one release to
+        the next (a colocated step releases and resumes every step: a round trip through a
+        file cost ~1 s for 1.2 GB, bench/RESULTS.md); on a CPU in a local file."""
         with self._lock:
             if "weights" not in tags or self._weights_backup is not None:
                 return
             params = dict(self.model.named_parameters())
-            fd, path = tempfile.mkstemp(prefix="rollflow-weights-", suffix=".pt")
-            os.close(fd)
-            torch.save({n: p.data for n, p in params.items()}, path)
+            if self.device.type == "cuda":
+                for name, p in params.items():
+                    held = self._pinned.get(name)
+                    if held is None or held.shape != p.shape or held.dtype != p.dtype:
+                        self._pinned[name] = held = torch.empty(
+                            p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
+                    held.copy_(p.data, non_blocking=True)
+                torch.cuda.synchronize()
+                self._weights_backup = "pinned"
+            else:
+                fd, path = tempfile.mkstemp(prefix="rollflow-weights-", suffix=".pt")
+                os.close(fd)
+                torch.save({n: p.data for n, p in params.items()}, path)
+                self._weights_backup = path
             for p in params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._decoder = make_decoder(self.model)  # drops copies it made (fused weights)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # a colocated trainer needs the memory back
-            self._weights_backup = path
 
     def resume_memory(self, tags: Collection[str]) -> None:
         with self._lock:
-            path = self._weights_backup
-            if "weights" not in tags or path is None:
+            backup = self._weights_backup
+            if "weights" not in tags or backup is None:
                 return
-            saved = torch.load(path, map_location=self.device, weights_only=True)
-            for name, p in self.model.named_parameters():
-                p.data = saved[name].to(p.device)
-            os.remove(path)
+            if backup == "pinned":
+                for name, p in self.model.named_parameters():
+                    p.data = self._pinned[name].to(self.device, non_blocking=True)
+                torch.cuda.synchronize()
+            else:
+                saved = torch.load(backup, map_location=self.device, weights_only=True)
+                for name, p in self.model.named_parameters():
+                    p.data = saved[name].to(p.device)
+                os.remove(backup)
             self._weights_backup = None
 
     def _require_weights(self) -> None:
