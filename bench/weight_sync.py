@@ -11,7 +11,7 @@ and times it; the engine's checksum must then equal the trainer's.
 
     python -m bench.weight_sync [--shape qwen2|tiny] [--repeats 5] [--bytes-repeats 2]
 
-Figures: bench/RESULTS.md, "Colocated weight sync (CUDA IPC)".
+Figures: bench/RESULTS.md, "Colocated weight sync".
 """
 
 from __future__ import annotations

@@ -63,9 +63,11 @@ class RollflowConfig(Section):
             raise ValueError(f"train.model_path (or train.load) is required by the {self.train.backend} trainer")
         if self.engine.backend == "embedded" and not self.engine.model_path:
             raise ValueError("engine.model_path is required by the embedded engine")
-        if self.engine.backend == "sglang" and self.train.weight_sync == "tensor":
+        if (self.engine.backend == "sglang" and self.train.weight_sync == "tensor"
+                and not self.cluster.colocate):
             raise ValueError(
-                "train.weight_sync: SGLang servers take weights over HTTP; use 'distributed' "
+                "train.weight_sync: 'tensor' reaches SGLang servers as CUDA IPC handles, which "
+                "needs them on the trainer's GPU (cluster.colocate: true); use 'distributed' "
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
             )
         if self.train.backend == "megatron":
