@@ -126,6 +126,10 @@ def test_prefect_yaml_deploys_to_the_server(prefect_server):
     train = deployments["arithmetic-grpo"]
     assert train["parameters"]["config"]["rollout"]["num_rollout"] == 20
     assert "config" in train["parameter_openapi_schema"]["properties"]  # the UI's run form
+    # a schedule cannot pile a second driver onto a training that still runs
+    assert train["global_concurrency_limit"]["limit"] == 1
+    assert train["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    assert deployments["arithmetic-grpo-replay"]["global_concurrency_limit"] is None
     # Flow runs start in this repo (recorded at deploy time, not the worker's directory),
     # then make the example's data and model there if missing: "Quick run" works as shipped.
     assert train["pull_steps"] == [
