@@ -16,8 +16,11 @@ A step is done only when its COMMITTED marker exists; the marker is written last
 records each file's size and sha256, which every batch read checks (`integrity.py`).
 
 A checkpoint is complete when its MANIFEST.json exists and every file it lists is there with
-the recorded size. LATEST, written last, is a hint: without it, or when it points at an
-incomplete checkpoint, the newest complete one is found by scanning (with a warning).
+the recorded size. Its files are uploaded first and its manifest last, into a directory
+cleared of any earlier unfinished save, and a complete checkpoint is never rewritten
+(`prepare_checkpoint`): so a reader sees a checkpoint whole or not at all, whenever the writer
+was killed. LATEST, written after the manifest, is a hint: without it, or when it points at
+an incomplete checkpoint, the newest complete one is found by scanning (with a warning).
 """
 
 from __future__ import annotations
@@ -206,6 +209,31 @@ class RunLayout:
             log.warning("%s: checkpoints/LATEST holds %r; ignoring it", self.uri, text[:40])
             return None
         return int(text)
+
+    def prepare_checkpoint(self, rollout_id: int) -> bool:
+        """Before saving checkpoint `rollout_id`: True if it is already stored whole (sizes
+        and sha256 match its manifest; a rerun's commit saving it again), then it is kept as
+        it is: rewriting a complete checkpoint in place would, killed halfway, leave the new
+        manifest over old files or mix two saves of weights that need not be bit-identical.
+        Otherwise what is there is what a save that did not finish left (or a corrupted
+        copy): LATEST moves off it to the newest complete older one, and it is deleted, so
+        that the new save's files are the only ones its manifest (written last) can vouch for.
+        """
+        parts = self.checkpoint_parts(rollout_id)
+        if not self.store.exists(*parts):
+            return False
+        pointer = self._latest_pointer()
+        legacy = pointer == rollout_id and not self.store.exists(*parts, MANIFEST_FILE)
+        if legacy or not self.checkpoint_problems(rollout_id, checksums=True):
+            return True
+        if pointer == rollout_id:
+            older = self.latest_checkpoint(before=rollout_id)
+            if older is None:
+                self.store.delete("checkpoints", "LATEST")
+            else:
+                self.store.write_text(str(older), "checkpoints", "LATEST")
+        self.store.delete(*parts)
+        return False
 
     def set_latest_checkpoint(self, rollout_id: int) -> None:
         """Point LATEST at a stored checkpoint, after making sure it is complete. A backend

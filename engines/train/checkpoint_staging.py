@@ -10,8 +10,9 @@ loaded. So:
 * the ranks find which of them share a disk by the files they can see (a marker per rank),
   so ranks on one node (or on a shared file system) upload once, through their lowest rank,
   and each node's files reach storage (no two nodes wrote the same file);
-* the manifest covers the files of every node, so a stored copy counts as complete only once
-  all of them are in (`storage/run_layout.py` scans by manifest);
+* the manifest covers the files of every node and is uploaded last, once every node's files
+  are in, so a stored copy counts as complete only then (`storage/run_layout.py` scans by
+  manifest), whenever a rank is killed;
 * loading from an object store downloads a checkpoint once per disk, not once per rank;
 * a step that fails on some ranks only (a full disk, an upload error) fails on every rank,
   at the same point (`_agreed`): a rank that raised alone would leave the others in the
@@ -170,17 +171,49 @@ def merge_manifests(staged: StagingDir) -> None:
 
 def save_and_store(
     save: Callable[[str], None], store: ObjectStore, parts: tuple[str, ...],
-    root: str | None = None,
+    root: str | None = None, prepare: Callable[[], bool] | None = None,
 ) -> str:
     """`save(path)` on every rank (collective for a sharded backend), then every disk's files
-    under `parts` of `store`; returns the stored URI where this rank uploaded, else ''. All
-    of it is stored when it returns, on any rank (a group's ranks wait for each other)."""
+    under `parts` of `store`, the manifest last (the commit: a reader counts the checkpoint
+    only once it is there); returns the stored URI where this rank uploaded, else ''. All
+    of it is stored when it returns, on any rank (a group's ranks wait for each other).
+
+    `prepare()`, on rank 0 before anything is written, readies `parts` for the save and says
+    whether the checkpoint is already stored whole; then nothing is saved (on any rank)."""
+    dist = _dist()
+    first = dist is None or dist.get_rank() == 0
+    stored = _agreed(f"preparing {store.uri(*parts)}",
+                     lambda: bool(prepare()) if prepare is not None and first else False)
+    if dist is not None:
+        decided = [stored]
+        dist.broadcast_object_list(decided, src=0)
+        stored = bool(decided[0])
+    if stored:
+        return store.uri(*parts) if first else ""
     with staging_dir(root) as staged:
         _agreed("saving the checkpoint", lambda: save(staged.path))
         merge_manifests(staged)
+        manifest = _agreed("setting the manifest aside",
+                           lambda: _take_manifest(staged) if staged.uploads else None)
         # every disk's files are stored before any rank returns (or all raise)
-        return _agreed(f"storing the checkpoint at {store.uri(*parts)}",
-                       lambda: store.put_dir(staged.path, *parts) if staged.uploads else "")
+        uri = _agreed(f"storing the checkpoint at {store.uri(*parts)}",
+                      lambda: store.put_dir(staged.path, *parts) if staged.uploads else "")
+        _agreed(f"committing the checkpoint at {store.uri(*parts)}",
+                lambda: None if manifest is None else
+                store.write_bytes(manifest, *parts, integrity.MANIFEST_FILE))
+        return uri
+
+
+def _take_manifest(staged: StagingDir) -> bytes | None:
+    """The staged manifest's bytes, its file removed so that `put_dir` does not upload it
+    among the others, in whatever order it walks them."""
+    path = os.path.join(staged.path, integrity.MANIFEST_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    os.remove(path)
+    return data
 
 
 def fetch_and_load(

@@ -16,6 +16,7 @@ join that export and return nothing.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -119,6 +120,10 @@ class TrainActor:
     def version(self) -> int:
         return int(self.backend.version)
 
+    def pid(self) -> int:
+        """The actor's process, for fault tests (kill -9) and operators."""
+        return os.getpid()
+
     def train(self, rollout_id: int) -> dict[str, float]:
         """Train on step `rollout_id`'s batch; a no-op if the policy is already past it."""
         samples = read_samples(self.layout.store, step_dir(rollout_id), "train.arrow")
@@ -189,7 +194,8 @@ class TrainActor:
         parts = self.layout.checkpoint_parts(rollout_id)
         # every rank saves (a backend may save collectively) into one path, stored per disk
         uri = save_and_store(self.backend.save_checkpoint, self.layout.store, parts,
-                             self.cfg.train.checkpoint_staging_dir)
+                             self.cfg.train.checkpoint_staging_dir,
+                             prepare=lambda: self.layout.prepare_checkpoint(rollout_id))
         if self.rank != 0:
             return ""
         self.layout.set_latest_checkpoint(rollout_id)
