@@ -174,10 +174,14 @@ class TensorWeightSender(_HTTPSender):
                 self.post_all("/update_weights_from_tensor", body)
 
     def encode(self, bucket: NamedTensors) -> list[tuple[str | None, list[str]]]:
-        """(load_format, serialized_named_tensors) per request: a CUDA bucket is one
-        flattened bucket per dtype, a CPU bucket one safe `torch.save` payload."""
+        """(load_format, serialized_named_tensors) per request: on a GPU machine one
+        flattened bucket of CUDA IPC handles per dtype (weights a backend exports on the CPU,
+        as megatron's gather does, are copied to the GPU first: far cheaper than their bytes
+        over HTTP); without a GPU one safe `torch.save` payload."""
         if not all(t.is_cuda for _, t in bucket):
-            return [(None, [encode_named_tensors(bucket)] * self.tp_size)]
+            if not torch.cuda.is_available():
+                return [(None, [encode_named_tensors(bucket)] * self.tp_size)]
+            bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
         by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
         for name, tensor in bucket:
             by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
