@@ -264,7 +264,8 @@ class LlamaDecoder:
     @staticmethod
     def supports(model: Any) -> bool:
         """Llama layouts with a static RoPE (the table is position-only) and full attention:
-        Llama, and dense Qwen3 (Llama plus per-head q/k norms) without sliding windows."""
+        Llama, Qwen2 (Llama plus q/k/v biases) and dense Qwen3 (Llama plus per-head q/k
+        norms), without sliding windows."""
         config = model.config
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
         rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
@@ -272,7 +273,8 @@ class LlamaDecoder:
         model_type = getattr(config, "model_type", None)
         return (
             (model_type == "llama"
-             or (model_type == "qwen3" and not getattr(config, "use_sliding_window", False)))
+             or (model_type in ("qwen2", "qwen3")
+                 and not getattr(config, "use_sliding_window", False)))
             and getattr(config, "hidden_act", None) == "silu"
             and rope_type not in ("dynamic", "longrope")
             and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
