@@ -86,6 +86,7 @@ class TrainActor:
         self._last_metrics: dict[str, float] = {}  # of the step `_last_trained`
         self._sender: Any = None
         self._sender_urls: list[str] = []
+        self._phases: list[str] = []  # offload / onload / train k, in order
 
     @property
     def backend(self) -> Any:
@@ -131,6 +132,7 @@ class TrainActor:
         metrics = dict(self.backend.train(samples, rollout_id))
         metrics["train/seconds"] = time.perf_counter() - start
         metrics["train/cpu_seconds"] = time.process_time() - cpu_start  # all of its threads
+        self._phases.append(f"train {rollout_id}")
         if not metrics.get("skipped"):
             self._trained_indices.extend(s.index for s in samples)
             self._last_trained, self._last_metrics = rollout_id, dict(metrics)
@@ -179,9 +181,16 @@ class TrainActor:
     def offload(self) -> None:
         """Colocated runs: free the trainer's device memory while the engines generate."""
         self.backend.offload()
+        self._phases.append("offload")
 
     def onload(self) -> None:
         self.backend.onload()
+        self._phases.append("onload")
+
+    def phases(self) -> list[str]:
+        """What this actor did, in order: `offload`, `onload`, `train {rollout_id}` (replays
+        included), the evidence that a colocated trainer gave its memory up between steps."""
+        return list(self._phases)
 
     def weights(self) -> dict[str, Any]:
         """State dict for the engines; returned through Ray's object store. In a group whose

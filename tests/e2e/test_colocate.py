@@ -6,9 +6,12 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
+from engines.cluster.actors import kill_run_actors
+from engines.cluster.registry import get_run_actor
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config
 
@@ -24,12 +27,21 @@ def test_colocated_run_matches_the_plain_run(
         cfg = arithmetic_config(
             run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
             data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-            backend="embedded", overrides=["train.lr=0.01", *extra],
+            backend="embedded", overrides=["train.lr=0.01", "cluster.keep_actors=true", *extra],
         )
-        train(cfg)
-        return RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+        try:
+            train(cfg)
+            trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")
+            phases = ray.get(trainer.phases.remote())
+        finally:
+            kill_run_actors(cfg)
+        return RunLayout.open(cfg.storage.uri, cfg.storage.run_name), phases
 
-    plain, colocated = run("plain"), run("colo", "cluster.colocate=true")
+    (plain, plain_phases), (colocated, phases) = run("plain"), run("colo", "cluster.colocate=true")
+    # each step: the trainer gave its memory up before the engines generated, took it back
+    # before training; the plain run's trainer never moved
+    assert phases == [p for k in (0, 1) for p in ("offload", "onload", f"train {k}")], phases
+    assert plain_phases == ["train 0", "train 1"], plain_phases
     for k in (0, 1):
         a, b = plain.step_metrics(k), colocated.step_metrics(k)
         assert b["train/rollout_logprob_abs_diff"] < 1e-3  # engine weights came back intact
