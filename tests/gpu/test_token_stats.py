@@ -3,8 +3,12 @@ chunked eager path and the unfused formulas, at the Qwen2 vocabulary size, bf16 
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from engines.algorithms.losses import entropy_from_logits
 from engines.train.batching import log_probs_from_logits
@@ -34,8 +38,19 @@ def test_compiled_matches_eager_and_reference(monkeypatch: pytest.MonkeyPatch, r
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
     w = torch.randn(rows, device="cuda", generator=gen)
     monkeypatch.setenv("ROLLFLOW_COMPILE_TOKEN_STATS", "1")
-    compiled = _run(logits, targets, w, "fused")
+    stats_module._compiled.clear()
+    torch._dynamo.reset()  # compiled afresh by this test, its graphs counted below
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = _run(logits, targets, w, "fused")
+    # a failed compile falls back to the eager path (warned once, the switch turned off), and
+    # a disabled one (TORCH_COMPILE_DISABLE) runs it eagerly: the comparison below would then
+    # be eager against eager
+    fell_back = [str(c.message) for c in caught if "torch.compile failed" in str(c.message)]
+    assert not fell_back and os.environ["ROLLFLOW_COMPILE_TOKEN_STATS"] == "1", fell_back
     assert "stats" in stats_module._compiled and "grad" in stats_module._compiled
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # forward, backward
     monkeypatch.setenv("ROLLFLOW_COMPILE_TOKEN_STATS", "0")
     eager = _run(logits, targets, w, "fused")
     reference = _run(logits, targets, w, "reference")
