@@ -104,7 +104,7 @@ def main() -> None:
                 check_weight_update_equal(model, [url])  # raises unless the engine matches
                 request_bytes = [len(e) for _, entries in sender.encode(
                     list(source.export_weights().items())[:1]) for e in entries]
-                sender._held.clear()
+                sender.release()
                 rows.append({"method": method, "weights_mib": round(nbytes / 2**20, 1),
                              "first_s": round(seconds[0], 4),
                              "median_s": round(statistics.median(seconds[1:] or seconds), 4),
@@ -113,7 +113,7 @@ def main() -> None:
                              "engine_checksum_equal": True})
                 if method == "ipc":
                     entry = sender.encode(list(model.state_dict().items())[:2])[0][1][0]
-                    sender._held.clear()
+                    sender.release()
                     rows[-1]["payload_globals"] = sorted(payload_globals(entry))
                 print(json.dumps(rows[-1]), flush=True)
             sender.close()

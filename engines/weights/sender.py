@@ -163,9 +163,13 @@ class TensorWeightSender(_HTTPSender):
         try:
             return super().update(weights, version)
         finally:
-            if self._held:
-                torch.cuda.synchronize()
-            self._held.clear()
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the buckets `encode` made (once the engines have copied them)."""
+        if self._held:
+            torch.cuda.synchronize()
+        self._held.clear()
 
     def push(self, source: WeightSource, version: int) -> None:
         for bucket in self.named_buckets(source):

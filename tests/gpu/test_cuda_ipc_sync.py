@@ -26,7 +26,7 @@ def test_cuda_ipc_update_reaches_the_engine_as_a_copy(qwen2_tiny_dir: str) -> No
                 p.add_(0.01)
         sender = TensorWeightSender([url], bucket_bytes=64 * 1024)  # several buckets
         requests = sender.encode(list(model.state_dict().items()))
-        sender._held.clear()
+        sender.release()
         assert {fmt for fmt, _ in requests} == {FLATTENED_BUCKET}
         entry = requests[0][1][0]
         assert len(entry) < 4096  # handles, not weights
