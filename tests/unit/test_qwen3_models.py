@@ -1,5 +1,6 @@
 """Qwen3 and Qwen3-MoE through the embedded engine and the torch trainer's forwards: the
-fast decode step with q/k norms, the routed experts the engine records, and their replay."""
+fast decode step with q/k norms (and Qwen2's, with q/k/v biases), the routed experts the
+engine records, and their replay."""
 
 from __future__ import annotations
 
@@ -38,6 +39,32 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2 (the Qwen2-0.5B shape of the GPU benches, scaled down) with grouped-query
+    attention and non-zero q/k/v biases (HF initialises them to zero, which would hide a
+    step that drops them)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from examples.arithmetic.build_model import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         tie_word_embeddings=True)
+    torch.manual_seed(2)
+    model = Qwen2ForCausalLM(config)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.data.uniform_(-0.5, 0.5)
+    out = str(tmp_path_factory.mktemp("q2"))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Qwen3-MoE: 2 layers, 8 experts, 2 per token."""
     return save_tiny_model(str(tmp_path_factory.mktemp("q3moe") / "m"), 2, 64, family="qwen3_moe")
@@ -63,10 +90,14 @@ def full_forward_logprobs(model: Any, req: GenRequest, res: GenResult) -> torch.
     return logp[n - 1 : -1].gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
 
 
-def test_qwen3_fast_step_matches_hf_generate_and_a_full_forward(qwen3_dir: str, one_thread: None) -> None:
-    """The lean decode step covers dense Qwen3 (q/k norms per head before RoPE): greedy
-    tokens equal HF generate's on a left-padded batch, sampled log-probs a full forward's."""
-    gen = EmbeddedGenerator(qwen3_dir, num_threads=1, device="cpu")
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_fast_step_matches_hf_generate_and_a_full_forward(
+    family: str, request: pytest.FixtureRequest, one_thread: None
+) -> None:
+    """The lean decode step covers dense Qwen3 (q/k norms per head before RoPE) and Qwen2
+    (q/k/v biases): greedy tokens equal HF generate's on a left-padded batch, sampled
+    log-probs a full forward's."""
+    gen = EmbeddedGenerator(request.getfixturevalue(f"{family}_dir"), num_threads=1, device="cpu")
     assert isinstance(gen._decoder, LlamaDecoder)
     ids = [gen.tokenize(p) for p in PROMPTS]
     width = max(map(len, ids))
