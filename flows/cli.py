@@ -1,4 +1,5 @@
-"""`rollflow` command line: train, replay, server, cluster up|down|status, runs list|show."""
+"""`rollflow` command line: train, replay, server, cluster up|down|status, runs list|show,
+engines add|remove|show."""
 
 from __future__ import annotations
 
@@ -223,6 +224,43 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engines(args: argparse.Namespace) -> int:
+    """`engines add|remove RUN`: ask a running (or stopped) training for more or fewer
+    engines. The request is stored in the run directory; the next step's generate (or the
+    driver, when it resumes) grows or shrinks the pool to it (docs/fault-tolerance.md)."""
+    import yaml
+
+    from storage.engine_pool import read_pool_request, write_pool_request
+
+    if _no_such_run(args):
+        return 1
+    run_dir, out = _runs_root(args).child(args.run), args.result_out
+    config = yaml.safe_load(run_dir.read_text("config.yaml")) or {}
+    engine, rollout = config.get("engine") or {}, config.get("rollout") or {}
+    configured = int(engine.get("num_engines", 1))
+    if engine.get("urls") or rollout.get("debug_train_only"):
+        why = "engine.urls lists its servers" if engine.get("urls") else "it runs no engines"
+        print(f"run {args.run}: its engine pool is fixed ({why})", file=sys.stderr)
+        return 1
+    request = read_pool_request(run_dir)
+    now = configured if request is None else request.target(configured)
+    if args.action == "show":
+        print(f"run {args.run}: engine pool {now} (engine.num_engines={configured})", file=out)
+        return 0
+    if args.count < 1:
+        print(f"--count {args.count}: a count of engines is 1 or more", file=sys.stderr)
+        return 1
+    wanted = now + args.count if args.action == "add" else now - args.count
+    if wanted < 1:
+        print(f"run {args.run}: its pool has {now} engine(s); it keeps at least one",
+              file=sys.stderr)
+        return 1
+    write_pool_request(run_dir, wanted, configured)
+    print(f"run {args.run}: engine pool {now} -> {wanted}, from the start of its next step",
+          file=out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollflow", description=__doc__)
     parser.add_argument("--verbose", action="store_true",
@@ -285,6 +323,17 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--address", default=None, help="Ray address (default: local head)")
     stop.add_argument("--namespace", default="rollflow", help="Ray namespace of the run")
     p.set_defaults(func=cmd_runs, run=None)
+
+    p = sub.add_parser("engines", help="grow or shrink a training's engine pool; it takes "
+                       "effect at the start of the run's next step")
+    actions = p.add_subparsers(dest="action", required=True, metavar="{add,remove,show}")
+    for action, what in (("add", "start N more engines"), ("remove", "drain and stop N"),
+                         ("show", "the pool size the run is asked to have")):
+        one = actions.add_parser(action, parents=[common], help=what)
+        one.add_argument("run")
+        if action != "show":
+            one.add_argument("--count", type=int, default=1, help="N (default 1)")
+    p.set_defaults(func=cmd_engines)
 
     # --verbose after the subcommand too; SUPPRESS keeps one given before it.
     for p in sub.choices.values():

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from prefect import task
 
-from engines.cluster.actors import RunActors, replace_lost_engines
+from engines.cluster.actors import RunActors, apply_engine_pool, replace_lost_engines
 from engines.records import (
     FilterRecord,
     GenerateRecord,
@@ -48,10 +48,11 @@ def sample_prompts(ctx: StepContext, rollout_id: int) -> SamplePromptsRecord:
 @task(name="generate", task_run_name=step_run_name("generate"), **TASK_OPTIONS)
 def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
     def work() -> GenerateRecord:
-        actors = ctx.reattach()
+        # `rollflow engines add|remove` takes effect here, at the step's start.
+        ctx.actors = actors = apply_engine_pool(ctx.cfg, ctx.reattach())
         if ctx.cfg.cluster.colocate:
             colocate.enter_rollout_phase(actors)
-        # A restarted engine comes back with the initial weights: bring it up to date.
+        # A restarted or added engine comes with the initial weights: bring it up to date.
         actors, versions = answering_engines(ctx, actors)
         sync_engine_weights(
             actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync,

@@ -13,6 +13,8 @@ data-parallel `TrainGroup`; one rank is the plain `TrainActor`.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 from dataclasses import dataclass, field
@@ -29,11 +31,13 @@ from engines.cluster.placement import (
     use_placement,
 )
 from engines.cluster.registry import (
+    RunActor,
     actor_name,
     actor_runtime_env,
     cfg_run_key,
     remember_config,
     retire_stale_actors,
+    run_actors,
     run_suffix,
     stop_run,
 )
@@ -45,6 +49,11 @@ from engines.run_config import RunConfig
 from engines.train.null_trainer import NullTrainActor
 from engines.train.train_actor import COLLECTIVE_EXPORT, TrainActor
 from storage.config import ConfigError
+from storage.engine_pool import read_pool_request
+from storage.run_layout import RunLayout
+
+log = logging.getLogger(__name__)
+_DRAIN_S = 30.0  # a removed engine finishes what it was sent before it is killed
 
 
 def _named(
@@ -162,16 +171,91 @@ def get_or_create_trainer(cfg: RunConfig) -> Any:
 
 def get_or_create_actors(cfg: RunConfig) -> RunActors:
     """Look the run's actors up (creating, replacing or recreating what is missing, stale or
-    dead) and remember the handles for `attached_actors`."""
+    dead) and remember the handles for `attached_actors`. The engines are the run's pool
+    (`engine_pool_size`): engines beyond it are drained and killed once the rollout (and its
+    router) no longer sends them anything."""
     placement = _attach(cfg)
-    engines = [_engine(cfg, i, placement) for i in range(num_engines(cfg))]
+    pool = engine_pool_size(cfg, None if placement is None else placement.plan.num_engines)
+    engines = [_engine(cfg, i, placement) for i in range(pool)]
     rollout = _named(RolloutManager, actor_name(cfg, "rollout"), cfg, cfg)
     trainer = _trainer(cfg, placement)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get(rollout.set_engines.remote(urls))
+    retire_surplus_engines(cfg, pool)
     actors = RunActors(rollout=rollout, trainer=trainer, engines=engines, urls=urls)
     _ATTACHED[_attach_key(cfg)] = actors
     return actors
+
+
+# -- the elastic pool ------------------------------------------------------------------
+def engine_pool_size(cfg: RunConfig, cap: int | None = None) -> int:
+    """Engines the run has now: the pool `rollflow engines add|remove` asked for (the run
+    directory's engines.json, storage/engine_pool.py), else `engine.num_engines`; at most
+    `cap`, the engines the run's placement group reserves bundles for. Runs on external
+    servers (`engine.urls`) and runs without engines keep their count."""
+    configured = num_engines(cfg)
+    if cfg.rollout.debug_train_only or cfg.engine.urls:
+        return configured
+    s = cfg.storage
+    store = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options).store
+    request = read_pool_request(store)
+    wanted = configured if request is None else request.target(cfg.engine.num_engines)
+    if cap is not None and wanted > cap:
+        log.warning("run %r: engine pool of %d asked for, but its placement group reserves "
+                    "%d engine(s) (cluster.rollout_num_gpus); running %d", s.run_name, wanted,
+                    cap, cap)
+        wanted = cap
+    return wanted
+
+
+def apply_engine_pool(cfg: RunConfig, actors: RunActors) -> RunActors:
+    """At a step boundary: the pool as asked for now. Unchanged, the same handles; grown or
+    shrunk, the run's actors looked up again (new engines start and join the rollout's
+    rotation and router; removed ones are drained and killed). New engines hold the initial
+    weights: the caller brings them to the current version, as after `replace_lost_engines`."""
+    if engine_pool_size(cfg) == len(actors.engines):  # (one small read per step)
+        return actors
+    cap = plan_resources(cfg.cluster).num_engines if use_placement(cfg.cluster) else None
+    if engine_pool_size(cfg, cap) == len(actors.engines):
+        return actors
+    _ATTACHED.pop(_attach_key(cfg), None)
+    resized = get_or_create_actors(cfg)
+    log.warning("run %r: engine pool %d -> %d", cfg.storage.run_name, len(actors.engines),
+                len(resized.engines))
+    return resized
+
+
+def _engine_index(actor: RunActor) -> int | None:
+    prefix, _, index = actor.role.partition("-")
+    return int(index) if prefix == "engine" and index.isdigit() else None
+
+
+def retire_surplus_engines(cfg: RunConfig, keep: int) -> int:
+    """Drain and kill the run's engines numbered `keep` and up (a pool made smaller, or a
+    rerun with fewer `engine.num_engines`); returns how many. The caller has already handed
+    the rollout the engines that stay, so nothing new reaches these; each is asked to shut
+    down (its HTTP server finishes the requests it holds) for up to `_DRAIN_S`, then killed,
+    its name freed. Its placement bundle stays with the run for a later `engines add`."""
+    ns, suffix = cfg.cluster.namespace, run_suffix(cfg)
+    surplus = [a for a in _run_engines(cfg)
+               if a.suffix == suffix and (_engine_index(a) or 0) >= keep]
+    if not surplus:
+        return 0
+    handles = [ray.get_actor(a.name, namespace=ns) for a in surplus]
+    with contextlib.suppress(Exception):  # a dead or hung one is killed all the same
+        ray.get([h.shutdown.remote() for h in handles], timeout=_DRAIN_S)
+    for handle in handles:
+        _kill_local_process(handle)
+    names = [a.name for a in surplus]
+    kill_group(names, ns)
+    log.warning("run %r: removed %d engine(s) from its pool", cfg.storage.run_name,
+                len(names))
+    return len(names)
+
+
+def _run_engines(cfg: RunConfig) -> list[RunActor]:
+    return [a for a in run_actors(cfg.cluster.namespace, cfg_run_key(cfg))
+            if _engine_index(a) is not None]
 
 
 # Handles this process looked up, by (namespace, run, actor suffix). The train flow looks

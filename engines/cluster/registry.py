@@ -28,9 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 _KV_NAMESPACE = "rollflow-configs"
 
 # Fields only the driver reads: changing them (e.g. more steps to extend a run) keeps the
-# run's actors. A section mapped to None is driver-only as a whole.
+# run's actors. A section mapped to None is driver-only as a whole. A changed
+# `engine.num_engines` grows or shrinks the engine pool (engines.cluster.actors).
 DRIVER_ONLY: dict[str, set[str] | None] = {
     "rollout": {"num_rollout"},
+    "engine": {"num_engines"},
     "cluster": {"keep_actors", "address"},
     "eval": {"eval_interval", "before_train"},
     "data": {"preflight_token_rows"},

@@ -483,6 +483,7 @@ async def run_generation(
         if watch is not None:
             result.lost_engines = dict(watch.lost)
         result.resent_samples = loop.resent_samples
+        result.engines, result.engine_requests = len(urls), loop.engine_requests
         return result
     finally:
         if watch is not None:

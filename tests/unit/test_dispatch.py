@@ -139,7 +139,7 @@ class HangingEngine(RecordingEngine):
 
 
 def test_a_lost_engine_s_requests_go_to_the_engine_left() -> None:
-    async def go() -> tuple[list[Any], HangingEngine, RecordingEngine, int]:
+    async def go() -> tuple[list[Any], HangingEngine, RecordingEngine, RoundRobinDispatch]:
         hung, alive = HangingEngine(), RecordingEngine()
         alive.base_url = "http://alive"  # type: ignore[attr-defined]
         dispatch = RoundRobinDispatch([alive, hung], max_request_samples=1)
@@ -149,11 +149,13 @@ def test_a_lost_engine_s_requests_go_to_the_engine_left() -> None:
         assert all(not f.done() for f in sent[1::2])  # those on the hung engine wait
         await dispatch.lose("http://hung")
         outs = await asyncio.gather(*sent)
-        return outs, hung, alive, dispatch.resent_samples
-    outs, hung, alive, resent = asyncio.run(go())
+        return outs, hung, alive, dispatch
+    outs, hung, alive, dispatch = asyncio.run(go())
     assert [o[0].output_ids for o in outs] == [[0], [1], [2], [3]]
-    assert resent == len(hung.requests) == 2
+    assert dispatch.resent_samples == len(hung.requests) == 2
     assert sorted(r for req in alive.requests for r in req) == ["s0", "s1", "s2", "s3"]
+    # the two resent requests made one token each; every request was answered by `alive`
+    assert dispatch.resent_tokens == 2 and dict(dispatch.served) == {"http://alive": 4}
 
 
 class RefusingEngine(RecordingEngine):

@@ -135,7 +135,8 @@ def test_a_stored_flat_record_is_reused(tmp_path):
 
 
 def test_generate_brings_engines_up_to_date_first(tmp_path):
-    ctx = step_context(tmp_path, actors=fake_actors(engine_versions=(0, 1), trainer_version=1))
+    ctx = step_context(tmp_path, "engine.num_engines=2",
+                       actors=fake_actors(engine_versions=(0, 1), trainer_version=1))
     record = t.generate.fn(ctx, 1)
     assert isinstance(record, GenerateRecord) and record.groups == 2
     assert [e._version for e in ctx.actors.engines] == [1, 1]
