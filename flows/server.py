@@ -9,10 +9,12 @@ SQLite writes that wait their turn instead of failing into a 2 s client retry):
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +25,8 @@ import httpx
 
 from flows.config import ConfigError
 from flows.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,12 +189,48 @@ def local_prefect_api() -> Iterator[PrefectServer | None]:
         yield None
         return
     server = start_local_server()
+    keeper = KeepAlive(server)
     try:
         server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
+        keeper.start()
         with reporting_to(server.api_url):
             yield server
     finally:
+        keeper.stop()
         server.stop()
+
+
+class KeepAlive(threading.Thread):
+    """Starts the driver's own server again, on the same port and database, when it dies
+    under a running driver (the OOM killer, a stray kill): Prefect's client retries a
+    refused connection for a while, so the driver goes on without noticing. Without this
+    every thread of the driver sat in those retries and the training hung. A server that
+    keeps dying is left dead after `max_restarts`: then the driver fails."""
+
+    def __init__(self, server: PrefectServer, max_restarts: int = 5, poll_s: float = 0.5) -> None:
+        super().__init__(name="prefect-server-keepalive", daemon=True)
+        self.server, self.max_restarts, self.poll_s = server, max_restarts, poll_s
+        self.restarts = 0
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            code = self.server.process.poll()
+            if code is None:
+                continue
+            if self.restarts >= self.max_restarts:
+                log.error("the driver's Prefect server exited (code %s) %d times: not started "
+                          "again", code, self.restarts + 1)
+                return
+            self.restarts += 1
+            log.warning("the driver's Prefect server (pid %d) exited with code %s; starting "
+                        "it again on port %d", self.server.process.pid, code, self.server.port)
+            self.server.process = start_local_server(self.server.port).process
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.is_alive():
+            self.join(timeout=10)
 
 
 @contextmanager

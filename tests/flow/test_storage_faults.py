@@ -13,11 +13,11 @@ import uuid
 
 import pytest
 
-from storage.batch_io import read_samples
 from storage.config import StorageConfig
 from storage.object_store import ObjectStore, StorageError, open_store
 from storage.run_layout import RunLayout
 from tests.support.s3_faults import FaultyS3Proxy
+from tests.support.server_faults import trained_samples
 
 
 @pytest.fixture
@@ -71,13 +71,6 @@ def test_store_down_for_good_names_the_file_and_the_store(s3_server, proxy):
 
 # -- a run whose store fails mid-step ------------------------------------------------------
 STEPS = ("rollout.num_rollout=3",)  # the fault fires in step 1
-
-
-def step_samples(layout: RunLayout) -> list[list[tuple]]:
-    """Per committed step, what it trained on: index, group, tokens, reward, loss mask."""
-    return [[(s.index, s.group_index, list(s.tokens), s.reward, list(s.loss_mask or []))
-             for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
-            for k in layout.committed_steps()]
 
 
 def retried_task_runs(run_name: str) -> list[str]:
@@ -161,7 +154,7 @@ def test_store_down_for_seconds_mid_step_is_ridden_out(s3_run, proxy, fault_matr
     assert result["resumed_at"] == 0
     assert proxy.failed["slowdown"] > 0, "no request met the outage"
     assert watch.committed_steps() == [0, 1, 2]
-    expected, got = step_samples(s3_layout(reference)), step_samples(watch)
+    expected, got = trained_samples(s3_layout(reference)), trained_samples(watch)
     # botocore's retries alone rode it out: no task of the run ran twice
     retried = retried_task_runs(cfg.storage.run_name)
     assert retried == [], retried
@@ -197,7 +190,7 @@ def test_store_down_for_good_fails_the_step_and_the_rerun_resumes(s3_run, proxy,
     assert watch.committed_steps() == [0, 1, 2]
     assert step0 == {name: watch.store.fs.info(watch.store.path("steps/000000", name))["ETag"]
                      for name in step0}
-    expected, got = step_samples(s3_layout(reference)), step_samples(watch)
+    expected, got = trained_samples(s3_layout(reference)), trained_samples(watch)
     fault_matrix.add("S3 down (503 SlowDown) from mid-step on", "step fails: StorageError "
                      "naming the file and the store", "committed steps kept; same command "
                      "resumes at the failed step once S3 is back", got == expected)

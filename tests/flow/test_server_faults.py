@@ -1,0 +1,165 @@
+"""The servers a run depends on, killed mid-step under a driver run as a user runs it
+(`rollflow train --config ...` in a subprocess): the Prefect server it reports to (killed
+with -9 and started again on the same port and database), the driver's own local Prefect
+server, and the Ray head (every actor with it). Each time the run either goes on by itself
+or the same command resumes it, and every step trains exactly the samples of an
+uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.process import free_port
+from flows.config_loader import dump_config
+from flows.server import start_server
+from storage.run_layout import RunLayout
+from tests.support.procs import rollflow_env
+from tests.support.server_faults import (
+    head_processes_of,
+    kill_processes,
+    prefect_servers_under,
+    train_command,
+    trained_samples,
+    wait_until,
+)
+
+STEPS = ("rollout.num_rollout=4",)  # the fault fires in step 1
+
+
+def layout_of(cfg) -> RunLayout:
+    return RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+
+
+def mid_step(layout: RunLayout):
+    return lambda: layout.task_record(1, "sample_prompts") is not None
+
+
+def finish(cfg, path: Path, env: dict[str, str], driver) -> tuple[str, str]:
+    """Wait for the driver; rerun the same command if it failed. (outcome, the first
+    driver's output)"""
+    out, _ = driver.communicate(timeout=600)
+    if driver.returncode == 0:
+        assert '"resumed_at": 0' in out, out[-3000:]
+        return "survived: the driver went on by itself", out
+    committed = layout_of(cfg).committed_steps()
+    rerun = train_command(str(path), env)
+    again, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, again[-3000:]
+    assert f'"resumed_at": {len(committed)}' in again, again[-3000:]
+    return "driver failed; the same command resumed", out
+
+
+def write_config(cfg, tmp_path: Path) -> Path:
+    path = tmp_path / f"{cfg.storage.run_name}.yaml"
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def test_prefect_server_killed_and_restarted_mid_step(make_config, prefect_api, tmp_path,
+                                                       fault_matrix):
+    from flows.train import train
+
+    reference = make_config("ref", *STEPS)
+    train(reference)
+    home = tmp_path / "prefect-home"
+    port = free_port()
+    server = start_server("127.0.0.1", port, str(home), wait_s=180,
+                          log_path=str(tmp_path / "server.log"))
+    cfg = make_config("prefect-kill", *STEPS)
+    path = write_config(cfg, tmp_path)
+    env = {**os.environ, "PREFECT_API_URL": server.api_url}
+    driver = train_command(str(path), env)
+    try:
+        wait_until("step 1 started", mid_step(layout_of(cfg)), driver)
+        server.process.kill()
+        server.process.wait(timeout=30)
+        time.sleep(3)
+        server = start_server("127.0.0.1", port, str(home), wait_s=180,
+                              log_path=str(tmp_path / "server.log"))
+        outcome, _ = finish(cfg, path, env, driver)
+    finally:
+        driver.kill()
+        server.stop()
+    assert layout_of(cfg).committed_steps() == [0, 1, 2, 3]
+    same = trained_samples(layout_of(cfg)) == trained_samples(layout_of(reference))
+    fault_matrix.add("Prefect server (`rollflow server`) killed -9 mid-step, restarted 3 s "
+                     "later", "the driver's API calls", outcome, same)
+    assert same
+
+
+def test_drivers_local_prefect_server_killed_mid_step(make_config, prefect_api, tmp_path,
+                                                       fault_matrix):
+    from flows.train import train
+
+    reference = make_config("ref", *STEPS)
+    train(reference)
+    cfg = make_config("local-prefect-kill", *STEPS)
+    path = write_config(cfg, tmp_path)
+    # a user's shell: no PREFECT_API_URL, so the driver starts a Prefect server of its own
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    driver = train_command(str(path), env)
+    try:
+        wait_until("step 1 started", mid_step(layout_of(cfg)), driver)
+        killed = kill_processes(prefect_servers_under(driver.pid))
+        assert killed, "the driver has no Prefect server of its own"
+        outcome, out = finish(cfg, path, env, driver)
+    finally:
+        driver.kill()
+    assert layout_of(cfg).committed_steps() == [0, 1, 2, 3]
+    same = trained_samples(layout_of(cfg)) == trained_samples(layout_of(reference))
+    if outcome.startswith("survived"):  # (flows/server.py, KeepAlive)
+        assert "Prefect server (pid" in out and "starting it again on port" in out, out[-3000:]
+        outcome += ", its server started again on the same port"
+    fault_matrix.add("the driver's own Prefect server killed -9 mid-step",
+                     "the driver's API calls", outcome, same)
+    assert same
+
+
+@pytest.mark.timeout(900)
+def test_ray_head_killed_mid_step(make_config, prefect_api, tmp_path, fault_matrix):
+    """On a local head of the test's own (ROLLFLOW_HOME in /tmp: Ray's socket paths are
+    short), started on demand by the driver as for a user, and stopped at the end."""
+    from flows.train import train
+
+    reference = make_config("ref", *STEPS)
+    train(reference)
+    cfg = make_config("head-kill", *STEPS, "cluster.num_cpus=4")
+    cfg.cluster.address = None  # the local head, started on demand
+    path = write_config(cfg, tmp_path)
+    home = Path(tempfile.mkdtemp(prefix="rf-head-", dir="/tmp"))
+    # a driver whose head is gone gives up on it after 10 s, not Ray's 60
+    env = rollflow_env(home, PREFECT_API_URL=prefect_api,
+                       RAY_gcs_rpc_server_reconnect_timeout_s="10")
+    driver = train_command(str(path), env)
+    try:
+        wait_until("step 1 started", mid_step(layout_of(cfg)), driver, timeout_s=480)
+        first_head = json.loads((home / "cluster.json").read_text())["address"]
+        killed = kill_processes(head_processes_of(home))
+        assert killed, "no head processes found"
+        outcome, out = finish(cfg, path, env, driver)
+        second_head = json.loads((home / "cluster.json").read_text())["address"]
+    finally:
+        driver.kill()
+        train_command_down(env)
+    assert second_head != first_head  # the rerun started a new head
+    assert layout_of(cfg).committed_steps() == [0, 1, 2, 3]
+    same = trained_samples(layout_of(cfg)) == trained_samples(layout_of(reference))
+    fault_matrix.add("Ray head killed -9 mid-step (every actor gone)", "the driver loses "
+                     "the cluster", outcome + " on a new head with new actors", same)
+    assert same
+    assert kill_processes(head_processes_of(home)) == []
+
+
+def train_command_down(env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down"], env=env,
+                   capture_output=True, timeout=120)
