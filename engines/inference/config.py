@@ -35,6 +35,14 @@ class EngineConfig(Section):
         "and weight updates wait for the turn to end; a turn ends early when a row finishes. "
         "Used by the compiled CPU step, for rows without stop strings or top-p/top-k.",
     )
+    batch_invariant: bool | None = Field(
+        None,
+        description="Embedded engine: compute each request's logits and log-probs in a fixed "
+        "order of its own (prefill a token at a time through the compiled decode step, no "
+        "batched matmuls), so they do not depend on which requests share a batch; float32 "
+        "Llama-layout models on the CPU (elsewhere a warning, and batched kernels). Default "
+        "(null): train.deterministic. Its cost: bench/RESULTS.md, \"Deterministic mode\".",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="Embedded engine: auto puts the model on the GPU the engine's process "

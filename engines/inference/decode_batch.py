@@ -93,13 +93,14 @@ class DecodeBatch:
         cls,
         states: list[ReqState],
         attn: torch.Tensor,
-        cache: DynamicCache,
+        cache: DynamicCache | KVCache,
         vocab: int,
         rows: torch.Tensor | None = None,
     ) -> DecodeBatch:
         """Rows for requests just prefilled together (`attn` is the prefill's left-padded
         mask; `rows` maps each state to its prefill row when prompts were deduplicated);
-        every row tensor lives on the model's device, beside the logits it is used with."""
+        every row tensor lives on the model's device, beside the logits it is used with.
+        `cache`: the HF forward's, or a `KVCache` a batch-invariant prefill built."""
         params = [s.request.params for s in states]
         dev = attn.device
         cache_attn = attn
@@ -118,7 +119,11 @@ class DecodeBatch:
             "last_tok": torch.zeros(len(states), dtype=torch.long, device=dev),
         }
         b._rows_changed()
-        b.cache = KVCache.from_prefill(cache, cache_attn, b.room(), rows)
+        if isinstance(cache, KVCache):
+            pick = rows if rows is not None else torch.arange(len(states), device=dev)
+            b.cache = cache.select(pick, 0, b.room())
+        else:
+            b.cache = KVCache.from_prefill(cache, cache_attn, b.room(), rows)
         return b
 
     def _rows_changed(self) -> None:

@@ -8,6 +8,9 @@ Prefill is the HF forward; each decode step writes one column of a preallocated 
 (`kv_decode`), through a lean step where the model has a Llama layout (Llama, dense Qwen3).
 For an MoE model it records the experts each fed token was routed to (`routed_experts`),
 returned to requests that ask, as SGLang's `return_routed_experts`.
+Batch-invariant (`batch_invariant`, engine.batch_invariant): prefill and decode both go
+through the compiled step in its fixed-order mode (`kv_decode`), so a request's tokens and
+log-probs do not depend on which requests shared its batch.
 
 The engine holds no request state: the caller owns a `DecodeBatch` and calls `step` (admit
 new requests, decode one token for the running ones), `abort` or `retract` on it. Weight
@@ -16,6 +19,7 @@ updates and memory release take the same lock, so they land between decode steps
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -41,6 +45,7 @@ from engines.inference.routed_experts import RoutingCapture
 from engines.weights.model_families import check_model_config
 from engines.weights.sync import weights_checksum
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,6 +75,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         seed: int = 0,
         device: str = "auto",
         continuous_steps: int = 1,
+        batch_invariant: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -82,7 +88,12 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
         self.model.eval().requires_grad_(False)
-        self._decoder = make_decoder(self.model)
+        self.batch_invariant = batch_invariant
+        self._decoder = make_decoder(self.model, batch_invariant)
+        if batch_invariant and not self._invariant_decoder():
+            log.warning("engine.batch_invariant: %s is not a float32 Llama-layout model on a CPU "
+                        "with the compiled decode step; its log-probs still depend on which "
+                        "requests share a batch", model_path)
         self._routing = RoutingCapture.of(self.model)  # MoE models only
         self._fused = fused_decode.load() if self.device.type == "cpu" else None
         self.continuous_steps = continuous_steps
@@ -164,7 +175,7 @@ class EmbeddedGenerator(GeneratorIdentity):
                 self._weights_backup = path
             for p in params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._decoder = make_decoder(self.model)  # drops copies it made (fused weights)
+            self._decoder = make_decoder(self.model, self.batch_invariant)  # drops copies it made (fused weights)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # a colocated trainer needs the memory back
 
@@ -247,6 +258,11 @@ class EmbeddedGenerator(GeneratorIdentity):
             stop_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids),
         )
 
+    def _invariant_decoder(self) -> LlamaDecoder | None:
+        """The decoder, where it computes each row on its own (batch-invariant mode)."""
+        d = self._decoder
+        return d if isinstance(d, LlamaDecoder) and d.batch_invariant else None
+
     def _prefill(self, batch: DecodeBatch, states: list[ReqState]) -> list[ReqState]:
         """One forward over the distinct prefixes (a GRPO group's samples share their
         prompt: the bench's batch of 64 holds 8 prompts), its logits and KV cache then
@@ -263,6 +279,13 @@ class EmbeddedGenerator(GeneratorIdentity):
         attn = (torch.arange(width, device=self.device)[None, :] >= width - lens[:, None]).long()
         positions = (attn.cumsum(-1) - 1).clamp_(min=0)
         self._use_threads(ids.numel())
+        invariant = self._invariant_decoder()
+        if invariant is not None:
+            cache, last = invariant.prefill(ids, attn, room=1)
+            fresh = DecodeBatch.prefilled(states, attn, cache, self.vocab_size, rows)
+            ended = self._sample(fresh, last if rows is None else last[rows])
+            batch.merge(fresh)
+            return ended
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
             logits_to_keep=1,

@@ -41,6 +41,7 @@ def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Gene
         seed=index,
         device=config.device,
         continuous_steps=config.num_continuous_decode_steps,
+        batch_invariant=bool(config.batch_invariant),
     )
 
 

@@ -16,6 +16,14 @@ stay within 1e-5 of a full forward; models it does not cover fall back to `HFDec
 HF forward over views of the same buffers. For float32 on CPU without biases (HF's Llama
 default) `LlamaDecoder` hands the whole step to one compiled call (`fused_decode`), which
 does the same arithmetic with the ~140 dispatches between its matmuls gone.
+
+Batch-invariant (`row_invariant`, engine.batch_invariant): a matmul's rows are not
+independent in float32, MKL picks its kernels and blocking by the batch's shape, so a
+request's log-probs moved by up to ~1e-5 with the requests beside it. The compiled step then
+runs every reduction in one fixed order per row instead, and `prefill` feeds a prompt through
+that same step a token at a time: a token's keys, values and logits are the same numbers
+whatever shares its batch, and whether it was decoded or re-prefilled (a resumed partial
+rollout). The cost is in bench/RESULTS.md ("Deterministic mode").
 """
 
 from __future__ import annotations
@@ -242,9 +250,10 @@ class LlamaDecoder:
     and memory release need no hook.
     """
 
-    def __init__(self, model: Any, use_fused: bool = True) -> None:
+    def __init__(self, model: Any, use_fused: bool = True, row_invariant: bool = False) -> None:
         config = model.config
         self.model = model
+        self.row_invariant = row_invariant
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(
@@ -345,6 +354,7 @@ class LlamaDecoder:
             tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
             cache.mask, cache.padded, self._rope_rows(col + steps - 1), embed, norm, float(eps),
             lm_head, self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS,
+            self.row_invariant,
         )  # fmt: skip
 
     def decode_steps(
@@ -369,6 +379,40 @@ class LlamaDecoder:
         )  # fmt: skip
         cache.width = col + out[0].shape[0]
         return out
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether steps and `prefill` give each row numbers of its own alone (the compiled
+        step in row-invariant mode applies to this model)."""
+        self._weights()
+        return self.row_invariant and self._fused_weights is not None
+
+    def prefill(
+        self, ids: torch.Tensor, attn: torch.Tensor, room: int
+    ) -> tuple[KVCache, torch.Tensor]:
+        """Row-invariant prefill of left-padded prompts `ids` (mask `attn`): one compiled
+        step per column, so each real token is computed as a decode step computes it.
+        Returns the cache (`room` free columns) and the last column's logits. A padding
+        column is written but masked: no real token ever reads it."""
+        self._weights()
+        fused = self._fused_weights
+        assert fused is not None and self._fused is not None  # (batch_invariant checked)
+        rows, width = ids.shape
+        like = self.model.model.embed_tokens.weight
+        layers = [like.new_zeros(rows, self.kv_heads, 2, width + room, self.head_dim)
+                  for _ in self._layers]
+        real = attn.bool()
+        cache = KVCache(layers, real.new_zeros(rows, width + room), 0)
+        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+        logits = torch.empty(0)
+        for col in range(width):
+            cache.mask[:, col] = real[:, col]
+            cache.padded = not bool(real[:, : col + 1].all())
+            logits = self._fused.decode_step(
+                *self._compiled_args(fused, ids[:, col], positions[:, col], cache, 1))
+            cache.width = col + 1
+        cache._check_padding()
+        return cache, logits
 
     def _rope_rows(self, width: int) -> torch.Tensor:
         """cos and sign-folded sin of positions up to `width`, `[size, 2, head_dim]`
@@ -449,5 +493,7 @@ class HFDecoder:
         return out.logits[:, -1, :]
 
 
-def make_decoder(model: Any) -> Decoder:
-    return LlamaDecoder(model) if LlamaDecoder.supports(model) else HFDecoder(model)
+def make_decoder(model: Any, row_invariant: bool = False) -> Decoder:
+    if LlamaDecoder.supports(model):
+        return LlamaDecoder(model, row_invariant=row_invariant)
+    return HFDecoder(model)

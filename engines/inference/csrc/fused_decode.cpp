@@ -20,15 +20,79 @@ using at::Tensor;
 
 namespace {
 
+// Batch-invariant mode (`fixed`, engine.batch_invariant): every reduction below runs in one
+// order written out here, 16 lanes then a fixed tree, whatever the row's address, the batch
+// size or the thread; a compiler may vectorise it but not reorder it (no -ffast-math), so a
+// row's numbers depend on that row alone. MKL's matmuls pick kernels by the batch's shape.
+constexpr int64_t kLanes = 16;
+
+inline float lanes_sum(const float* acc) {
+  float half[kLanes / 2];
+  for (int64_t l = 0; l < kLanes / 2; ++l) half[l] = acc[l] + acc[l + kLanes / 2];
+  float quarter[kLanes / 4];
+  for (int64_t l = 0; l < kLanes / 4; ++l) quarter[l] = half[l] + half[l + kLanes / 4];
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+inline float dot_fixed(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+  return lanes_sum(acc);
+}
+
+// y[r, j] (+)= a[r, :] . w[j, :] for `rows` rows of `a` [rows, n] and `w` [out, n]; four
+// outputs at a time share the loads of a row, each with its own fixed-order accumulators.
+void matvec_rows(const float* a, int64_t rows, int64_t n, const float* w, int64_t out, float* y,
+                 bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = a + r * n;
+    float* yr = y + r * out;
+    int64_t j = 0;
+    for (; j + 4 <= out; j += 4) {
+      const float *w0 = w + j * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+      float c0[kLanes] = {}, c1[kLanes] = {}, c2[kLanes] = {}, c3[kLanes] = {};
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float v = x[i + l];
+          c0[l] += v * w0[i + l];
+          c1[l] += v * w1[i + l];
+          c2[l] += v * w2[i + l];
+          c3[l] += v * w3[i + l];
+        }
+      for (int64_t l = 0; i + l < n; ++l) {
+        const float v = x[i + l];
+        c0[l] += v * w0[i + l];
+        c1[l] += v * w1[i + l];
+        c2[l] += v * w2[i + l];
+        c3[l] += v * w3[i + l];
+      }
+      const float d[4] = {lanes_sum(c0), lanes_sum(c1), lanes_sum(c2), lanes_sum(c3)};
+      for (int64_t k = 0; k < 4; ++k) yr[j + k] = accumulate ? yr[j + k] + d[k] : d[k];
+    }
+    for (; j < out; ++j) {
+      const float d = dot_fixed(x, w + j * n, n);
+      yr[j] = accumulate ? yr[j] + d : d;
+    }
+  }
+}
+
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then the weight.
 void rms_norm(const float* x, const float* weight, float eps, float* out, int64_t rows,
-              int64_t n) {
+              int64_t n, bool fixed) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* o = out + r * n;
     float squares = 0.f;
+    if (fixed) {
+      squares = dot_fixed(xr, xr, n);
+    } else {
 #pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < n; ++i) squares += xr[i] * xr[i];
+      for (int64_t i = 0; i < n; ++i) squares += xr[i] * xr[i];
+    }
     const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * inv) * weight[i];
@@ -76,7 +140,7 @@ void rope_and_store(float* qkv, const int64_t* positions, const float* table, fl
 // share a kv head (HF's repeat_kv: kv head k serves q heads k*g .. k*g+g-1) read its keys
 // and values once. `mask` (null when no column is padding) marks the real columns.
 void attention(const float* qkv, const float* cache, const bool* mask, int64_t mask_stride,
-               float scale, float* out, const Shape& s) {
+               float scale, float* out, const Shape& s, bool fixed) {
   const int64_t d = s.head_dim, g = s.heads / s.kv_heads, length = s.col + 1;
   std::vector<float> scores(length);
   for (int64_t item = 0; item < s.rows * s.kv_heads; ++item) {
@@ -103,8 +167,12 @@ void attention(const float* qkv, const float* cache, const bool* mask, int64_t m
         }
         const float* key = keys + t * d;
         float dot = 0.f;
+        if (fixed) {
+          dot = dot_fixed(q, key, d);
+        } else {
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += q[i] * key[i];
+          for (int64_t i = 0; i < d; ++i) dot += q[i] * key[i];
+        }
         scores[t] = dot * scale;
         best = std::max(best, scores[t]);
       }
@@ -141,6 +209,21 @@ struct Step {
   bool padded;
   double final_eps;
   int64_t heads, kv_heads, col;
+  bool fixed;  // batch-invariant: fixed-order loops instead of MKL's matmuls
+
+  // a @ w.T (added to `into` when given), `w` [out, n] contiguous: MKL's or the fixed loops
+  Tensor linear(const Tensor& a, const Tensor& w, Tensor* into = nullptr) const {
+    if (!fixed) {
+      if (into == nullptr) return at::mm(a, w.t());
+      into->addmm_(a, w.t());
+      return *into;
+    }
+    const Tensor in = a.contiguous();
+    Tensor out = into != nullptr ? *into : at::empty({a.size(0), w.size(0)}, a.options());
+    matvec_rows(in.data_ptr<float>(), in.size(0), in.size(1), w.data_ptr<float>(), w.size(0),
+                out.data_ptr<float>(), into != nullptr);
+    return out;
+  }
 
   void run(Tensor x, Tensor logits, int64_t r0, int64_t r1) const {
     const int64_t rows = r1 - r0, hidden = x.size(1);
@@ -151,24 +234,42 @@ struct Step {
       const Shape s{rows, heads, kv_heads, cache.size(4), cache.size(3), col};
       const int64_t block = cache.stride(0) * r0;  // this block's first row of the cache
       rms_norm(x.data_ptr<float>(), w[0].data_ptr<float>(), static_cast<float>(scalars[3 * l]),
-               h.data_ptr<float>(), rows, hidden);
-      Tensor qkv = at::mm(h, w[1].t());
+               h.data_ptr<float>(), rows, hidden, fixed);
+      Tensor qkv = linear(h, w[1]);
       rope_and_store(qkv.data_ptr<float>(), positions.data_ptr<int64_t>() + r0,
                      rope_table.data_ptr<float>(), cache.data_ptr<float>() + block, s);
       Tensor attended = at::empty({rows, heads * s.head_dim}, x.options());
       attention(qkv.data_ptr<float>(), cache.data_ptr<float>() + block,
                 padded ? mask.data_ptr<bool>() + r0 * mask.size(1) : nullptr, mask.size(1),
-                static_cast<float>(scalars[3 * l + 2]), attended.data_ptr<float>(), s);
-      x.addmm_(attended, w[2]);
+                static_cast<float>(scalars[3 * l + 2]), attended.data_ptr<float>(), s, fixed);
+      linear(attended, w[2].t(), &x);  // (o_t is a transposed view: .t() is o_proj's weight)
       rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(),
-               static_cast<float>(scalars[3 * l + 1]), h.data_ptr<float>(), rows, hidden);
-      Tensor gate_up = at::mm(h, w[4].t());
+               static_cast<float>(scalars[3 * l + 1]), h.data_ptr<float>(), rows, hidden, fixed);
+      Tensor gate_up = linear(h, w[4]);
       const int64_t inner = gate_up.size(1) / 2;
-      x.addmm_(at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner)), w[5]);
+      Tensor act;
+      if (fixed) {  // element by element, the same scalar code for every row
+        act = at::empty({rows, inner}, x.options());
+        const float* gu = gate_up.data_ptr<float>();
+        float* o = act.data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < inner; ++i) {
+            const float g = gu[r * 2 * inner + i], u = gu[r * 2 * inner + inner + i];
+            o[r * inner + i] = g / (1.f + std::exp(-g)) * u;
+          }
+      } else {
+        act = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+      }
+      linear(act, w[5].t(), &x);
     }
     rms_norm(x.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps),
-             h.data_ptr<float>(), rows, hidden);
-    at::mm_out(logits, h, lm_head.t());
+             h.data_ptr<float>(), rows, hidden, fixed);
+    if (fixed) {
+      matvec_rows(h.data_ptr<float>(), rows, hidden, lm_head.data_ptr<float>(), lm_head.size(0),
+                  logits.data_ptr<float>(), false);
+    } else {
+      at::mm_out(logits, h, lm_head.t());
+    }
   }
 };
 
@@ -181,7 +282,7 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
                    const Tensor& mask, bool padded, const Tensor& rope_table,
                    const Tensor& embed, const Tensor& final_norm, double final_eps,
                    const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col,
-                   int64_t min_block_rows) {
+                   int64_t min_block_rows, bool fixed) {
   TORCH_CHECK(weights.size() == 6 * caches.size() && scalars.size() == 3 * caches.size(),
               "fused decode: 6 weights and 3 scalars per layer");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
@@ -207,8 +308,9 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
   }
   Tensor x = embed.index_select(0, tokens);
   Tensor logits = at::empty({rows, lm_head.size(0)}, x.options());
+  TORCH_CHECK(!fixed || lm_head.is_contiguous(), "fused decode: lm_head must be contiguous");
   const Step step{weights, scalars, caches, positions, mask, rope_table, final_norm, lm_head,
-                  padded, final_eps, heads, kv_heads, col};
+                  padded, final_eps, heads, kv_heads, col, fixed};
   const at::ThreadLocalState caller;  // inference and grad mode are per thread
   // blocks of at least `min_block_rows` rows: below that a second thread costs more than it
   // saves
@@ -287,7 +389,7 @@ std::tuple<Tensor, Tensor> decode_steps(
     const std::vector<double>& scalars, const std::vector<Tensor>& caches, Tensor mask,
     bool padded, const Tensor& rope_table, const Tensor& embed, const Tensor& final_norm,
     double final_eps, const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col,
-    int64_t min_block_rows, int64_t steps, const c10::optional<Tensor>& divisor,
+    int64_t min_block_rows, bool fixed, int64_t steps, const c10::optional<Tensor>& divisor,
     const c10::optional<Tensor>& uniforms, const c10::optional<Tensor>& greedy,
     const Tensor& live, const Tensor& left, const Tensor& stop_ids) {
   const int64_t rows = tokens.size(0);
@@ -314,7 +416,7 @@ std::tuple<Tensor, Tensor> decode_steps(
     for (int64_t r = 0; r < rows; ++r) real[r * mask.size(1) + col + taken] = true;
     Tensor logits = decode_step(current, pos, weights, scalars, caches, mask, padded, rope_table,
                                 embed, final_norm, final_eps, lm_head, heads, kv_heads,
-                                col + taken, min_block_rows);
+                                col + taken, min_block_rows, fixed);
     c10::optional<Tensor> uniform;
     if (uniforms) uniform = uniforms->select(0, taken);
     auto [drawn, logps] = sample_rows(logits, divisor, uniform, greedy);
