@@ -59,6 +59,8 @@ class RollflowConfig(Section):
         self.eval.inherit_data_keys(self.data)
         if self.engine.backend == "embedded" and not self.engine.model_path:
             self.engine.model_path = self.train.model_path
+        if self.engine.batch_invariant is None:  # (train.deterministic's half in the engine)
+            self.engine.batch_invariant = self.train.deterministic
         if self.train.backend != "mock" and not (self.train.model_path or self.train.load):
             raise ValueError(f"train.model_path (or train.load) is required by the {self.train.backend} trainer")
         if self.engine.backend == "embedded" and not self.engine.model_path:

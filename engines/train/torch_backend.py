@@ -73,6 +73,8 @@ class TorchTrainBackend:
             raise ValueError("train.model_path (or train.load) is required by the torch trainer")
         if num_threads:
             torch.set_num_threads(num_threads)
+        # (a CPU reduction's order follows the thread count: train.deterministic pins it)
+        self._threads = torch.get_num_threads()
         self.train_cfg, self.algo_cfg = train_cfg, algo_cfg
         self.temperature = effective_temperature(rollout_temperature)
         self.reward_key = reward_key
@@ -266,7 +268,11 @@ class TorchTrainBackend:
         return self._share_prompts and self._moe is None and supports_prompt_sharing(self.model)
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned."""
+        """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned.
+        Deterministic: on the thread count the backend was built with, in this thread too
+        (torch's count is per process, MKL's per calling thread)."""
+        if self.train_cfg.deterministic:
+            torch.set_num_threads(self._threads)
         self.model.eval()
         if self.critic_model is not None:
             self.critic_model.eval()

@@ -1,0 +1,92 @@
+"""train.deterministic: kill -9 the driver at a random moment (seeded, printed), run the same
+command again, and the run ends with the weights and the rollout log-probs of an
+uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.config_loader import dump_config
+from storage.batch_io import read_samples
+from storage.run_layout import RunLayout
+from tests.support.procs import start_driver
+
+# Main-job-like steps: several decode batches a step, two optimizer steps per pass, the
+# machine's threads; a kill lands in generation, training or a commit as often as not.
+SETTINGS = (
+    "train.deterministic=true", "rollout.num_rollout=3", "rollout.rollout_batch_size=16",
+    "rollout.n_samples_per_prompt=8", "rollout.use_router=false", "cluster.actor_num_threads=null",
+    "train.global_batch_size=64", "train.num_epochs_per_rollout=2",
+)
+_REFERENCE: dict[str, Any] = {}
+
+
+def drive(config: Any, tmp_path: Path, prefect_api: str, kill_after: float | None = None
+          ) -> tuple[RunLayout, float]:
+    """Run `rollflow train` on `config` (killed with -9 `kill_after` seconds into its first
+    step, then run again); returns the run and the seconds from its first step to the end."""
+    path = tmp_path / f"{config.storage.run_name}.yaml"
+    path.write_text(dump_config(config))
+    layout = RunLayout.open(config.storage.uri, config.storage.run_name)
+    driver = start_driver(str(path), prefect_api)
+    while not layout.store.exists("steps/000000/prompts.arrow"):
+        assert driver.poll() is None, driver.communicate()[0]
+        time.sleep(0.02)
+    start = time.time()
+    if kill_after is not None:
+        time.sleep(kill_after)
+        assert driver.poll() is None, "the run ended before the kill: nothing was tested"
+        driver.send_signal(signal.SIGKILL)
+        driver.communicate()
+        print(f"killed with steps {layout.committed_steps()} committed")
+        driver = start_driver(str(path), prefect_api)
+    out, _ = driver.communicate(timeout=400)
+    assert driver.returncode == 0, out
+    return layout, time.time() - start
+
+
+def final_weights(layout: RunLayout) -> dict[str, torch.Tensor]:
+    last = Path(layout.uri) / "checkpoints" / layout.store.read_text("checkpoints", "LATEST").strip().zfill(6)
+    return {f"{f.name}:{k}": t for f in sorted(last.rglob("*.safetensors"))
+            for k, t in load_file(f).items()}
+
+
+def rollouts(layout: RunLayout) -> list[tuple[Any, ...]]:
+    return [(s.index, s.tokens, s.reward, s.loss_mask, torch.tensor(s.rollout_log_probs))
+            for k in layout.committed_steps()
+            for s in read_samples(layout.store, f"steps/{k:06d}", "rollout.arrow")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kill_9_of_the_driver_anywhere_then_rerun_is_bit_identical(
+    prefect_api, make_config, tmp_path, fault_matrix, seed
+):
+    if not _REFERENCE:  # (one uninterrupted run for every seed)
+        ref, seconds = drive(make_config("ref", *SETTINGS, backend="embedded"), tmp_path, prefect_api)
+        _REFERENCE.update(seconds=seconds, weights=final_weights(ref), rollouts=rollouts(ref))
+    kill_after = random.Random(seed).uniform(0.0, 0.8 * _REFERENCE["seconds"])
+    print(f"seed {seed}: kill -9 at {kill_after:.2f} s of a {_REFERENCE['seconds']:.1f} s run")
+    run, _ = drive(make_config("kill", *SETTINGS, backend="embedded"), tmp_path, prefect_api,
+                   kill_after)
+
+    got, want = rollouts(run), _REFERENCE["rollouts"]
+    samples_same = [g[:4] for g in got] == [w[:4] for w in want]
+    logprobs_same = samples_same and all(torch.equal(g[4], w[4]) for g, w in zip(got, want, strict=True))
+    weights, ref_weights = final_weights(run), _REFERENCE["weights"]
+    weights_same = weights.keys() == ref_weights.keys() and all(
+        torch.equal(weights[k], ref_weights[k]) for k in weights)
+    fault_matrix.add(f"kill -9 of the driver at a random moment (seed {seed}), "
+                     "train.deterministic", "rerun of the same command",
+                     "final weights and rollout log-probs bit-identical",
+                     samples_same and logprobs_same and weights_same)
+    assert samples_same and logprobs_same, "tokens, rewards, loss masks or log-probs differ"
+    assert weights_same, max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
