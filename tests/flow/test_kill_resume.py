@@ -16,6 +16,7 @@ from engines.cluster.registry import get_run_actor
 from flows.config_loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
+from tests.support.compare import compare_runs
 from tests.support.procs import start_driver
 
 
@@ -60,8 +61,8 @@ def test_killed_driver_resumes_after_last_committed_step(
         time.sleep(0.05)
     driver.send_signal(stop)
     stopped_out, _ = driver.communicate(timeout=120)
+    assert driver.returncode == (143 if stop == signal.SIGTERM else -signal.SIGKILL), stopped_out
     if stop == signal.SIGTERM:
-        assert driver.returncode == 143, stopped_out
         assert "terminated (" in stopped_out and "SIGTERM received" not in stopped_out
     committed_before = layout.committed_steps()
     assert committed_before[:2] == [0, 1] and len(committed_before) < 5
@@ -80,6 +81,9 @@ def test_killed_driver_resumes_after_last_committed_step(
     # the killed driver's flow run ended Crashed: by its own hook on SIGTERM, by the rerun
     # after kill -9 (Prefect would show it Running for ever)
     assert sorted(flow_run_states(f"train-{cfg.storage.run_name}")) == ["COMPLETED", "CRASHED"]
+    same = compare_runs(reference, cfg)
+    assert same.identical, same
     fault_matrix.add(f"{'kill -9' if stop == signal.SIGKILL else 'SIGTERM'} of the driver "
                      "after step 1", "rerun of the same command",
-                     "resumes at the first uncommitted step, committed files untouched", True)
+                     "resumes at the first uncommitted step, committed files untouched",
+                     same.identical)

@@ -1,10 +1,12 @@
-"""Running a training with a fault fired mid-run, and what a run trained on."""
+"""Running a training with a fault fired mid-run, and the evidence that the fault took effect
+(an actor's process replaced, a task run more than once)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -21,25 +23,67 @@ def trained_indices(cfg) -> list[int]:
             for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
 
 
-def run_with_fault(cfg, when: Callable[[RunLayout], bool], fault: Callable[[], None]) -> dict:
-    """Run the train flow in a thread; fire `fault` once `when(layout)` holds."""
+def run_with_fault(cfg, when: Callable[[RunLayout], bool], fault: Callable[[], Any]) -> dict:
+    """Run the train flow in a thread; fire `fault` once `when(layout)` holds. The fault's
+    return value is in the result as `fault` (e.g. the pid it killed)."""
     from flows.train import train
 
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(train(cfg)))
     thread.start()
-    fired = False
+    fired, fault_result = False, None
     while thread.is_alive():
         if not fired and when(layout):
-            fault()
+            fault_result = fault()
             fired = True
         time.sleep(0.01)
     thread.join()
     assert fired, "the fault never fired"
     assert result, "the train flow did not return"
-    return result
+    return {**result, "fault": fault_result}
 
 
-def kill(cfg, role):
+def actor_pid(cfg, role: str) -> int:
+    """The process of the run's live `role` actor (engine-i or trainer)."""
+    return int(ray.get(get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, role)
+                       .pid.remote()))
+
+
+def kill(cfg, role) -> int:
+    """ray.kill the run's `role` actor; returns the pid it had."""
+    pid = actor_pid(cfg, role)
     ray.kill(get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, role))
+    return pid
+
+
+def task_run_counts(
+    cfg, stage: str, until: Callable[[dict[str, int]], bool], timeout_s: float = 60.0
+) -> dict[str, int]:
+    """`rollout-{k}/{stage}` -> how many times Prefect ran that task (its run_count, retries
+    included) in the run's flow runs, once `until(counts)` holds or `timeout_s` passed:
+    the server learns of task runs from events, a little after they ran."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        TaskRunFilter,
+        TaskRunFilterName,
+    )
+
+    run, steps = cfg.storage.run_name, range(cfg.rollout.num_rollout)
+    names = [f"rollout-{k}/{stage}" for k in steps]
+    # a step's tasks run in its own flow run, `{run}/rollout-{k}`, or in the train flow run
+    flow_runs = FlowRunFilter(name=FlowRunFilterName(
+        any_=[f"train-{run}", *(f"{run}/rollout-{k}" for k in steps)]))
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            counts: dict[str, int] = {}
+            for run in client.read_task_runs(
+                    flow_run_filter=flow_runs,
+                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=names))):
+                counts[run.name] = counts.get(run.name, 0) + run.run_count
+            if until(counts) or time.monotonic() > deadline:
+                return counts
+            time.sleep(0.5)

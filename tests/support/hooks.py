@@ -14,13 +14,38 @@ from engines.rollout.rewards.rm_hub import exact_match
 from storage.sample import Group, Sample
 
 
-async def reward_failing_once(args: Any, sample: Any) -> float:
-    """exact_match, but the first call for sample index FAIL_INDEX raises (once per run)."""
+def _fail_once(args: Any, sample: Any) -> None:
+    """Raise on the first call for sample index FAIL_INDEX of the run (a marker file in the
+    run directory says it fired)."""
     marker = os.path.join(args.storage.uri, args.storage.run_name, "fault-fired")
     if sample.index == int(os.environ.get("ROLLFLOW_FAIL_INDEX", "20")) and not os.path.exists(marker):
         open(marker, "w").close()
         raise ConnectionError("injected transient fault")
+
+
+async def reward_failing_once(args: Any, sample: Any) -> float:
+    """exact_match, but the first call for sample index FAIL_INDEX raises (once per run)."""
+    _fail_once(args, sample)
     return await exact_match(args, sample)
+
+
+def response_score(sample: Any) -> float:
+    """A reward that differs from sample to sample (the share of distinct tokens in the
+    response), where exact_match on an untrained model is 0 for every one: two runs whose
+    rewards got mixed up, or were scored for other responses, then differ."""
+    tokens = sample.tokens[len(sample.tokens) - sample.response_length:]
+    return len(set(tokens)) / max(len(tokens), 1)
+
+
+async def reward_varied(args: Any, sample: Any) -> float:
+    """`response_score` as a reward hook (the reference of `reward_varied_failing_once`)."""
+    return response_score(sample)
+
+
+async def reward_varied_failing_once(args: Any, sample: Any) -> float:
+    """`reward_varied`, but the first call for sample index FAIL_INDEX raises (once per run)."""
+    _fail_once(args, sample)
+    return response_score(sample)
 
 
 async def reward_exact(args: Any, sample: Any) -> float:
