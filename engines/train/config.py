@@ -169,8 +169,8 @@ class TrainConfig(Section):
         False,
         description="Bit-for-bit runs: a run resumed after any crash (kill -9 of the driver "
         "included) ends with the weights an uninterrupted run ends with, bit for bit. The "
-        "trainer pins its torch thread count at every call (the count a fresh process "
-        "starts with, not whatever a long-lived one was left at), and the embedded engine "
+        "torch trainer pins its thread count at every call (the count it was built with, "
+        "in whichever thread the call runs), and the embedded engine "
         "runs batch-invariant (engine.batch_invariant), so each rollout log-prob depends on "
         "its own request only. On one machine and software stack; the speed it costs is in "
         "bench/RESULTS.md (\"Deterministic mode\"). See docs/fault-tolerance.md.",

@@ -4,6 +4,7 @@ uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -29,20 +30,26 @@ SETTINGS = (
 _REFERENCE: dict[str, Any] = {}
 
 
-def drive(config: Any, tmp_path: Path, prefect_api: str, kill_after: float | None = None
-          ) -> tuple[RunLayout, float]:
-    """Run `rollflow train` on `config` (killed with -9 `kill_after` seconds into its first
-    step, then run again); returns the run and the seconds from its first step to the end."""
+def files_written(layout: RunLayout) -> int:
+    """How far a run has got: the files in its directory (steps, journals, records,
+    checkpoints), which a kill point counts in, so that it lands where it should under any
+    machine load."""
+    return sum(len(files) for _, _, files in os.walk(layout.uri))
+
+
+def drive(config: Any, tmp_path: Path, prefect_api: str,
+          kill_at: tuple[int, float] | None = None) -> RunLayout:
+    """Run `rollflow train` on `config`; `kill_at` (files, seconds): kill -9 the driver that
+    many seconds after the run directory holds that many files, then run it again."""
     path = tmp_path / f"{config.storage.run_name}.yaml"
     path.write_text(dump_config(config))
     layout = RunLayout.open(config.storage.uri, config.storage.run_name)
     driver = start_driver(str(path), prefect_api)
-    while not layout.store.exists("steps/000000/prompts.arrow"):
-        assert driver.poll() is None, driver.communicate()[0]
-        time.sleep(0.02)
-    start = time.time()
-    if kill_after is not None:
-        time.sleep(kill_after)
+    if kill_at is not None:
+        while files_written(layout) < kill_at[0]:
+            assert driver.poll() is None, driver.communicate()[0]
+            time.sleep(0.01)
+        time.sleep(kill_at[1])
         assert driver.poll() is None, "the run ended before the kill: nothing was tested"
         driver.send_signal(signal.SIGKILL)
         driver.communicate()
@@ -50,7 +57,7 @@ def drive(config: Any, tmp_path: Path, prefect_api: str, kill_after: float | Non
         driver = start_driver(str(path), prefect_api)
     out, _ = driver.communicate(timeout=400)
     assert driver.returncode == 0, out
-    return layout, time.time() - start
+    return layout
 
 
 def final_weights(layout: RunLayout) -> dict[str, torch.Tensor]:
@@ -71,12 +78,15 @@ def test_kill_9_of_the_driver_anywhere_then_rerun_is_bit_identical(
     prefect_api, make_config, tmp_path, fault_matrix, seed
 ):
     if not _REFERENCE:  # (one uninterrupted run for every seed)
-        ref, seconds = drive(make_config("ref", *SETTINGS, backend="embedded"), tmp_path, prefect_api)
-        _REFERENCE.update(seconds=seconds, weights=final_weights(ref), rollouts=rollouts(ref))
-    kill_after = random.Random(seed).uniform(0.0, 0.8 * _REFERENCE["seconds"])
-    print(f"seed {seed}: kill -9 at {kill_after:.2f} s of a {_REFERENCE['seconds']:.1f} s run")
-    run, _ = drive(make_config("kill", *SETTINGS, backend="embedded"), tmp_path, prefect_api,
-                   kill_after)
+        ref = drive(make_config("ref", *SETTINGS, backend="embedded"), tmp_path, prefect_api)
+        _REFERENCE.update(files=files_written(ref), weights=final_weights(ref),
+                          rollouts=rollouts(ref))
+    rng = random.Random(seed)
+    kill_at = (rng.randint(1, _REFERENCE["files"] - 2), rng.uniform(0.0, 0.5))
+    print(f"seed {seed}: kill -9 {kill_at[1]:.2f} s after file {kill_at[0]} of "
+          f"{_REFERENCE['files']}")
+    run = drive(make_config("kill", *SETTINGS, backend="embedded"), tmp_path, prefect_api,
+                kill_at)
 
     got, want = rollouts(run), _REFERENCE["rollouts"]
     samples_same = [g[:4] for g in got] == [w[:4] for w in want]
