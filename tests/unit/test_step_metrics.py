@@ -23,7 +23,8 @@ from tasks.step_context import StepContext
 from tests.support.fakes import FakeProgressArtifact, InProcess
 
 ROLLOUT_KEYS = {
-    "rollout/abort_seconds", "rollout/aborted", "rollout/generated_tokens", "rollout/groups",
+    "rollout/abort_seconds", "rollout/aborted", "rollout/engines", "rollout/generated_tokens",
+    "rollout/groups",
     "rollout/groups_aborted", "rollout/groups_drawn", "rollout/groups_dropped",
     "rollout/groups_failed", "rollout/groups_kept", "rollout/groups_resumed_samples",
     "rollout/groups_returned", "rollout/groups_stale_regenerated_samples",
