@@ -118,19 +118,28 @@ def run_together(root: Path, suffix: str, data: dict[str, str], model: str,
         killed = kill_processes(head_processes_of(HOME))
         print(f"killed the head ({len(killed)} processes) at "
               f"{time.monotonic() - started:.0f} s", flush=True)
-    first_exit = {name: p.wait() for name, p in procs.items()}
-    ended = {name: time.monotonic() - started for name in procs}
+    ended = wait_all(procs, started)
+    first_exit = {name: p.returncode for name, p in procs.items()}
     if faults:
         cluster_address(head, start=True)  # one new head, not one per rerun racing
         procs = {name: driver(path, env, root / f"{name}-{suffix}.log")
                  for name, path in cfgs.items()}
-        for name, proc in procs.items():
-            proc.wait()
-            ended[name] = time.monotonic() - started
+        ended = wait_all(procs, started)
     for name, proc in procs.items():
         if proc.returncode != 0:
             failures.append(f"{name}-{suffix} failed: see {root}/{name}-{suffix}.log")
     return ended, first_exit
+
+
+def wait_all(procs: dict[str, subprocess.Popen[bytes]], started: float) -> dict[str, float]:
+    """Seconds from `started` to each process's end."""
+    ended: dict[str, float] = {}
+    while len(ended) < len(procs):
+        for name, proc in procs.items():
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.monotonic() - started
+        time.sleep(0.2)
+    return ended
 
 
 def check(root: Path, name: str, failures: list[str], suffixes: tuple[str, ...]) -> bool:
