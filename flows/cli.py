@@ -226,7 +226,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_engines(args: argparse.Namespace) -> int:
     """`engines add|remove RUN`: ask a running (or stopped) training for more or fewer
-    engines. The request is stored in the run directory; the next step's generate (or the
+    engines. The request is stored in the run directory; the run's next weight push (or the
     driver, when it resumes) grows or shrinks the pool to it (docs/fault-tolerance.md)."""
     import yaml
 
@@ -256,8 +256,8 @@ def cmd_engines(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     write_pool_request(run_dir, wanted, configured)
-    print(f"run {args.run}: engine pool {now} -> {wanted}, from the start of its next step",
-          file=out)
+    print(f"run {args.run}: engine pool {now} -> {wanted} at its next weight push (the end "
+          "of the step it is in)", file=out)
     return 0
 
 
@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_runs, run=None)
 
     p = sub.add_parser("engines", help="grow or shrink a training's engine pool; it takes "
-                       "effect at the start of the run's next step")
+                       "effect at the run's next weight push")
     actions = p.add_subparsers(dest="action", required=True, metavar="{add,remove,show}")
     for action, what in (("add", "start N more engines"), ("remove", "drain and stop N"),
                          ("show", "the pool size the run is asked to have")):

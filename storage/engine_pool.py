@@ -1,8 +1,8 @@
 """How many engines a running training was asked to have (`rollflow engines add|remove RUN`).
 
 The request is a small JSON file in the run directory (`engines.json`), written atomically,
-so it outlives the command, the driver and the Ray cluster: the next step's generate (or a
-resumed driver) reads it and grows or shrinks the pool to it. It remembers the config's
+so it outlives the command, the driver and the Ray cluster: the run's next weight push (or
+a resumed driver) reads it and grows or shrinks the pool to it. It remembers the config's
 `engine.num_engines` it was made under: a run whose config names another count since (a
 rerun with an edited config) follows its config, the newer word.
 """

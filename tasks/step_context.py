@@ -49,7 +49,8 @@ class StepContext:
         task_run = TaskRunContext.get()
         if task_run is None or task_run.task_run.run_count <= 1:  # None: called as .fn()
             return self.actors
-        self.actors = get_or_create_actors(self.cfg)
+        # the pool this step started with: `rollflow engines` resizes it only at a weight push
+        self.actors = get_or_create_actors(self.cfg, pool=len(self.actors.engines))
         return self.actors
 
 

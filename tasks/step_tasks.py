@@ -48,11 +48,10 @@ def sample_prompts(ctx: StepContext, rollout_id: int) -> SamplePromptsRecord:
 @task(name="generate", task_run_name=step_run_name("generate"), **TASK_OPTIONS)
 def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
     def work() -> GenerateRecord:
-        # `rollflow engines add|remove` takes effect here, at the step's start.
-        ctx.actors = actors = apply_engine_pool(ctx.cfg, ctx.reattach())
+        actors = ctx.reattach()
         if ctx.cfg.cluster.colocate:
             colocate.enter_rollout_phase(actors)
-        # A restarted or added engine comes with the initial weights: bring it up to date.
+        # A restarted engine comes back with the initial weights: bring it up to date.
         actors, versions = answering_engines(ctx, actors)
         sync_engine_weights(
             actors, required_weight_version(ctx.cfg, rollout_id), ctx.cfg.train.weight_sync,
@@ -112,6 +111,9 @@ def broadcast_weights(ctx: StepContext, rollout_id: int) -> BroadcastRecord:
         colocate.resume_engines(actors)
     if not pushes_weights(ctx.cfg, rollout_id):  # train.update_weights_interval
         return BroadcastRecord(engines_updated=0, seconds=time.perf_counter() - start)
+    # `rollflow engines add|remove` takes effect at a push: the engines are idle, and a new
+    # one gets the version every engine gets now (the trainer holds no older one to give).
+    ctx.actors = actors = apply_engine_pool(ctx.cfg, actors)
     actors, versions = answering_engines(ctx, actors)
     record = sync_engine_weights(actors, None, ctx.cfg.train.weight_sync, versions)
     return replace(record, seconds=time.perf_counter() - start)

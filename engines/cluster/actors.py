@@ -13,7 +13,6 @@ data-parallel `TrainGroup`; one rank is the plain `TrainActor`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -169,13 +168,15 @@ def get_or_create_trainer(cfg: RunConfig) -> Any:
     return _trainer(cfg, _attach(cfg))
 
 
-def get_or_create_actors(cfg: RunConfig) -> RunActors:
+def get_or_create_actors(cfg: RunConfig, pool: int | None = None) -> RunActors:
     """Look the run's actors up (creating, replacing or recreating what is missing, stale or
-    dead) and remember the handles for `attached_actors`. The engines are the run's pool
-    (`engine_pool_size`): engines beyond it are drained and killed once the rollout (and its
+    dead) and remember the handles for `attached_actors`. The engines are `pool` of them
+    (the pool a task attempt started with), else the pool the run is asked to have
+    (`engine_pool_size`); engines beyond it are drained and killed once the rollout (and its
     router) no longer sends them anything."""
     placement = _attach(cfg)
-    pool = engine_pool_size(cfg, None if placement is None else placement.plan.num_engines)
+    if pool is None:
+        pool = engine_pool_size(cfg, None if placement is None else placement.plan.num_engines)
     engines = [_engine(cfg, i, placement) for i in range(pool)]
     rollout = _named(RolloutManager, actor_name(cfg, "rollout"), cfg, cfg)
     trainer = _trainer(cfg, placement)
@@ -209,7 +210,7 @@ def engine_pool_size(cfg: RunConfig, cap: int | None = None) -> int:
 
 
 def apply_engine_pool(cfg: RunConfig, actors: RunActors) -> RunActors:
-    """At a step boundary: the pool as asked for now. Unchanged, the same handles; grown or
+    """At a weight push: the pool as asked for now. Unchanged, the same handles; grown or
     shrunk, the run's actors looked up again (new engines start and join the rollout's
     rotation and router; removed ones are drained and killed). New engines hold the initial
     weights: the caller brings them to the current version, as after `replace_lost_engines`."""
@@ -242,10 +243,11 @@ def retire_surplus_engines(cfg: RunConfig, keep: int) -> int:
     if not surplus:
         return 0
     handles = [ray.get_actor(a.name, namespace=ns) for a in surplus]
-    with contextlib.suppress(Exception):  # a dead or hung one is killed all the same
+    try:
         ray.get([h.shutdown.remote() for h in handles], timeout=_DRAIN_S)
-    for handle in handles:
-        _kill_local_process(handle)
+    except Exception:  # a dead or hung one: SIGKILLed where it runs here (ray.kill may not)
+        for handle in handles:
+            _kill_local_process(handle)
     names = [a.name for a in surplus]
     kill_group(names, ns)
     log.warning("run %r: removed %d engine(s) from its pool", cfg.storage.run_name,
@@ -291,7 +293,7 @@ def replace_lost_engines(
     if any(actor_exists(n, cfg.cluster.namespace) for n in names):
         raise TimeoutError(f"engine actors {names} still exist {timeout_s:g} s after kill")
     _ATTACHED.pop(_attach_key(cfg), None)
-    return get_or_create_actors(cfg)
+    return get_or_create_actors(cfg, pool=len(actors.engines))
 
 
 def _kill_local_process(actor: Any) -> None:

@@ -1,13 +1,14 @@
 """Engines join and leave a running training (`rollflow engines add|remove RUN`).
 
 A run starts with one engine; while it trains, `engines add` asks for a second and, once a
-step generated on two, `engines remove` for one again. Each request takes effect at the
-start of the next step's generate: a step whose generate started after a request runs on
-the pool it asked for (both engines served requests), one that ended before it on the pool
-before. The run trains exactly the samples of an uninterrupted one-engine run (the mock
-engine's tokens depend on the weight version too, so an engine that joined with the wrong
-weights would show), the removed engine's process is gone, and the run holds one engine and
-its placement group (bundles for two on CPUs: `cluster.placement=always`), nothing else.
+step generated on two, `engines remove` for one again. A request takes effect at the next
+weight push (the end of each step here: after its train record, before its commit), so a
+step runs on the pool asked for before the previous step trained, and not on one asked for
+after it committed; with two engines both served requests. The run trains exactly the
+samples of an uninterrupted one-engine run (the mock engine's tokens depend on the weight
+version too, so an engine that joined with other weights would show), the removed engine's
+process is gone, and the run holds one engine and its placement group (bundles for two on
+CPUs: `cluster.placement=always`), released with the run.
 """
 
 from __future__ import annotations
@@ -106,20 +107,19 @@ def test_engines_join_and_leave_a_running_training(prefect_api: str, make_config
                                (on_two, engines("remove"))])
         layout = RunLayout.open(root, run)
         assert layout.committed_steps() == list(range(STEPS))
-        pools = []
-        for k, r in sorted(generate_records(layout).items()):
-            start, end = r["started_at"], r["started_at"] + r["seconds"]
-            pool = int(r["rollout/engines"])
-            pools.append(pool)
-            if start > asked["remove"]:
-                assert pool == 1, k
-            elif start > asked["add"]:
-                assert pool == 2, k
-            elif end < asked["add"]:
-                assert pool == 1, k
-            if pool == 2:  # each engine answered part of the step's requests
-                assert r["rollout/engine_requests_min"] > 0, k
-        assert pools[0] == 1 and 2 in pools and pools[-1] == 1, pools
+        pools = {k: int(r["rollout/engines"]) for k, r in generate_records(layout).items()}
+        for k in range(1, STEPS):  # step k's pool is set at step k-1's push
+            trained_at = layout.task_record(k - 1, "train")
+            assert trained_at is not None
+            after_train = trained_at["started_at"] + trained_at["seconds"]
+            committed = layout.store.read_json(f"steps/{k - 1:06d}", "COMMITTED")["committed_at"]
+            if all(not after_train <= t <= committed for t in asked.values()):
+                assert pools[k] == 1 + sum((t < after_train) * (1 if a == "add" else -1)
+                                           for a, t in asked.items()), (k, pools)
+            if pools[k] == 2:  # each engine answered part of the step's requests
+                assert generate_records(layout)[k]["rollout/engine_requests_min"] > 0, k
+        pools_seen = [pools[k] for k in range(STEPS)]
+        assert pools_seen[0] == 1 and 2 in pools_seen and pools_seen[-1] == 1, pools_seen
 
         assert trained(cfg) == trained(ref)  # the engine count changes no sample
 

@@ -25,7 +25,7 @@ def _engines(root: Path, *args: str, capsys) -> tuple[int, str]:
 def test_add_and_remove_store_the_pool_the_next_step_starts(tmp_path, capsys):
     _run(tmp_path, {"engine": {"num_engines": 1}})
     assert _engines(tmp_path, "add", capsys=capsys) == (
-        0, "run r: engine pool 1 -> 2, from the start of its next step")
+        0, "run r: engine pool 1 -> 2 at its next weight push (the end of the step it is in)")
     assert _engines(tmp_path, "add", "--count", "2", capsys=capsys)[0] == 0
     request = read_pool_request(open_store(str(tmp_path)).child("r"))
     assert request is not None and (request.num_engines, request.configured) == (4, 1)
