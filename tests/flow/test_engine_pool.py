@@ -2,7 +2,9 @@
 its requests go to the other engine, and the generate task replaces it before the step
 trains. Each run trains exactly the samples of an uninterrupted run (tokens, loss masks,
 rewards), step 1's generate ran once and names the engine it lost, and the run ends with
-two engines again, the replaced one a new process at the final weights."""
+two engines again, the replaced one a new process at the final weights. Through the real
+sglang-router too: the lost engine leaves its worker set, every request in flight is sent
+again through it, and the replacement joins it (its workers are the two engines at the end)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import signal
 import time
 from typing import Any
 
+import httpx
 import pytest
 import ray
 
@@ -76,14 +79,20 @@ def reference(make_config: Any, model: tuple[str, str]) -> list[tuple[Any, ...]]
     return _REFERENCE[0]
 
 
-@pytest.mark.parametrize(("fault", "why"), [(signal.SIGKILL, "dead"), (signal.SIGSTOP, "hung")],
-                         ids=["kill-9", "sigstop"])
+@pytest.mark.parametrize(("fault", "why", "router"), [
+    (signal.SIGKILL, "dead", False), (signal.SIGSTOP, "hung", False),
+    # the router does not say which engine serves a request, so a loss sends every request
+    # in flight again, the survivor's too: its step 1 generates most of the step twice
+    pytest.param(signal.SIGKILL, "dead", True, marks=pytest.mark.timeout(600)),
+], ids=["kill-9", "sigstop", "router-kill-9"])
 def test_a_lost_engine_is_replaced_without_failing_the_step(
     prefect_api: str, make_config: Any, fault_matrix: Any, fault: signal.Signals, why: str,
-    slower_model: tuple[str, str],
+    router: bool, slower_model: tuple[str, str],
 ) -> None:
-    expected = reference(make_config, slower_model)
-    cfg = make_config("pool", *THREE_STEPS, *TWO_ENGINES, *slower_model, backend="embedded")
+    expected = reference(make_config, slower_model)  # (round-robin: the route changes no sample)
+    routed = ["rollout.use_router=true"] if router else []
+    cfg = make_config("pool", *THREE_STEPS, *TWO_ENGINES, *slower_model, *routed,
+                      backend="embedded")
     victim: dict[str, Any] = {}
 
     def ready(layout: RunLayout) -> bool:
@@ -100,7 +109,7 @@ def test_a_lost_engine_is_replaced_without_failing_the_step(
     try:
         mid_generate = generating(1)
         run_with_fault(cfg, ready, fire)
-        check_run(cfg, victim, expected, fault_matrix, why)
+        check_run(cfg, victim, expected, fault_matrix, why, router)
     finally:
         if fault == signal.SIGSTOP:  # never leave a stopped process behind
             with contextlib.suppress(KeyError, ProcessLookupError):
@@ -109,20 +118,27 @@ def test_a_lost_engine_is_replaced_without_failing_the_step(
 
 
 def check_run(cfg: Any, victim: dict[str, Any], expected: list[tuple[Any, ...]],
-              fault_matrix: Any, why: str) -> None:
+              fault_matrix: Any, why: str, router: bool) -> None:
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     assert layout.committed_steps() == [0, 1, 2]
     generate = layout.task_record(1, "generate")
     assert generate is not None and generate["lost_engines"] == [victim["url"]]
     assert generate["rollout/engines_lost"] == 1.0
     assert generate["rollout/resent_samples"] > 0  # it had requests in flight, sent again
+    assert generate["rollout/tokens_regenerated"] > 0  # ... generated again from their prompt
     same = trained(cfg) == expected
     assert same
     pids = [ray.get(engine(cfg, i).pid.remote()) for i in (0, 1)]
     assert victim["pid"] not in pids and len(set(pids)) == 2
     versions = [ray.get(engine(cfg, i).weight_version.remote()) for i in (0, 1)]
     assert versions == [3, 3]
-    fault_matrix.add(f"one of two engines {'killed' if why == 'dead' else 'SIGSTOPped'} "
+    if router:
+        urls = {ray.get(engine(cfg, i).url.remote()) for i in (0, 1)}
+        rollout = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "rollout")
+        workers = httpx.get(f"{ray.get(rollout.router_url.remote())}/workers").json()
+        assert {w["url"].rstrip("/") for w in workers["workers"]} == urls
+    via = " behind the sglang-router" if router else ""
+    fault_matrix.add(f"one of two engines{via} {'killed' if why == 'dead' else 'SIGSTOPped'} "
                      "mid-generate", f"health probe finds it {why}",
                      "its requests go to the other engine, the step goes on, the engine is "
                      "replaced", same)
