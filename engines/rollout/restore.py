@@ -248,10 +248,10 @@ def groups_digest(groups: Sequence[Group]) -> str:
 
 def settings_fingerprint(cfg: RunConfig) -> str:
     """What a journal's groups depend on: the rollout, data and engine sections (less the
-    run's length and the journal switch, which change no group)."""
+    run's length, the journal switch and the engine count, which change no group)."""
     sections = {
         "rollout": cfg.rollout.model_dump(mode="json", exclude={"num_rollout", "journal_groups"}),
         "data": cfg.data.model_dump(mode="json"),
-        "engine": cfg.engine.model_dump(mode="json"),
+        "engine": cfg.engine.model_dump(mode="json", exclude={"num_engines"}),
     }
     return hashlib.sha256(json.dumps(sections, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -51,3 +51,15 @@ def test_a_fixed_pool_or_a_missing_run_is_refused(tmp_path, capsys):
     assert "engine.urls lists its servers" in capsys.readouterr().err
     assert main(["engines", "add", "nope", "--root", str(tmp_path)]) == 1
     assert not (tmp_path / "r" / "engines.json").exists()
+
+
+def test_the_engine_count_leaves_a_step_s_group_journal_valid():
+    """A rerun with another `engine.num_engines` replays the journal of the step it resumes
+    (a group's tokens do not depend on how many engines made them); other engine settings
+    do not."""
+    from engines.rollout.restore import settings_fingerprint
+    from tests.support.configs import small_config
+
+    one = settings_fingerprint(small_config())
+    assert settings_fingerprint(small_config("engine.num_engines=3")) == one
+    assert settings_fingerprint(small_config("engine.dtype=bfloat16")) != one
