@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 HOME = Path(tempfile.mkdtemp(prefix="rf-multi-", dir="/tmp"))  # short: Ray's socket paths
 os.environ.update(ROLLFLOW_HOME=str(HOME), RAY_AUTH_MODE="disabled",
@@ -206,10 +208,22 @@ def main() -> int:
     finally:
         stop_local_head()
         server.stop()
+    # a worker of the killed head that outlived it would still run in the head's directory
+    stray = [p.pid for p in psutil.process_iter() if _cwd(p).startswith(str(HOME))]
+    print(f"processes left in the heads' directory: {stray}")
+    if stray:
+        failures.append(f"processes of the heads outlived them: {stray}")
     for line in failures:
         print("FAILED:", line)
     print("OK" if not failures else f"{len(failures)} checks failed", f"(runs in {root})")
     return 1 if failures else 0
+
+
+def _cwd(proc: psutil.Process) -> str:
+    try:
+        return proc.cwd()
+    except psutil.Error:
+        return ""
 
 
 def _last_json(log: Path) -> str:
