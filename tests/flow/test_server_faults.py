@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engines.process import free_port
@@ -83,6 +84,10 @@ def test_prefect_server_killed_and_restarted_mid_step(make_config, prefect_api, 
         server = start_server("127.0.0.1", port, str(home), wait_s=180,
                               log_path=str(tmp_path / "server.log"))
         outcome, _ = finish(cfg, path, env, driver)
+        # the restarted server (same database) has the run, told of its end after the kill
+        runs = httpx.post(f"{server.api_url}/flow_runs/filter", timeout=30, json={
+            "flow_runs": {"name": {"any_": [f"train-{cfg.storage.run_name}"]}}}).json()
+        assert [r["state_type"] for r in runs] == ["COMPLETED"], runs
     finally:
         driver.kill()
         server.stop()

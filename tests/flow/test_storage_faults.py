@@ -7,9 +7,13 @@ samples are those of an uninterrupted run."""
 
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +52,11 @@ def test_store_rides_out_slowdown_and_dropped_connections(s3_server, proxy):
     started = time.monotonic()
     assert store.list("a") == ["x.json"]
     assert time.monotonic() - started >= 1.0 and proxy.failed["slowdown"] > 3
+    # a store that answers nothing: botocore's read timeout, then a retry
+    patient = proxied_store(s3_server, proxy, root, read_timeout_s=1.0)
+    proxy.fail("stall", requests=1)
+    assert patient.read_json("a", "x.json") == {"v": 1}
+    assert proxy.failed["stall"] == 1
 
 
 def test_store_down_for_good_names_the_file_and_the_store(s3_server, proxy):
@@ -195,3 +204,66 @@ def test_store_down_for_good_fails_the_step_and_the_rerun_resumes(s3_run, proxy,
                      "naming the file and the store", "committed steps kept; same command "
                      "resumes at the failed step once S3 is back", got == expected)
     assert got == expected
+
+
+# -- a full disk under a local run directory -----------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs of the test's own (root only), unmounted at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def fill(path) -> None:
+    """Write `path` until the disk under it is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+def test_full_disk_mid_step_fails_the_step_and_the_rerun_resumes(prefect_api, make_config,
+                                                                  small_disk, fault_matrix):
+    from flows.errors import summarize
+    from flows.train import train
+
+    reference = make_config("ref", *STEPS)
+    train(reference)
+    cfg = make_config("full", *STEPS, runs_root=str(small_disk / "runs"))
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    filler = small_disk / "filler"
+    _, error = train_in_thread(cfg, lambda: layout.task_record(1, "sample_prompts") is not None,
+                               lambda: fill(filler))
+    assert error is not None, "the run went on with its disk full"
+    line = summarize(error)
+    assert line.startswith(f"StorageError: {layout.uri}/"), line
+    assert "failed on local disk: OSError: [Errno 28] No space left on device" in line, line
+    assert layout.committed_steps() == [0]
+    step0 = {p.name: p.stat().st_mtime_ns for p in Path(layout.uri, "steps/000000").iterdir()}
+    assert not [p for p in Path(layout.uri).rglob("*.tmp-*")], "temporaries left behind"
+
+    filler.unlink()
+    result = train(cfg)  # the same command once there is room again
+    assert result["resumed_at"] == 1
+    assert layout.committed_steps() == [0, 1, 2]
+    assert step0 == {name: Path(layout.uri, "steps/000000", name).stat().st_mtime_ns
+                     for name in step0}
+    same = trained_samples(layout) == trained_samples(RunLayout.open(
+        reference.storage.uri, reference.storage.run_name))
+    fault_matrix.add("local disk under the run directory full mid-step", "step fails: "
+                     "StorageError naming the file, 'No space left on device'", "committed "
+                     "steps kept; same command resumes once there is room", same)
+    assert same

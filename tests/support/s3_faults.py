@@ -1,7 +1,8 @@
 """An S3 store that fails on demand: a small HTTP proxy on 127.0.0.1 in front of moto's
 server. A run's `storage.endpoint_url` names the proxy; the test then makes it answer
-`503 SlowDown` (for the next N requests or for T seconds), or drop connections without an
-answer, and counts what it did, so a test can assert that its fault took effect.
+`503 SlowDown` (for the next N requests or for T seconds), drop connections without an
+answer, or stall (answer nothing for `stall_s`, as a store that timed out), and counts what
+it did, so a test can assert that its fault took effect.
 
     client (driver, actors) ──HTTP──> FaultyS3Proxy ──HTTP──> moto
                                       │ 503 SlowDown / dropped connection while a fault is on
@@ -27,7 +28,7 @@ FAULT_HEADER = "X-Rollflow-Fault"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-connection", "content-length"}
 
-How = Literal["slowdown", "drop"]
+How = Literal["slowdown", "drop", "stall"]
 
 
 @dataclass
@@ -50,13 +51,14 @@ class _Fault:
 class FaultyS3Proxy:
     """Forwards every request to `upstream` unless a fault is on (`fail(...)`)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, stall_s: float = 5.0) -> None:
         target = urlsplit(upstream)
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.port = free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self.forwarded = 0
-        self.failed: dict[str, int] = {"slowdown": 0, "drop": 0}
+        self.stall_s = stall_s
+        self.failed: dict[str, int] = {"slowdown": 0, "drop": 0, "stall": 0}
         self._fault: _Fault | None = None
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
@@ -117,6 +119,9 @@ class FaultyS3Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 how = proxy._take()
+                if how == "stall":  # the client's read timeout fires first
+                    time.sleep(proxy.stall_s)
+                    how = "drop"
                 if how == "drop":  # no answer at all: the client sees the connection close
                     self.close_connection = True
                     self.connection.close()
