@@ -16,6 +16,7 @@ from engines.hooks.loader import HookError
 from engines.rollout.rewards.hub import RewardConfigError
 from engines.train.finite import NonFiniteError
 from engines.train.lora import LoraResumeError
+from engines.train.megatron.checkpoint import ParallelLayoutError
 from storage.integrity import CorruptFileError
 from storage.sample import RewardError
 
@@ -23,7 +24,7 @@ from storage.sample import RewardError
 # corrupt file (fix it and rerun) is reported at once instead of after two retries.
 DETERMINISTIC: tuple[type[BaseException], ...] = (
     CorruptFileError, DatasetError, HookError, LoraResumeError, NonFiniteError,
-    RewardConfigError, RewardError,
+    ParallelLayoutError, RewardConfigError, RewardError,
 )
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import ray
 
+from engines.train.megatron.checkpoint import ParallelLayoutError
+
 # Methods every rank must run (they touch the model collectively); the others go to rank 0.
 COLLECTIVE = ("train", "train_step", "ensure_version", "save_checkpoint", "offload", "onload")
 RANK0 = ("version", "weights", "push_weights", "close_weight_sender", "trained_indices",
@@ -78,6 +80,9 @@ def _gather(refs: list[Any], names: list[str], namespace: str) -> Any:
         except Exception as exc:
             rank = refs.index(ready[0])
             kill_group(names, namespace)
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ParallelLayoutError):  # the user's to fix: say it in one line
+                raise cause from None
             raise TrainGroupError(
                 f"train rank {rank} of {len(refs)} failed; the group was killed and is "
                 f"rebuilt on the next attach: {exc}"

@@ -224,6 +224,12 @@ class MegatronTrainBackend:
         return int(ps.get_data_parallel_rank())
 
     @property
+    def layout(self) -> dict[str, int]:
+        """The group's parallel layout, stored with each checkpoint (`ckpt.check_layout`)."""
+        return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp,
+                "expert_parallel": self.ep, "data_parallel": self.dp_size}
+
+    @property
     def dp_size(self) -> int:
         from megatron.core import parallel_state as ps
 
@@ -394,7 +400,7 @@ class MegatronTrainBackend:
         import torch.distributed as dist
 
         hf_sd = self.state_dict_for_engine()
-        meta: dict[str, Any] = {"version": self.version, "parts": {}}
+        meta: dict[str, Any] = {"version": self.version, "parts": {}, "layout": self.layout}
         for name, t in self._parts().items():
             meta["parts"][name] = {"adam_step": ckpt.adam_step(t.optimizer), "lr_step": t.lr_steps}
             ckpt.save_part(t.model, t.optimizer, os.path.join(local_dir, ckpt.PART_DIRS[name]))
@@ -410,6 +416,7 @@ class MegatronTrainBackend:
         """Restore models, optimizers, LR schedules, RNG and version from `save_checkpoint`."""
         verify_checkpoint(local_dir)
         meta = ckpt.read_meta(local_dir)
+        ckpt.check_layout(local_dir, meta.get("layout"), self.layout, int(meta["version"]))
         saved = meta.get("parts") or {"actor": {"adam_step": meta.get("adam_step")}}
         for name, t in self._parts().items():
             path = os.path.join(local_dir, ckpt.PART_DIRS[name])

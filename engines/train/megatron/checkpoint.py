@@ -80,6 +80,34 @@ def load_part(model: Any, optimizer: Any, path: str, step: float | None) -> None
         set_adam_step(optimizer, step)
 
 
+LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel")
+
+
+class ParallelLayoutError(ValueError):
+    """A checkpoint saved by a megatron group of another layout than the run's: its
+    distributed optimizer state does not reshard (megatron's `dist_checkpointing` fails deep
+    in the load, on every rank, with a `KeyError` naming a `dp_group_idx_*` key)."""
+
+
+def check_layout(local_dir: str, saved: dict[str, int] | None, wanted: dict[str, int],
+                 version: int) -> None:
+    """Refuse, before anything is loaded, a checkpoint whose parallel layout differs from
+    the run's (checkpoints from before layouts were recorded are let through)."""
+    if saved is None or all(saved.get(k) == wanted.get(k) for k in LAYOUT_KEYS):
+        return
+
+    def show(layout: dict[str, int]) -> str:
+        return " ".join(f"{k.split('_')[0][0].upper()}P={layout.get(k)}" for k in LAYOUT_KEYS)
+
+    raise ParallelLayoutError(
+        f"checkpoint {local_dir} (weight version {version}) was saved by a megatron group of "
+        f"{show(saved)}; this run is {show(wanted)}, and megatron's distributed optimizer "
+        "state does not reshard: resume with the saved train.tensor_parallel / "
+        "pipeline_parallel / expert_parallel and GPU count, or start a new run from its "
+        f"weights with train.model_path set to the run's checkpoints/{version - 1:06d} "
+        "directory (an HF model; the optimizer starts afresh)")
+
+
 def write_meta(local_dir: str, meta: dict[str, Any]) -> None:
     with open(os.path.join(local_dir, META_FILE), "w") as f:
         json.dump({**meta, "backend": "megatron"}, f)
