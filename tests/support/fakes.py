@@ -340,19 +340,23 @@ class ExportingBackend:
 
 
 class RewardServer:
-    """A real HTTP reward model: fails the first `fail_first` requests with `fail_status`,
-    sleeps `delay_s` before answering, then scores `len(response)`."""
+    """A real HTTP reward model: fails the first `fail_first` requests (and every request
+    while `down`) with `fail_status`, sleeps `delay_s` before answering, then scores
+    `len(response)`."""
 
     def __init__(self, fail_first: int = 0, fail_status: int = 503, delay_s: float = 0.0):
         self.fail_first, self.fail_status, self.delay_s = fail_first, fail_status, delay_s
         self.requests: list[dict[str, Any]] = []
+        self.down = False  # while set, every request gets `fail_status` (an outage)
+        self.refused = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
-                if len(server.requests) <= server.fail_first:
+                if server.down or len(server.requests) <= server.fail_first:
+                    server.refused += 1
                     self.send_response(server.fail_status)
                     self.end_headers()
                     self.wfile.write(b"busy")
