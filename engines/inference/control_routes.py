@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from engines.inference.gen_types import MEMORY_TAGS, Generator
 from engines.inference.scheduler import ContinuousScheduler
 from engines.inference.sglang_protocol import error_response, json_body
-from engines.weights.cuda_ipc import FLATTENED_BUCKET, is_pickle, named_tensors_from_entry
-from engines.weights.sync import WeightUpdateGroup, decode_named_tensors
+from engines.weights.cuda_ipc import FLATTENED_BUCKET, named_tensors_from_entry
+from engines.weights.sync import WeightUpdateGroup
 
 Handler = Callable[[dict[str, Any]], Awaitable[str]]
 
@@ -83,10 +83,7 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
     def load_tensor_entry(entry: str, load_format: str | None, version: int | None) -> int:
         """Decode and copy in the scheduler's gap; CUDA IPC tensors alias the trainer's
         memory, so the copy is finished before the handles are let go."""
-        if load_format == FLATTENED_BUCKET or is_pickle(entry):
-            named = named_tensors_from_entry(entry, load_format)
-        else:
-            named = decode_named_tensors(entry)
+        named = named_tensors_from_entry(entry, load_format)
         scheduler.between_steps(generator.load_weights, named, version)
         if any(t.is_cuda for _, t in named):
             torch.cuda.synchronize()

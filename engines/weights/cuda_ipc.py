@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from engines.weights.sync import decode_named_tensors
+
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 FLATTENED_BUCKET = "flattened_bucket"
 _DEVICE_ARG = 6  # position of the device in torch's rebuild_cuda_tensor arguments
@@ -225,7 +227,10 @@ def is_pickle(entry: str) -> bool:
 
 
 def named_tensors_from_entry(entry: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of an entry in SGLang's format, flattened bucket or list."""
+    """The (name, tensor) pairs of a `serialized_named_tensors` entry: SGLang's format
+    (flattened bucket or list of CUDA tensors), or a CPU sender's safe `torch.save`."""
+    if load_format != FLATTENED_BUCKET and not is_pickle(entry):
+        return decode_named_tensors(entry)
     decoded = deserialize_entry(entry)
     if load_format == FLATTENED_BUCKET:
         if not isinstance(decoded, dict) or set(decoded) != {"flattened_tensor", "metadata"}:
