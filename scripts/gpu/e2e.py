@@ -78,35 +78,35 @@ def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tfl
     head = ["step", "prompts", "generate", "filter", "reward", "train", "w-sync", "commit",
             "sum", "gen tok", "gen tok/s", "trn tok", "trn tok/s", "MFU"]
     print(" | ".join(f"{h:>9}" for h in head))
-    mfus: dict[int, float] = {}
+
+    def mfu(m: dict[str, Any]) -> float | None:  # None for a step that trained nothing
+        if not m.get("train/trained_tokens"):
+            return None
+        return m.get("train/train_tokens_per_s", 0.0) * flops_per_token(
+            model_dir, m["tokens_per_sample"]) / (peak_tflops * 1e12 * gpus)
+
     for m in rows:
-        trained = m.get("train/trained_tokens", 0.0)
-        tok_s = m.get("train/train_tokens_per_s", 0.0) if trained else None
-        mfu = None
-        if tok_s:
-            mfu = tok_s * flops_per_token(model_dir, m["tokens_per_sample"]) / (
-                peak_tflops * 1e12 * gpus)
-            mfus[m["rollout_id"]] = mfu
+        tokens = m.get("train/trained_tokens", 0.0)
         cells = [m["rollout_id"], *(m.get(f"time/{t}", 0.0) for t in TASKS),
                  task_sum(m), m.get("rollout/generated_tokens", 0),
-                 m.get("rollout/tokens_per_s", 0.0), int(trained), tok_s, mfu]
+                 m.get("rollout/tokens_per_s", 0.0), int(tokens),
+                 m.get("train/train_tokens_per_s", 0.0) if tokens else None, mfu(m)]
         print(" | ".join("        -" if c is None else f"{c:>9.4g}" if isinstance(c, float)
                          else f"{c:>9}" for c in cells))
     later = rows[1:] or rows  # step 0 includes warm-up (CUDA init, allocator growth)
-    trained_later = [m for m in later if m.get("train/trained_tokens", 0.0)]
+    trained = [m for m in rows if m.get("train/trained_tokens")]
+    steady = [m for m in trained if m is not rows[0]] or trained
 
-    def mean(key: str, src: list[dict[str, Any]] = later) -> float | None:
-        return sum(m.get(key, 0.0) for m in src) / len(src) if src else None
+    def mean(values: list[float], digits: int) -> float | None:
+        return round(sum(values) / len(values), digits) if values else None
 
-    later_mfus = [v for k, v in mfus.items() if k != rows[0]["rollout_id"]] or list(mfus.values())
     summary = {
         "part": title, "steps": len(rows),
         "weight_sync_s": [round(m.get("broadcast_weights/seconds", 0.0), 3) for m in rows],
-        "gen_tokens_per_s": round(mean("rollout/tokens_per_s") or 0.0, 1),
+        "gen_tokens_per_s": mean([m.get("rollout/tokens_per_s", 0.0) for m in later], 1),
         "trained_tokens": [int(m.get("train/trained_tokens", 0.0)) for m in rows],
-        "train_tokens_per_s": (round(v, 1) if (v := mean("train/train_tokens_per_s", trained_later))
-                               is not None else None),
-        "mfu": round(sum(later_mfus) / len(later_mfus), 4) if later_mfus else None,
+        "train_tokens_per_s": mean([m.get("train/train_tokens_per_s", 0.0) for m in steady], 1),
+        "mfu": mean([mfu(m) or 0.0 for m in steady], 4),
         "step_s": round(sum(task_sum(m) for m in later) / max(len(later), 1), 2),
         "reward_mean": [round(m.get("reward/mean", 0.0), 3) for m in rows],
         # the engine's log-probs vs the trainer's recomputation of the same tokens
