@@ -17,8 +17,18 @@ are within 1e-5 of a full-sequence forward; a failed check exits non-zero.
 OpenMP threads sleep while idle (`OMP_WAIT_POLICY=PASSIVE` unless set): spinning workers on
 a shared machine made both sides far slower and the figures mostly noise (bench/RESULTS.md,
 "Embedded engine vs HF generate").
+On a GPU (`--device cuda`) the engine runs its CUDA-graph decode turns (`engine
+eager`: the same engine with `engine.disable_cuda_graph`) against HF `generate` with its
+dynamic and its static cache, all in `--dtype`; the greedy and log-prob checks run first
+on the first `--check-rows` rows in float32 (in bfloat16 a random model's near-flat logits
+make greedy choices a coin toss between two kernels' roundings). `--model qwen2-0.5b`
+builds the Qwen2-0.5B-shaped random model of the GPU benches, fed `--prompt-len` random
+token ids per request.
 Usage:
   python -m bench.generation --batch-sizes 1 16 64 --new-tokens 64
+  python -m bench.generation --device cuda --model qwen2-0.5b --dtype bfloat16 \
+      --batch-sizes 64 256 --new-tokens 256 --repeats 2
+Results: bench/RESULTS.md, "Embedded engine vs HF generate" (CPU) and "... on a GPU".
 """
 
 from __future__ import annotations
@@ -43,16 +53,32 @@ LOGPROB_TOL = 1e-5
 PROMPTS = ["12+34=", "7+58=", "99+1=", "40+40=", "3+77=", "65+19=", "8+8=", "21+55="]
 
 
+QWEN2_05B = "qwen2-0.5b"
+
+
 def build_model(path: str | None) -> str:
     from examples.arithmetic.build_model import save_tiny_model
 
+    if path == QWEN2_05B:
+        from pathlib import Path
+
+        from scripts.gpu.e2e import save_qwen2_shaped
+
+        return save_qwen2_shaped(Path(tempfile.mkdtemp()) / QWEN2_05B, quick=False)
     if path:
         return path
     return save_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny-llama"))
 
 
-def prompt_ids(tokenizer: Any, batch: int) -> list[list[int]]:
-    return [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+def prompt_ids(tokenizer: Any, batch: int, random_len: int = 0) -> list[list[int]]:
+    """The example's arithmetic prompts, or (`random_len`) random ids past the tokenizer's
+    vocabulary, between half and all of `random_len` long (rows left-padded differently)."""
+    if not random_len:
+        return [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    low = len(tokenizer)
+    return [torch.randint(low, low + 20_000, (int(n),), generator=gen).tolist()
+            for n in torch.randint(random_len // 2, random_len + 1, (batch,), generator=gen)]
 
 
 class EngineRunner:
@@ -87,14 +113,18 @@ def engine_outputs(url: str, ids: list[list[int]], new_tokens: int, temperature:
 
 
 def hf_runner(
-    model: Any, pad: int, ids: list[list[int]], new_tokens: int, sample: bool
+    model: Any, pad: int, ids: list[list[int]], new_tokens: int, sample: bool,
+    cache: str = "dynamic",
 ) -> Callable[[], list[list[int]]]:
-    """HF `generate` on the left-padded batch; returns each row's new tokens."""
+    """HF `generate` on the left-padded batch, with its `dynamic` or `static` KV cache;
+    returns each row's new tokens."""
     width = max(len(x) for x in ids)
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
     kwargs: dict[str, Any] = {"do_sample": True, "temperature": 1.0, "top_k": 0} if sample else {
         "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
 
     def once() -> list[list[int]]:
         with torch.inference_mode():
@@ -116,10 +146,10 @@ def check_outputs(model: Any, pad: int, ids: list[list[int]], url: str, new_toke
         return f"greedy outputs differ from HF generate in rows {differ[:8]}"
     worst = 0.0
     for prompt, out in zip(ids, engine_outputs(url, ids, new_tokens, 1.0), strict=True):
-        full = torch.tensor([prompt + out.output_ids])
+        full = torch.tensor([prompt + out.output_ids], device=model.device)
         with torch.inference_mode():
             logp = torch.log_softmax(model(full).logits[0, len(prompt) - 1 : -1].float(), -1)
-        ref = logp.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+        ref = logp.gather(1, torch.tensor(out.output_ids, device=model.device)[:, None])[:, 0].cpu()
         worst = max(worst, float((ref - torch.tensor(out.log_probs)).abs().max()))
     return "" if worst < LOGPROB_TOL else f"log-probs off a full forward by {worst:.2e}"
 
@@ -187,8 +217,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--repeats", type=int, default=5, help="alternating timed pairs")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="timed runs on cuda (the checks run in float32)")
+    parser.add_argument("--prompt-len", type=int, default=64,
+                        help=f"--model {QWEN2_05B}: random prompt ids, half to all this long")
+    parser.add_argument("--check-rows", type=int, default=8, help="cuda: rows checked")
+    parser.add_argument("--check-tokens", type=int, default=32, help="cuda: tokens checked")
     args = parser.parse_args()
     model_dir = build_model(args.model or None)
+    if args.device == "cuda":
+        sys.exit(0 if cuda_main(args, model_dir) else 1)
     print(f"model {model_dir}, {args.new_tokens} new tokens/request, {args.threads} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, medians of {args.repeats}")
     print(f"{'batch':>6} {'embedded tok/s':>15} {'HF generate tok/s':>18} {'HF thr':>6} "
@@ -203,6 +242,71 @@ def main() -> None:
         print(f"{batch:>6} {engine:>15.1f} {hf:>18.1f} {hf_count:>6} {ratio:>7.2f} "
               f"{cpu_ratio:>9.2f}  {checks}", flush=True)
     sys.exit(1 if failed else 0)
+
+
+def _timed(run: Callable[[], list[Any]]) -> float:
+    """Generated tokens per second of one call (its outputs are on the host: synced)."""
+    start = time.perf_counter()
+    tokens = sum(len(getattr(o, "output_ids", o)) for o in run())
+    return tokens / (time.perf_counter() - start)
+
+
+def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
+    """Per batch size: the float32 checks, then the engine with and without CUDA graphs and
+    HF generate (dynamic, static cache) alternately, `--repeats` rounds; medians."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.inference.config import EngineConfig
+    from engines.inference.engine_actor import EngineActor
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    random_len = args.prompt_len if args.model == QWEN2_05B else 0
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+    def engine(dtype_name: str, eager: bool = False) -> EngineActor:
+        return EngineActor(EngineConfig(backend="embedded", model_path=model_dir,
+                                        dtype=dtype_name, device="cuda",
+                                        disable_cuda_graph=eager), 0, 1)  # fmt: skip
+
+    print(f"model {model_dir}, {torch.cuda.get_device_name()}, {args.dtype}, "
+          f"{args.new_tokens} new tokens/request, medians of {args.repeats}")
+    names = ("engine", "engine eager", "HF dynamic", "HF static")
+    print(f"{'batch':>6} " + " ".join(f"{n + ' tok/s':>18}" for n in names) + "  checks")
+    failed = False
+    for batch in args.batch_sizes:
+        ids = prompt_ids(tokenizer, batch, random_len)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+        actor = engine("float32")
+        try:
+            error = check_outputs(model, pad, ids[: args.check_rows], actor.url(),
+                                  args.check_tokens)
+        finally:
+            actor.shutdown()
+        model = model.to(dtype)
+        actors = (engine(args.dtype), engine(args.dtype, eager=True))
+        try:
+            runners: list[Callable[[], list[Any]]] = [
+                EngineRunner(a.url(), ids, args.new_tokens, 1.0) for a in actors]
+            runners += [hf_runner(model, pad, ids, args.new_tokens, True, cache)
+                        for cache in ("dynamic", "static")]
+            for run in runners:
+                run()  # warm-up (a graph capture, HF's static cache)
+            rates: list[list[float]] = [[] for _ in runners]
+            for _ in range(args.repeats):
+                for run, out in zip(runners, rates, strict=True):
+                    out.append(_timed(run))
+        finally:
+            for a in actors:
+                a.shutdown()
+        del model
+        torch.cuda.empty_cache()
+        failed |= bool(error)
+        checks = error or (f"float32, {min(batch, args.check_rows)} rows x {args.check_tokens}: "
+                           f"greedy == HF, log-probs within {LOGPROB_TOL:g} of a full forward")
+        print(f"{batch:>6} " + " ".join(f"{statistics.median(r):>18.0f}" for r in rates)
+              + f"  {checks}", flush=True)
+    return not failed
 
 
 if __name__ == "__main__":

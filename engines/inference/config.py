@@ -35,6 +35,11 @@ class EngineConfig(Section):
         "and weight updates wait for the turn to end; a turn ends early when a row finishes. "
         "Used by the compiled CPU step, for rows without stop strings or top-p/top-k.",
     )
+    disable_cuda_graph: bool = Field(
+        False,
+        description="Embedded engine on a GPU: decode every step from Python instead of "
+        "replaying a captured CUDA graph of it (SGLang's --disable-cuda-graph).",
+    )
     batch_invariant: bool | None = Field(
         None,
         description="Embedded engine: compute each request's logits and log-probs in a fixed "

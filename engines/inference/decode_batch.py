@@ -166,6 +166,7 @@ class DecodeBatch:
             torch.tensor([s.stop_ids + [-1] * (width - len(s.stop_ids)) for s in self.rows],
                          dtype=torch.long, device=dev),
             min(left[j] for j in live),
+            max(left[j] for j in live),
         )  # fmt: skip
 
     def record(

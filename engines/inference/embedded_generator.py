@@ -30,6 +30,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engines.inference import fused_decode
+from engines.inference.cuda_graph_decode import CudaGraphTurns
 from engines.inference.decode_batch import DecodeBatch, ReqState
 from engines.inference.gen_types import (
     GeneratorIdentity,
@@ -76,6 +77,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         device: str = "auto",
         continuous_steps: int = 1,
         batch_invariant: bool = False,
+        cuda_graph: bool = True,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -89,7 +91,8 @@ class EmbeddedGenerator(GeneratorIdentity):
         torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
         self.model.eval().requires_grad_(False)
         self.batch_invariant = batch_invariant
-        self._decoder = make_decoder(self.model, batch_invariant)
+        self.cuda_graph = cuda_graph
+        self._make_decoder()
         if batch_invariant and not self._invariant_decoder():
             log.warning("engine.batch_invariant: %s is not a float32 Llama-layout model on a CPU "
                         "with the compiled decode step; its log-probs still depend on which "
@@ -175,7 +178,7 @@ class EmbeddedGenerator(GeneratorIdentity):
                 self._weights_backup = path
             for p in params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._decoder = make_decoder(self.model, self.batch_invariant)  # drops copies it made (fused weights)
+            self._make_decoder()  # drops copies it made (fused weights, a captured graph)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # a colocated trainer needs the memory back
 
@@ -194,6 +197,14 @@ class EmbeddedGenerator(GeneratorIdentity):
                     p.data = saved[name].to(p.device)
                 os.remove(backup)
             self._weights_backup = None
+
+    def _make_decoder(self) -> None:
+        """The decode step for this model and device: on a GPU, turns of it replayed as a
+        CUDA graph (`cuda_graph_decode`) where the model has a Llama layout."""
+        self._decoder = make_decoder(self.model, self.batch_invariant)
+        self._graphs = None
+        if self.cuda_graph and self.device.type == "cuda" and isinstance(self._decoder, LlamaDecoder):
+            self._graphs = CudaGraphTurns(self._decoder)
 
     def _require_weights(self) -> None:
         if self._weights_backup is not None:
@@ -303,7 +314,8 @@ class EmbeddedGenerator(GeneratorIdentity):
     def _decode(self, b: DecodeBatch) -> list[ReqState]:
         assert b.cache is not None
         self._use_threads(len(b.rows), getattr(self._decoder, "parallel_rows", None))
-        if self.continuous_steps > 1 and isinstance(self._decoder, LlamaDecoder):
+        if isinstance(self._decoder, LlamaDecoder) and (
+                self.continuous_steps > 1 or self._graphs is not None):
             ended = self._decode_steps(b, self._decoder)
             if ended is not None:
                 return ended
@@ -316,21 +328,26 @@ class EmbeddedGenerator(GeneratorIdentity):
         return self._sample(b, logits)
 
     def _decode_steps(self, b: DecodeBatch, decoder: LlamaDecoder) -> list[ReqState] | None:
-        """Up to `continuous_steps` tokens in one compiled call (SGLang's
-        `num_continuous_decode_steps`); None where one step at a time must run: a row with
-        stop strings, top-p/top-k, or a model the compiled step does not cover."""
+        """Up to `continuous_steps` tokens in one compiled call or, on a GPU, as CUDA graph
+        replays (SGLang's `num_continuous_decode_steps`; a graph runs rows with stop
+        strings too, a step a turn); None where one step at a time must run: top-p/top-k,
+        a row with stop strings on a CPU, or a model the compiled step does not cover."""
         assert b.cache is not None and b.sampling is not None
         finish = b.finish_rules()
-        if finish is None:
+        if finish is None and self._graphs is None:
             return None
         # (more steps than a row has left would only make the cache reserve columns, and
         # grow, copying every row, for tokens that row's finish cuts off)
-        steps = min(self.continuous_steps, finish.fewest_left)
+        steps = 1 if finish is None else min(self.continuous_steps, finish.fewest_left)
         uniforms = b.uniforms(steps)
         if uniforms is not None:
             steps = uniforms.shape[0]  # (the table's end: the next turn draws a new one)
-        out = decoder.decode_steps(b.t["last_tok"], b.t["next_pos"], b.cache, steps,
-                                   b.sampling, uniforms, finish)
+        args = (b.t["last_tok"], b.t["next_pos"], b.cache, steps, b.sampling, uniforms)
+        if self._graphs is not None:
+            out = self._graphs.decode_steps(*args, finish)
+        else:
+            assert finish is not None
+            out = decoder.decode_steps(*args, finish)
         if out is None:
             return None
         b.t["next_pos"].add_(out[0].shape[0])

@@ -42,6 +42,7 @@ def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Gene
         device=config.device,
         continuous_steps=config.num_continuous_decode_steps,
         batch_invariant=bool(config.batch_invariant),
+        cuda_graph=not config.disable_cuda_graph,
     )
 
 

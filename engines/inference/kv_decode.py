@@ -99,11 +99,12 @@ class KVCache:
         kv._check_padding()
         return kv
 
-    def reserve(self, columns: int) -> None:
-        """Make room for `columns` more tokens (copying into larger buffers if needed)."""
+    def reserve(self, columns: int, spare: bool = True) -> None:
+        """Make room for `columns` more tokens (copying into larger buffers if needed), with
+        `spare` columns beyond them for amortized growth."""
         need = self.width + columns
         if need > self.capacity:
-            self._resize(None, 0, need + max(_CHUNK, need // 2))
+            self._resize(None, 0, need + max(_CHUNK, need // 2) if spare else need)
 
     def select(self, rows: torch.Tensor, trim: int, room: int) -> KVCache:
         """Rows `rows` without the first `trim` columns, with `room` free columns."""
@@ -146,13 +147,15 @@ class KVCache:
 @dataclass(frozen=True, slots=True)
 class RowFinish:
     """What ends each row, for steps run without Python in between: `live` (bool [rows]),
-    `left` tokens of budget (int64 [rows]), `stop_ids` (int64 [rows, n], -1 pads), and the
-    fewest tokens a live row has left (no turn runs longer: that row ends it)."""
+    `left` tokens of budget (int64 [rows]), `stop_ids` (int64 [rows, n], -1 pads), the
+    fewest tokens a live row has left (no turn runs longer: that row ends it) and the most
+    (no live row needs cache columns beyond them)."""
 
     live: torch.Tensor
     left: torch.Tensor
     stop_ids: torch.Tensor
     fewest_left: int
+    most_left: int = 1 << 30
 
 
 class Decoder(Protocol):
@@ -436,20 +439,57 @@ class LlamaDecoder:
         return cos[:, None, None], sin[:, None, None]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        layers = self._weights()
+        self._weights()
         cache.reserve(1)
         if self._fused_weights is not None:
             return self._fused_step(self._fused_weights, tokens, positions, cache)
-        rows, col, d = tokens.shape[0], cache.width, self.head_dim
-        heads, qk = self.heads, self.heads + self.kv_heads
-        embed, norm, eps, lm_head, lm_bias = self._head
+        col = cache.width
         cos, sin = self._rope(positions, col)
         cache.mask[:, col] = True
         bias = None  # the padding mask as an additive bias, once per step (not per layer)
         if cache.padded:
             bias = torch.where(cache.mask[:, None, None, : col + 1], self._zero, self._neg_inf)
+        logits = self._forward(tokens, cos, sin, bias, cache.layers, col)
+        cache.width = col + 1
+        return logits
+
+    def step_at(
+        self, tokens: torch.Tensor, positions: torch.Tensor, col: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """`__call__` with the column a 1-element device tensor, and no host sync or
+        Python-side state: what a CUDA graph captures once and replays at every column
+        (`cuda_graph_decode`). Attention reads every column of the cache, the unwritten
+        ones masked; the caller advances `col` and `cache.width`. Weights (`_weights`) and
+        the RoPE table (`rope_table`) must be current before a capture."""
+        cos, sin = self._rope_table[positions].unbind(1)
+        cache.mask.index_fill_(1, col, True)
+        bias = torch.where(cache.mask[:, None, None, :], self._zero, self._neg_inf)
+        return self._forward(tokens, cos[:, None, None], sin[:, None, None], bias,
+                             cache.layers, col)
+
+    def rope_table(self, width: int) -> torch.Tensor:
+        """The RoPE table `step_at` reads, covering positions up to `width` (a graph
+        captured over it must keep it alive: a longer table is a new tensor)."""
+        return self._rope_rows(width)
+
+    @property
+    def weights_key(self) -> list[tuple[int, int]]:
+        """Changes whenever the gathered weights are rebuilt (a captured graph reads them)."""
+        self._weights()
+        return self._key
+
+    def _forward(
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        bias: torch.Tensor | None, kv_layers: list[torch.Tensor], col: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """The layers and head for one token per row, storing its keys and values at `col`:
+        an int (attention reads columns up to it) or a 1-element device tensor (it reads
+        every column; `bias` masks those not written yet)."""
+        rows, d = tokens.shape[0], self.head_dim
+        heads, qk = self.heads, self.heads + self.kv_heads
+        embed, norm, eps, lm_head, lm_bias = self._head
         x = F.embedding(tokens, embed)
-        for w, kv in zip(layers, cache.layers, strict=True):
+        for w, kv in zip(self._layers, kv_layers, strict=True):
             h = _rms_norm(x, w.norm1, w.eps1)
             qkv = F.linear(h, w.qkv, w.qkv_bias).view(rows, -1, 1, d)  # heads q | k | v
             q_k = qkv[:, :qk]
@@ -458,14 +498,18 @@ class LlamaDecoder:
                 q_k[:, heads:] = _rms_norm(q_k[:, heads:], w.k_norm, w.qk_eps)
             rot = q_k.roll(d // 2, -1)
             torch.addcmul(q_k * cos, rot, sin, out=q_k)  # RoPE on q and k heads, in place
-            kv.select(3, col).copy_(qkv[:, heads:].view(rows, 2, self.kv_heads, d).transpose(1, 2))
-            keys, values = kv.narrow(3, 0, col + 1).unbind(2)
+            new = qkv[:, heads:].view(rows, 2, self.kv_heads, d).transpose(1, 2)
+            if isinstance(col, int):
+                kv.select(3, col).copy_(new)
+                keys, values = kv.narrow(3, 0, col + 1).unbind(2)
+            else:
+                kv.index_copy_(3, col, new.unsqueeze(3))
+                keys, values = kv.unbind(2)
             out = _decode_attention(qkv[:, :heads], keys, values, bias, w.scaling)
             x = torch.addmm(x, out.view(rows, -1), w.o_t)
             h = _rms_norm(x, w.norm2, w.eps2)
             gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
             x = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), w.down_t)
-        cache.width = col + 1
         return F.linear(_rms_norm(x, norm, eps), lm_head, lm_bias)
 
 

@@ -1,0 +1,181 @@
+"""Decode turns on a GPU as replays of one captured CUDA graph (SGLang's CUDA-graph decode).
+
+Launched from Python, `LlamaDecoder`'s step is ~25 kernels a layer, each a few microseconds
+of CPU to launch: for a 0.5B model at batch 256 the GPU waited on Python for most of a
+~15 ms step (16.4k tok/s, bench/RESULTS.md "GPU end to end"). Here the whole step (embed,
+layers, head, sampling, and feeding the sampled token to the next step) is captured once
+per running batch and replayed once per token: one launch a token, and one host sync a
+turn, when the turn's tokens are read.
+
+A graph reads fixed addresses, so it belongs to one cache (its buffers), one set of rows
+(their sampling parameters) and one gathering of the weights; it is captured again when
+any of them changes: the batch is compacted or merged, the cache grows, or the weights are
+updated (about once a rollout step). To keep the cache from growing mid-batch, a turn
+reserves the columns the longest live request can still use (up to `_MAX_RESERVE`).
+Attention reads every column of the cache (the unwritten ones masked), since the column is
+a device tensor inside the graph. A turn decodes all its steps, then finds the first step
+at which a live row finished, keeps the tokens up to it and un-marks the columns after it:
+the tokens kept are those one step at a time would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.inference import sampling as sampling_math
+from engines.inference.kv_decode import KVCache, LlamaDecoder, RowFinish
+from engines.inference.sampling import SamplingRows
+
+_MAX_RESERVE = 2048  # cache columns a turn reserves ahead at most (the longest live budget)
+_ALIGN = 64  # capacity rounded up to this: rows of similar budgets share a graph
+
+
+@dataclass(eq=False)
+class _CapturedStep:
+    """One captured step and the tensors it reads and writes at fixed addresses."""
+
+    cache_layers: list[torch.Tensor]
+    mask: torch.Tensor
+    sampling: SamplingRows
+    weights_key: list[tuple[int, int]]
+    rope: torch.Tensor  # the RoPE table the graph reads
+    tokens: torch.Tensor  # [rows] fed at the next step (the graph writes its sample here)
+    positions: torch.Tensor  # [rows]
+    col: torch.Tensor  # [1] the cache column the next step writes
+    uniform: torch.Tensor | None  # [rows] this step's sampling uniforms (None: all greedy)
+    tok_out: torch.Tensor
+    logp_out: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None  # None: not captured (eager turns)
+
+    def serves(self, cache: KVCache, rows: SamplingRows, decoder: LlamaDecoder,
+               greedy: bool) -> bool:
+        return (
+            self.mask is cache.mask
+            and len(self.cache_layers) == len(cache.layers)
+            and all(a is b for a, b in zip(self.cache_layers, cache.layers, strict=True))
+            and self.sampling is rows
+            and (self.uniform is None) == greedy
+            and self.weights_key == decoder.weights_key
+            and self.rope is decoder.rope_table(cache.capacity)
+        )
+
+
+class CudaGraphTurns:
+    """`LlamaDecoder.decode_steps` for a model on a GPU: a turn of steps as graph replays.
+    `capture=False` runs the same step eagerly each time (the CPU tests of the turn logic,
+    and a way to tell a graph's fault from the step's)."""
+
+    def __init__(self, decoder: LlamaDecoder, capture: bool = True) -> None:
+        self.decoder = decoder
+        self.capture = capture
+        self._step: _CapturedStep | None = None
+        self.captures = 0  # graphs captured so far (a test and the bench read it)
+
+    def decode_steps(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, steps: int,
+        rows: SamplingRows, uniforms: torch.Tensor | None, finish: RowFinish | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Up to `steps` tokens per row (`[steps taken, rows]` tokens and log-probs), each
+        sample fed to the next step; the turn keeps the steps up to the first at which a
+        live row finishes (`finish`; None: rows with stop strings, checked by the caller
+        after each token, so one step). None where the graph does not apply (top-p/top-k:
+        a sort per token, left to the eager step)."""
+        if rows.truncates:
+            return None
+        if finish is None:
+            steps = 1
+        ahead = max(steps, min(_MAX_RESERVE, finish.most_left if finish else steps))
+        need = -(-(cache.width + ahead) // _ALIGN) * _ALIGN
+        cache.reserve(need - cache.width, spare=False)
+        col0 = cache.width
+        step = self._captured(cache, rows, uniforms is None)
+        fresh = step is None
+        if step is None:
+            step = self._new_step(cache, rows, uniforms is None)
+        step.tokens.copy_(tokens)
+        step.positions.copy_(positions)
+        step.col.fill_(col0)
+        out_tok = tokens.new_empty(steps, tokens.shape[0])
+        out_logp = torch.empty(steps, tokens.shape[0], device=tokens.device)
+        for i in range(steps):
+            if uniforms is not None:
+                assert step.uniform is not None
+                step.uniform.copy_(uniforms[i])
+            if i == 0 and fresh:
+                self._capture(step)  # runs this step once, then captures it
+            elif step.graph is not None:
+                step.graph.replay()
+            else:
+                self._body(step)
+            out_tok[i].copy_(step.tok_out)
+            out_logp[i].copy_(step.logp_out)
+        taken = steps if finish is None else _steps_kept(out_tok, finish)
+        if taken < steps:
+            cache.mask[:, col0 + taken : col0 + steps] = False
+        cache.width = col0 + taken
+        return out_tok[:taken], out_logp[:taken]
+
+    def _captured(self, cache: KVCache, rows: SamplingRows, greedy: bool) -> _CapturedStep | None:
+        step = self._step
+        if step is not None and step.serves(cache, rows, self.decoder, greedy):
+            return step
+        return None
+
+    def _new_step(self, cache: KVCache, rows: SamplingRows, greedy: bool) -> _CapturedStep:
+        self._step = None  # the old graph's memory goes before the new one is captured
+        count, dev = cache.mask.shape[0], cache.mask.device
+        return _CapturedStep(
+            cache_layers=list(cache.layers), mask=cache.mask, sampling=rows,
+            weights_key=list(self.decoder.weights_key),
+            rope=self.decoder.rope_table(cache.capacity),
+            tokens=torch.zeros(count, dtype=torch.long, device=dev),
+            positions=torch.zeros(count, dtype=torch.long, device=dev),
+            col=torch.zeros(1, dtype=torch.long, device=dev),
+            uniform=None if greedy else torch.zeros(count, device=dev),
+            tok_out=torch.zeros(count, dtype=torch.long, device=dev),
+            logp_out=torch.zeros(count, device=dev),
+        )
+
+    def _capture(self, step: _CapturedStep) -> None:
+        """Run the step once on a side stream (the real first step of the turn, and the
+        warm-up that graph capture needs: cuBLAS picks its kernels and workspaces outside a
+        capture), then capture it; the capture itself computes nothing."""
+        if not self.capture:
+            self._body(step)
+            self._step = step
+            return
+        stream = torch.cuda.Stream(step.mask.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body(step)
+        torch.cuda.current_stream().wait_stream(stream)
+        step.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(step.graph, stream=stream, capture_error_mode="thread_local"):
+            self._body(step)
+        self._step = step
+        self.captures += 1
+
+    def _body(self, step: _CapturedStep) -> None:
+        """What the graph holds: one decode step at `step.col`, its sample written out and
+        fed back, the position and column advanced."""
+        cache = KVCache(step.cache_layers, step.mask, 0)
+        logits = self.decoder.step_at(step.tokens, step.positions, step.col, cache)
+        tok, logp = sampling_math.sample_tokens(logits.float(), step.sampling, step.uniform)
+        step.tok_out.copy_(tok)
+        step.logp_out.copy_(logp)
+        step.tokens.copy_(tok)
+        step.positions.add_(1)
+        step.col.add_(1)
+
+
+def _steps_kept(tokens: torch.Tensor, finish: RowFinish) -> int:
+    """Steps up to and including the first at which a live row ends (a stop token or its
+    budget); all of them if none does. One host sync."""
+    steps = tokens.shape[0]
+    taken = torch.arange(1, steps + 1, device=tokens.device)[:, None]
+    ends = (tokens[:, :, None] == finish.stop_ids[None]).any(-1) | (finish.left[None] <= taken)
+    ended = (ends & finish.live[None]).any(-1)
+    first = torch.where(ended.any(), ended.int().argmax() + 1, steps)
+    return int(first)

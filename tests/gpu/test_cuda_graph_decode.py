@@ -1,0 +1,65 @@
+"""The embedded engine's CUDA-graph decode turns on a GPU (`cuda_graph_decode`): the same
+tokens, finishes and log-probs as the eager step, greedy equal to HF `generate` (float32),
+and a weight update reaching the next replay (the graph is captured again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.inference.embedded_generator import EmbeddedGenerator
+from engines.inference.gen_types import GenRequest, SamplingParams
+from tests.unit.test_continuous_decode_steps import PROMPTS, mixed_requests, outputs
+from tests.unit.test_qwen3_models import qwen2_dir  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.gpu
+
+
+def engine(path: str, graphs: bool) -> EmbeddedGenerator:
+    gen = EmbeddedGenerator(path, device="cuda", cuda_graph=graphs, continuous_steps=8)
+    assert (gen._graphs is not None) == graphs
+    return gen
+
+
+def test_graph_turns_equal_the_eager_step_and_hf_generate(qwen2_dir: str) -> None:  # noqa: F811
+    eager, graphed = engine(qwen2_dir, False), engine(qwen2_dir, True)
+    stop = eager.generate(mixed_requests(eager))[1].output_ids[3]
+    reqs = mixed_requests(eager, stop_token=stop)
+    want, got = eager.generate(reqs), graphed.generate(reqs)
+    assert {r.finish_reason["type"] for r in want} == {"length", "stop"}
+    assert outputs(got) == outputs(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+    assert graphed._graphs is not None and graphed._graphs.captures > 0
+
+    ids = [graphed.tokenize(p) for p in PROMPTS]
+    width = max(map(len, ids))
+    padded = torch.tensor([[0] * (width - len(x)) + x for x in ids], device="cuda")
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device="cuda")
+    with torch.inference_mode():
+        ref = graphed.model.generate(
+            input_ids=padded, attention_mask=mask, do_sample=False, temperature=None,
+            top_p=None, top_k=None, max_new_tokens=40, min_new_tokens=40, pad_token_id=0,
+        )  # fmt: skip
+    greedy = graphed.generate([GenRequest(f"g{i}", x, SamplingParams(
+        temperature=0.0, max_new_tokens=40, ignore_eos=True)) for i, x in enumerate(ids)])
+    assert [r.output_ids for r in greedy] == [row[width:] for row in ref.tolist()]
+
+
+def test_a_weight_update_is_replayed(qwen2_dir: str) -> None:  # noqa: F811
+    """In-place weight updates between generates (as a rollout step's push) are read by the
+    next turn's graph, captured again over the new gathered weights."""
+    graphed = engine(qwen2_dir, True)
+    req = [GenRequest("a", graphed.tokenize(PROMPTS[3]),
+                      SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))]
+    before = graphed.generate(req)[0].output_ids
+    assert graphed._graphs is not None
+    captured = graphed._graphs.captures
+    torch.manual_seed(3)
+    noisy = [(n, t + 0.5 * torch.randn_like(t)) for n, t in graphed.model.state_dict().items()]
+    graphed.load_weights(noisy, 1)
+    after = graphed.generate(req)[0].output_ids
+    fresh = engine(qwen2_dir, False)
+    fresh.load_weights(noisy, 1)
+    assert after == fresh.generate(req)[0].output_ids != before
+    assert graphed._graphs.captures > captured
