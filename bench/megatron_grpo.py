@@ -6,12 +6,14 @@ Qwen3-MoE of 2B parameters with 0.3B active outside the embeddings), torch vs me
     torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --tp 2
     python -m bench.megatron_grpo --backend all     # each of the above (TP=2 if 2 GPUs)
     python -m bench.megatron_grpo --backend megatron --prompt-len 1024 --response-len 3072 --profile
+    python -m bench.megatron_grpo --backend megatron --lengths longtail [--pack]   # RL-like lengths
     python -m bench.megatron_grpo --backend megatron --family qwen3_moe
     torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --family qwen3_moe --ep 2
 
 Prints one JSON line per run: training tokens/s (prompt + response tokens of the batch per
 `train()` second, steps after the first), MFU, the input token slots the step's
-micro-batches ran (padding included; `bench.packing` layouts) and step-0 `ppo_kl`
+micro-batches ran (padding included; `bench.packing` layouts), the share of the padded
+layout's slots that are padding (`padded_share`, whichever layout ran) and step-0 `ppo_kl`
 (reported as `approx_kl`; on-policy it must be ~0). `--profile` adds the top CUDA ops of one
 more step.
 
@@ -24,7 +26,9 @@ the router and the experts a token is routed to (its active parameters); a promp
 forward only where the step runs it (the step takes the old log-probs from the first
 training forward on one DP rank and one stage).
 
-Results, and why packing saves nothing on megatron here: bench/RESULTS.md, "Megatron GRPO".
+Packing can only pay where padding is large: the default `--lengths half` gives padded
+micro-batches of similar lengths, `--lengths longtail` many short responses and a few long
+ones. Results: bench/RESULTS.md, "Megatron GRPO".
 """
 
 from __future__ import annotations
@@ -71,14 +75,35 @@ def make_model(path: str, family: str = "qwen2") -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def make_samples(n_groups: int, group: int, prompt_len: int, resp_len: int) -> list[Sample]:
+LENGTHS = {  # response lengths up to R: `--lengths`
+    "half": "uniform in [R/2, R]: padded micro-batches of similar lengths",
+    "uniform": "uniform in [1, R]",
+    "longtail": "exponential of mean R/4, capped at R (2% reach it): many short, a few long, "
+                "as RL responses run",
+}
+
+
+def response_length(rng: random.Random, resp_len: int, lengths: str) -> int:
+    """One response length up to `resp_len` drawn as `LENGTHS[lengths]` says."""
+    if lengths == "half":
+        return rng.randint(resp_len // 2, resp_len)
+    if lengths == "uniform":
+        return rng.randint(1, resp_len)
+    if lengths == "longtail":
+        return min(resp_len, max(1, round(rng.expovariate(4 / resp_len))))
+    raise ValueError(f"lengths: one of {sorted(LENGTHS)}, not {lengths!r}")
+
+
+def make_samples(
+    n_groups: int, group: int, prompt_len: int, resp_len: int, lengths: str = "half"
+) -> list[Sample]:
     rng = random.Random(0)
     vocab = int(QWEN2_05B["vocab_size"])  # the same in both shapes
     samples = []
     for g in range(n_groups):
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
         for j in range(group):
-            r = rng.randint(resp_len // 2, resp_len)
+            r = response_length(rng, resp_len, lengths)
             samples.append(Sample(
                 index=g * group + j, group_index=g, tokens=prompt + [rng.randrange(vocab) for _ in range(r)],
                 response_length=r, loss_mask=[1] * r, reward=float(rng.random() > 0.5),
@@ -157,6 +182,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=768)
+    ap.add_argument("--lengths", choices=sorted(LENGTHS), default="half",
+                    help="response lengths: " + "; ".join(f"{k}: {v}" for k, v in LENGTHS.items()))
     ap.add_argument("--micro-tokens", type=int, default=16384)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU")
     ap.add_argument("--pack", action="store_true", help="train.pack_sequences")
@@ -192,8 +219,11 @@ def main() -> None:
 
         backend = MegatronTrainBackend(train_cfg, algo, tensor_parallel=args.tp,
                                        expert_parallel=args.ep)
-    samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len)
+    samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len,
+                           args.lengths)
     tokens = sum(len(s.tokens) for s in samples)
+    hidden = _dims(args.family)[0]
+    padded_slots = layout_slots(samples, args.micro_tokens, "padded", hidden)[0]
     runs = [backend.train(samples, step) for step in range(args.steps)]
     timed = runs[1:] or runs
     tok_s = sum(r["train_tokens_per_s"] for r in timed) / len(timed)
@@ -208,10 +238,11 @@ def main() -> None:
         print(json.dumps({
             "backend": args.backend, "family": args.family, "tp": args.tp, "ep": args.ep,
             "gpus": world, "samples": len(samples),
-            "seq": args.prompt_len + args.response_len,
+            "seq": args.prompt_len + args.response_len, "lengths": args.lengths,
             "pack": args.pack, "layout": layout, "tokens_per_step": tokens,
             "tokens_computed": computed,
-            "input_slots": layout_slots(samples, args.micro_tokens, layout, _dims(args.family)[0])[0],
+            "input_slots": layout_slots(samples, args.micro_tokens, layout, hidden)[0],
+            "padded_share": round(1 - tokens / padded_slots, 4),
             "tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
             "step_s": round(tokens / tok_s, 3),
             "step0_ppo_kl": runs[0]["approx_kl"], "step0_clipfrac": runs[0]["clipfrac"],

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.megatron_grpo import make_samples
+from bench.megatron_grpo import LENGTHS, make_samples
 from engines.train.batching import PaddedBatch, build_padded_batch, split_micro_batches
 from engines.train.packing import build_packed_batch
 from engines.train.prompt_sharing import build_shared_prompt_batch
@@ -98,19 +98,22 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=160)
+    ap.add_argument("--lengths", choices=sorted(LENGTHS), default="half",
+                    help="response lengths (bench.megatron_grpo.LENGTHS)")
     ap.add_argument("--micro-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256,
                     help="model width (896: Qwen2-0.5B); sets the packed row width")
     ap.add_argument("--layout-only", action="store_true")
     args = ap.parse_args()
-    samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len)
+    samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len,
+                           args.lengths)
     vocab = 4096
     for s in samples:  # make_samples draws from Qwen2's vocabulary
         s.tokens = [t % vocab for t in s.tokens]
     real = sum(len(s.tokens) for s in samples)
     print(f"{len(samples)} samples, {real} tokens (prompt {args.prompt_len}, responses "
-          f"{args.response_len // 2}-{args.response_len}), budget {args.micro_tokens}", flush=True)
+          f"{args.lengths} up to {args.response_len}), budget {args.micro_tokens}", flush=True)
     with tempfile.TemporaryDirectory() as root:
         path = "" if args.layout_only else _model(os.path.join(root, "m"), vocab, args.hidden)
         base = None

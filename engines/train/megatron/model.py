@@ -11,8 +11,9 @@ plain linears, since grouped GEMM needs TE) with its core attention swapped for
 Sequences are right-padded and attention is causal, so pad tokens at the end never reach a
 real token and no padding mask is needed (same argument as `engines/train/batching.py`).
 Packed micro-batches (`train.pack_sequences`) come as megatron's `thd` format: one row of
-sequences end to end with `cu_seqlens` in `PackedSeqParams`; megatron applies RoPE per
-sequence, and the core attention runs flash varlen attention (`varlen_causal_attention`).
+sequences end to end with `cu_seqlens` in `PackedSeqParams`; RoPE restarts in each sequence
+(`rope.py`: one pass over all tokens, where megatron's own loops over the sequences), and
+the core attention runs flash varlen attention (`varlen_causal_attention`).
 Megatron is imported inside the functions: this module is safe to import without it.
 """
 
@@ -256,7 +257,9 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     from engines.train.critic import init_value_head
+    from engines.train.megatron import rope
 
+    rope.install()  # packed micro-batches' RoPE without a per-sequence loop
     post = ps.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
