@@ -53,20 +53,28 @@ class BroadcastRecord(StageRecord):
     engines_updated: int
     weight_version: int | None = None
     """The engines' version afterwards (None when the schedule pushed nothing this step)."""
+    push: Mapping[str, float] = field(default_factory=dict)
+    """Where the trainer's push over HTTP spent its seconds (`WeightSender.timings`:
+    `connect_s` at the push that set the group up, `export_s`, `broadcast_s`, `engines_s`,
+    ...; `total_s`), stored as `broadcast_weights/push/<key>`; empty for other paths."""
 
     def to_json(self) -> dict[str, Any]:
         version = {} if self.weight_version is None else {"weight_version": self.weight_version}
-        return {**version, "engines_updated": self.engines_updated, "seconds": self.seconds}
+        push = {"push": dict(self.push)} if self.push else {}
+        return {**version, "engines_updated": self.engines_updated, **push,
+                "seconds": self.seconds}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         return cls(engines_updated=data["engines_updated"],
-                   weight_version=data.get("weight_version"), **timing_of(data))
+                   weight_version=data.get("weight_version"), push=dict(data.get("push", {})),
+                   **timing_of(data))
 
     def to_metrics(self) -> Metrics:
         version = ({} if self.weight_version is None
                    else {"broadcast_weights/weight_version": self.weight_version})
-        return {**version, "broadcast_weights/engines_updated": self.engines_updated,
+        push = {f"broadcast_weights/push/{k}": float(v) for k, v in self.push.items()}
+        return {**version, "broadcast_weights/engines_updated": self.engines_updated, **push,
                 **self.timing_metrics()}
 
 

@@ -36,8 +36,8 @@ from engines.train.megatron.checkpoint import ParallelLayoutError
 
 # Methods every rank must run (they touch the model collectively); the others go to rank 0.
 COLLECTIVE = ("train", "train_step", "ensure_version", "save_checkpoint", "offload", "onload")
-RANK0 = ("version", "weights", "push_weights", "close_weight_sender", "trained_indices",
-         "sends_cuda_ipc")
+RANK0 = ("version", "weights", "push_weights", "push_timings", "close_weight_sender",
+         "trained_indices", "sends_cuda_ipc")
 EXPORT = ("weights", "push_weights")  # collective when the backend's export is
 
 JOIN_TIMEOUT_S = 900.0  # a join includes loading the model on every rank

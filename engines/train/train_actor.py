@@ -86,6 +86,7 @@ class TrainActor:
         self._last_metrics: dict[str, float] = {}  # of the step `_last_trained`
         self._sender: Any = None
         self._sender_urls: list[str] = []
+        self._push_timings: dict[str, float] = {}
         self._phases: list[str] = []  # offload / onload / train k, in order
 
     @property
@@ -157,12 +158,20 @@ class TrainActor:
             if self._joins_export():
                 self.backend.export_weights()
             return []
+        start = time.perf_counter()
         if self._sender is None or self._sender_urls != engine_urls:
             self.close_weight_sender()
             self._sender = build_weight_sender(self.cfg.train, engine_urls)
             self._sender.connect()
             self._sender_urls = list(engine_urls)
-        return list(self._sender.update(self.backend, self.version()))
+        versions = list(self._sender.update(self.backend, self.version()))
+        self._push_timings = {**self._sender.timings, "total_s": time.perf_counter() - start}
+        return versions
+
+    def push_timings(self) -> dict[str, float]:
+        """Where the last `push_weights` spent its seconds (the sender's `timings`: group
+        set-up, pause, export, broadcast, the engines' apply, flush; `total_s`)."""
+        return dict(self._push_timings)
 
     def sends_cuda_ipc(self) -> bool:
         """Colocated on a GPU, `tensor` sync hands the engines CUDA IPC handles over HTTP

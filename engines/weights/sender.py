@@ -11,7 +11,10 @@ then the engines' `get_weight_version` is read back. The push is one of (`train.
   engine and broadcasts the bucket's tensors while those requests wait on the group;
 - `disk`: `save_pretrained` into a directory and `/update_weights_from_disk`.
 
-Buckets hold about `update_weight_buffer_size` bytes. Engines are addressed by URL, so the
+Buckets hold about `update_weight_buffer_size` bytes. Each update leaves where its seconds
+went in `timings` (`WeightSender.timings`: the pause, the export, the push's parts, the flush;
+`connect_s` for the update that set the group up), which the flow stores as
+`broadcast_weights/<key>` metrics. Engines are addressed by URL, so the
 same sender works for embedded engines and real SGLang servers. What is sent is always the
 base model's HF-named weights, from a `WeightSource`: a train backend (`export_weights`;
 megatron's gathers TP shards and PP stages, a collective every rank joins) or an HF model
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -80,6 +84,10 @@ def as_weight_source(weights: Weights) -> WeightSource:
 
 
 class WeightSender(Protocol):
+    timings: dict[str, float]
+    """Where the last `update` (and the `connect` before it, as `connect_s`) spent its
+    seconds, plus counts (`buckets`, `bytes`)."""
+
     def connect(self) -> None: ...
 
     def update(self, weights: Weights, version: int) -> list[int]:
@@ -105,9 +113,17 @@ class _HTTPSender:
         self.bucket_bytes, self.pause_mode = bucket_bytes, pause_mode
         self._http = httpx.Client(timeout=timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.urls)))
+        self.timings: dict[str, float] = {}
+        self._connect_s: float | None = None
 
     def connect(self) -> None:
         """Nothing to set up for HTTP-only pushes."""
+
+    def _timed(self, key: str, start: float) -> float:
+        """Add the seconds since `start` to `timings[key]`; returns now."""
+        now = time.perf_counter()
+        self.timings[key] = self.timings.get(key, 0.0) + now - start
+        return now
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -132,20 +148,36 @@ class _HTTPSender:
         return list(self._pool.map(get, self.urls))
 
     def update(self, weights: Weights, version: int) -> list[int]:
+        connect, self._connect_s = self._connect_s, None  # a connect() since the last update
+        self.timings = {} if connect is None else {"connect_s": connect}
+        t = time.perf_counter()
         self.post_all("/pause_generation", {"mode": self.pause_mode})
+        t = self._timed("pause_s", t)
         try:
             self.push(as_weight_source(weights), version)
+            t = self._timed("push_s", t)
             for url in self.urls:  # SGLang refuses while requests hold KV (in_place pause)
                 self._http.post(f"{url}/flush_cache")
+            t = self._timed("flush_s", t)
         finally:
             self.post_all("/continue_generation", {})
-        return self.versions()
+            t = self._timed("continue_s", t)
+        versions = self.versions()
+        self._timed("versions_s", t)
+        return versions
 
     def push(self, source: WeightSource, version: int) -> None:
         raise NotImplementedError
 
     def named_buckets(self, source: WeightSource) -> list[NamedTensors]:
-        return list(buckets(source.export_weights().items(), self.bucket_bytes))
+        """The source's weights in buckets; `export_s` is the export's time (for megatron a
+        collective: gathering TP shards and PP stages, with every rank joining it)."""
+        start = time.perf_counter()
+        groups = list(buckets(source.export_weights().items(), self.bucket_bytes))
+        self._timed("export_s", start)
+        self.timings["buckets"] = float(len(groups))
+        self.timings["bytes"] = float(sum(t.numel() * t.element_size() for g in groups for _, t in g))
+        return groups
 
 
 class TensorWeightSender(_HTTPSender):
@@ -235,7 +267,9 @@ class DistributedWeightSender(_HTTPSender):
 
         A restarted trainer finds the engines still in its predecessor's group of the same
         name (SGLang refuses a second one: "already registered"), so each engine is first
-        asked to drop it; without one that is a 400, ignored."""
+        asked to drop it; without one that is a 400, ignored. Its seconds are the next
+        update's `connect_s`."""
+        start = time.perf_counter()
         for leftover in self.post_async(
             "/destroy_weights_update_group", {"group_name": self.group_name, "abort": True}
         ):
@@ -262,11 +296,19 @@ class DistributedWeightSender(_HTTPSender):
         )
         for join in joins:
             join.result()
+        self._connect_s = time.perf_counter() - start
+        self.timings = {"connect_s": self._connect_s}
 
     def push(self, source: WeightSource, version: int) -> None:
+        """Per bucket: `to_device_s` the copy onto the group's device (megatron exports on
+        the CPU), `broadcast_s` rank 0's broadcast until it is done (the first one also sets
+        up the communicator: NCCL does that at a group's first collective, so a first
+        `first_broadcast_s` far above the later ones' is that set-up), `engines_s` the wait for
+        the engines' answers after it (their copy into the model, after the step they are
+        in)."""
         if self.group is None:
             raise WeightSyncError("connect() the distributed weight sender first")
-        for bucket in self.named_buckets(source):
+        for i, bucket in enumerate(self.named_buckets(source)):
             body = {
                 "names": [n for n, _ in bucket],
                 "dtypes": [dtype_name(t.dtype) for _, t in bucket],
@@ -276,9 +318,18 @@ class DistributedWeightSender(_HTTPSender):
                 "flush_cache": False,
             }
             pending = self.post_async("/update_weights_from_distributed", body)
-            self.group.broadcast([t.detach().to(self.group.device).contiguous() for _, t in bucket])
+            start = time.perf_counter()
+            tensors = [w.detach().to(self.group.device).contiguous() for _, w in bucket]
+            start = self._timed("to_device_s", start)
+            self.group.broadcast(tensors)
+            if self.group.device.type == "cuda":  # NCCL's wait() only orders the stream
+                torch.cuda.synchronize(self.group.device)
+            if i == 0:
+                self.timings["first_broadcast_s"] = time.perf_counter() - start
+            start = self._timed("broadcast_s", start)
             for request in pending:
                 request.result()
+            self._timed("engines_s", start)
 
     def close(self) -> None:
         if self.group is not None:

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.inference.engine_actor import EngineActor
+from engines.weights.hf_export import engine_state_dict
 from engines.weights.sender import (
     DiskWeightSender,
     DistributedWeightSender,
@@ -33,6 +34,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 ENGINE_SCRIPT = """
 import sys, torch
 from engines.inference.engine_actor import EngineActor
+from engines.weights.hf_export import engine_state_dict
 from flows.config import EngineConfig
 actor = EngineActor(EngineConfig(backend="embedded", model_path=sys.argv[1]), 0, num_threads=1)
 print(actor.url(), flush=True)
@@ -183,3 +185,32 @@ def test_disk_fallback_and_config_registry(
     assert isinstance(build_weight_sender(cfg, [engine.url()]), DiskWeightSender)
     with pytest.raises(ValueError, match="at least one engine"):
         build_weight_sender(TrainConfig(weight_sync="tensor"), [])
+
+
+def test_distributed_update_reaches_two_engines_and_says_where_its_seconds_went(
+    model_dir: str,
+) -> None:
+    """One process group, trainer rank 0 and two engines (ranks 1, 2), as a disaggregated run
+    with `engine.num_engines=2` has it: both engines end with the trainer's weights and
+    version, and the sender's `timings` break the update down (the flow stores them as
+    `broadcast_weights/push/*`)."""
+    model = perturbed(model_dir, seed=4)
+    with embedded_engine(model_dir) as first, embedded_engine(model_dir) as second:
+        urls = [first.url(), second.url()]
+        sender = DistributedWeightSender(urls, bucket_bytes=64 * 1024, backend="gloo")
+        try:
+            sender.connect()
+            assert set(sender.timings) == {"connect_s"}
+            assert sender.update(model, version=3) == [3, 3]
+            check_weight_update_equal(model, urls)
+            first_push = dict(sender.timings)
+            assert sender.update(model, version=4) == [4, 4]
+        finally:
+            sender.close()
+    assert {"connect_s", "pause_s", "export_s", "to_device_s", "broadcast_s",
+            "first_broadcast_s", "engines_s", "push_s", "flush_s", "continue_s",
+            "versions_s", "buckets", "bytes"} <= set(first_push)
+    assert "connect_s" not in sender.timings  # only the push that set the group up has one
+    assert first_push["buckets"] > 1 and first_push["bytes"] == sum(
+        t.numel() * t.element_size() for t in engine_state_dict(model).values())
+    assert all(v >= 0 for v in first_push.values())

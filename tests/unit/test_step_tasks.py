@@ -4,6 +4,7 @@ no Prefect server. Storage and config are real."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -223,6 +224,17 @@ def test_sync_engine_weights_over_http_hands_the_trainer_every_engine_url():
     assert record == BroadcastRecord(weight_version=1, engines_updated=1)
     assert actors.trainer.calls[-1] == (
         "push_weights", (["http://127.0.0.1:30000", "http://127.0.0.1:30001"],))
+
+
+def test_sync_engine_weights_over_http_keeps_where_the_push_spent_its_seconds():
+    actors = fake_actors(engine_versions=(0, 0), trainer_version=1)
+    timings = {"connect_s": 0.5, "export_s": 0.25, "broadcast_s": 0.125, "total_s": 1.0}
+    actors.trainer.push_timings = SimpleNamespace(remote=lambda: dict(timings))
+    record = t.sync_engine_weights(actors, weight_sync="distributed")
+    assert record.push == timings
+    metrics = record.to_metrics()
+    assert {k: metrics[f"broadcast_weights/push/{k}"] for k in timings} == timings
+    assert BroadcastRecord.from_json(record.to_json()) == record
 
 
 def test_broadcast_follows_the_weight_push_schedule(tmp_path):
