@@ -7,6 +7,8 @@ parts on a 2-GPU machine; each also runs on a CPU (`--quick`, gloo instead of NC
     python scripts/gpu/e2e.py arithmetic --family qwen3_moe --backend megatron \
         --set train.expert_parallel=2 ...                              # (e) the same, MoE
     python scripts/gpu/e2e.py qwen [--colocate]                       # (b), (c)
+    python scripts/gpu/e2e.py qwen --backend megatron --run-name ... \
+        --set train.tensor_parallel=2 --set engine.num_engines=2 ...    # (f)
 
 Everything printed comes from what the flow stored: each step's metrics.json (the per-task
 seconds `time/<task>`, tokens/s, weight-sync seconds), train.arrow (tokens per sample, for
@@ -113,7 +115,40 @@ def print_table(title: str, rows: list[dict[str, Any]], model_dir: str, peak_tfl
         "logprob_abs_diff": [round(m.get("train/rollout_logprob_abs_diff", 0.0), 5) for m in rows],
     }
     print("summary " + json.dumps(summary))
+    print_push(rows)
     return summary
+
+
+PUSH = ("connect_s", "pause_s", "export_s", "to_device_s", "first_broadcast_s", "broadcast_s",
+        "engines_s", "flush_s", "continue_s", "versions_s", "total_s")
+
+
+def print_push(rows: list[dict[str, Any]]) -> None:
+    """Where each step's weight push over HTTP spent its seconds (`broadcast_weights/push/*`,
+    the trainer's sender: connect_s is the group set-up, at the first push only; export_s the
+    (collective) export; first_broadcast_s the first bucket's broadcast, which also sets up
+    NCCL's communicator; engines_s the engines' answers after the broadcasts), next to the
+    task's own seconds (w-sync), and the engines the step had and updated."""
+    if not any(k.startswith("broadcast_weights/push/") for m in rows for k in m):
+        return
+    print("\n=== weight push per step, seconds (broadcast_weights/push/*) ===")
+    short = {"first_broadcast_s": "1st-bcast", "to_device_s": "to-device"}
+    head = ["step", "w-sync", *(short.get(k, k.removesuffix("_s")) for k in PUSH), "buckets",
+            "MB", "n-engines", "updated"]
+    print(" | ".join(f"{h:>9}" for h in head))
+    for m in rows:
+        push = {k: m.get(f"broadcast_weights/push/{k}") for k in (*PUSH, "buckets", "bytes")}
+        cells = [m["rollout_id"], m.get("time/broadcast_weights", 0.0), *(push[k] for k in PUSH),
+                 None if push["buckets"] is None else int(push["buckets"]),
+                 None if push["bytes"] is None else push["bytes"] / 1e6,
+                 int(m.get("rollout/engines", 0)), int(m.get("broadcast_weights/engines_updated", 0))]
+        print(" | ".join("        -" if c is None else f"{c:>9.4g}" if isinstance(c, float)
+                         else f"{c:>9}" for c in cells))
+    first = {k: round(v, 3) for k in PUSH
+             if (v := rows[0].get(f"broadcast_weights/push/{k}")) is not None}
+    print("first push " + json.dumps({"step": rows[0]["rollout_id"],
+                                      "w_sync_s": round(rows[0].get("time/broadcast_weights", 0.0), 3),
+                                      **first}))
 
 
 def load(name: str, overrides: list[str]) -> Any:
@@ -205,12 +240,13 @@ def qwen(args: argparse.Namespace) -> None:
     data = write_datasets(str(art / "data"), n_train=4000, n_test=500, n_sft=1000)
     model = save_qwen2_shaped(Path(args.work, "qwen2-0.5b-shaped" + ("-quick" if args.quick else "")),
                               args.quick)
-    name = "qwen2-grpo-colocate" if args.colocate else "qwen2-grpo"
+    name = args.run_name or ("qwen2-grpo-colocate" if args.colocate else "qwen2-grpo")
     cfg = load("grpo", [
         f"storage.uri={Path(args.work, 'runs')}", f"storage.run_name={name}", "eval.datasets=[]",
         f"data.prompt_data={data['train']}", f"train.model_path={model}",
         f"rollout.num_rollout={args.steps}", f"rollout.rollout_batch_size={args.prompts}",
         "rollout.n_samples_per_prompt=8", f"rollout.max_response_len={args.response_len}",
+        f"train.backend={args.backend}",
         f"train.global_batch_size={args.prompts * 8 // 2}", "train.lr=1e-6",
         f"train.max_tokens_per_micro_batch={args.micro_tokens}",
         f"train.dtype={args.dtype}", f"engine.dtype={args.dtype}",
@@ -223,11 +259,22 @@ def qwen(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     res = train(cfg)
     seconds = time.perf_counter() - t0
-    title = "qwen2-0.5B-shaped GRPO, " + ("colocated on one GPU" if args.colocate else
-                                          "trainer GPU 0, engine GPU 1")
-    summary = print_table(title, step_rows(res["run_dir"]), model, args.peak_tflops)
+    c = cfg.cluster
+    gpus = c.actor_num_nodes * c.actor_num_gpus_per_node
+    engines = cfg.engine.num_engines
+    if args.colocate:
+        where = "colocated on one GPU"
+    elif gpus == 1 and engines == 1:
+        where = "trainer GPU 0, engine GPU 1"
+    else:
+        where = (f"{args.backend} trainer TP={cfg.train.tensor_parallel} on {gpus} GPUs, "
+                 f"{engines} engines on their own GPUs"
+                 + (" behind sglang-router" if cfg.rollout.use_router else ""))
+    summary = print_table("qwen2-0.5B-shaped GRPO, " + where, step_rows(res["run_dir"]), model,
+                          args.peak_tflops, gpus)
     print("result " + json.dumps({**summary, "flow_s": round(seconds, 1),
-                                  "weight_sync": cfg.train.weight_sync}))
+                                  "weight_sync": cfg.train.weight_sync, "engines": engines,
+                                  "router": cfg.rollout.use_router}))
 
 
 def main() -> None:
@@ -241,6 +288,8 @@ def main() -> None:
                     help="arithmetic: SFT warm-start steps (default: sft.yaml's)")
     ap.add_argument("--weight-sync", default="distributed", choices=["distributed", "tensor", "disk"])
     ap.add_argument("--colocate", action="store_true")
+    ap.add_argument("--run-name", default=None, help="qwen: the run's name (default: "
+                    "qwen2-grpo, or qwen2-grpo-colocate)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step (8 samples each)")
     ap.add_argument("--response-len", type=int, default=256)

@@ -18,6 +18,12 @@
 #   (e) (d) for a tiny Qwen3-MoE (8 experts, 2 per token) with expert parallelism instead of
 #       TP: a megatron EP=2 train group on both GPUs (4 experts each), its SFT warm start
 #       (2 steps, torch trainer) first (not run by default).
+#   (f) 4 GPUs (nvidia-h100-x4), disaggregated: (b)'s GRPO with a megatron TP=2 train group on
+#       GPUs 0-1 and two embedded engines on GPUs 2 and 3 behind the real sglang-router
+#       (rollout.use_router), weights over NCCL to both (`train.weight_sync=distributed`), 4
+#       steps (not run by default). Its second table breaks each step's push down
+#       (`broadcast_weights/push/*`: group set-up, the collective export, the first bucket's
+#       broadcast with NCCL's communicator set-up, the engines' apply).
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
 # run: bench/RESULTS.md, "GPU end to end".
@@ -40,8 +46,10 @@ WHEELS=${E2E_WHEELS:-.gpu_wheels}
 PARTS=${*:-a b c}
 SITE=/tmp/site
 
-if [ -f "$WHEELS/g/site.tar.xz" ] && [ ! -d "$SITE/ray" ]; then
-  mkdir -p "$SITE" && tar -C "$SITE" -xJf "$WHEELS/g/site.tar.xz" || exit 1
+# unpacked again when the pack changed (a warm machine keeps /tmp/site between calls)
+STAMP=$SITE/.site-$(stat -c %s "$WHEELS/g/site.tar.xz" 2>/dev/null)
+if [ -f "$WHEELS/g/site.tar.xz" ] && [ ! -f "$STAMP" ]; then
+  rm -rf "$SITE" && mkdir -p "$SITE" && tar -C "$SITE" -xJf "$WHEELS/g/site.tar.xz" && touch "$STAMP" || exit 1
 fi
 MCORE=$(ls "$WHEELS"/*/megatron_core*.whl 2>/dev/null | head -n 1)
 if [ -n "$MCORE" ] && [ ! -d "$SITE/megatron" ]; then
@@ -54,7 +62,8 @@ $PY - <<'EOF' 2>&1 | tee "$LOG/env.log"
 import importlib.util, torch, transformers, ray, prefect, pydantic
 print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "transformers",
       transformers.__version__, "ray", ray.__version__, "prefect", prefect.__version__,
-      "megatron-core", importlib.util.find_spec("megatron") is not None)
+      "megatron-core", importlib.util.find_spec("megatron") is not None,
+      "sglang-router", importlib.util.find_spec("sglang_router") is not None)
 EOF
 T0=$(date +%s)
 $PY -m flows.cli cluster up > "$LOG/cluster.log" 2>&1
@@ -65,7 +74,7 @@ run() {  # name, timeout (s), the runs it makes (comma-separated), e2e.py argume
   local t=$(date +%s)
   timeout "$limit" $PY scripts/gpu/e2e.py "$@" ${E2E_ARGS:-} > "$LOG/$name.log" 2>&1
   echo "== $name rc=$? ($(( $(date +%s) - t )) s): e2e.py $*" | tee -a "$LOG/summary.txt"
-  grep -E "^ +(step|[0-9]+) \||^summary|^held-out|^SFT|Error|error:" "$LOG/$name.log" | tail -n 40 | tee -a "$LOG/summary.txt"
+  grep -E "^ +(step|[0-9]+) \||^summary|^first push|^held-out|^SFT|Error|error:" "$LOG/$name.log" | tail -n 40 | tee -a "$LOG/summary.txt"
   # a failed run keeps its actors (and GPUs) for a rerun: free them for the next part
   for r in ${runs//,/ }; do $PY -m flows.cli runs stop "$r" >> "$LOG/cluster.log" 2>&1; done
 }
@@ -88,6 +97,10 @@ for part in $PARTS; do
        run e_ep2 "${T_E:-300}" arithmetic-grpo-megatron-qwen3_moe arithmetic "${EP2[@]}" --set rollout.num_rollout=6
        run e_ep2_resume "${T_E:-300}" arithmetic-grpo-megatron-qwen3_moe arithmetic "${EP2[@]}" --set rollout.num_rollout=8
        grep -hE "rebuilt|replayed|restored|checkpoint" "$LOG"/e_ep2_resume.log | head -n 5 ;;
+    f) TP2X2=(--backend megatron --run-name qwen2-grpo-tp2-2engines --set train.tensor_parallel=2
+              --set cluster.actor_num_gpus_per_node=2 --set engine.num_engines=2
+              --set cluster.rollout_num_gpus=2 --set rollout.use_router=true)
+       run f_tp2_2engines "${T_F:-360}" qwen2-grpo-tp2-2engines qwen "${TP2X2[@]}" ;;
   esac
 done
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1

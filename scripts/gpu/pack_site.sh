@@ -5,7 +5,10 @@
 #
 # The cp312 manylinux wheels are installed here into a target directory (pip installs for
 # another platform with --target), then what rollflow never imports is dropped: Ray's Java
-# worker (ray/jars, 31 MiB compressed), RLlib, Data, Tune, Train and LLM. Scripts get a
+# worker (ray/jars, 31 MiB compressed), RLlib, Data, Tune, Train and LLM; the web UIs of
+# Prefect's server and Ray's dashboard (rollflow's ephemeral Prefect server and local Ray head
+# serve none); the symbol tables of Ray's and the router's binaries (strip --strip-unneeded:
+# 35 MiB of Ray's 119, 21 of the router's 92; Ray still runs). Scripts get a
 # `python3` shebang. xz packs the binaries (raylet, gcs_server) far tighter than a wheel's
 # zip: the repacked Ray wheel alone would be 44.6 MiB, this whole set is 49 MiB.
 # On the GPU machine: `tar -C /tmp/site -xJf site.tar.xz`, PYTHONPATH=/tmp/site, PATH+=
@@ -98,10 +101,15 @@ tzlocal==5.4.5
 uncalled-for==0.6.1
 watchfiles==1.3.0
 websockets==16.1.1
+sglang-router==0.3.2
+setproctitle==1.3.8
 EOF
 "$PIP" download -q --no-deps "${PLAT[@]}" -d "$WORK/dl" -r "$WORK/need.txt"
 "$PIP" install -q --no-index --no-deps --no-compile "${PLAT[@]}" --target "$WORK/site" "$WORK"/dl/*.whl
 rm -rf "$WORK"/site/ray/{jars,rllib,data,tune,train,llm} "$WORK"/site/bin/{tune,serve}
+rm -rf "$WORK"/site/prefect/server/{ui,ui-v2} "$WORK"/site/ray/dashboard/client
+strip --strip-unneeded "$WORK"/site/ray/_raylet.so "$WORK"/site/ray/core/src/ray/{gcs/gcs_server,raylet/raylet} \
+  "$WORK"/site/sglang_router/sglang_router_rs.abi3.so
 for f in "$WORK"/site/bin/*; do sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' "$f"; done
 mkdir -p .gpu_wheels/g
 tar -C "$WORK/site" -cf - . | xz -9 -T0 > .gpu_wheels/g/site.tar.xz
