@@ -18,7 +18,8 @@ OpenMP threads sleep while idle (`OMP_WAIT_POLICY=PASSIVE` unless set): spinning
 a shared machine made both sides far slower and the figures mostly noise (bench/RESULTS.md,
 "Embedded engine vs HF generate").
 On a GPU (`--device cuda`) the engine runs its CUDA-graph decode turns (`engine
-eager`: the same engine with `engine.disable_cuda_graph`) against HF `generate` with its
+compiled`: with `engine.enable_torch_compile`; `engine eager`: with
+`engine.disable_cuda_graph`) against HF `generate` with its
 dynamic and its static cache, all in `--dtype`; the greedy and log-prob checks run first
 on the first `--check-rows` rows in float32 (in bfloat16 a random model's near-flat logits
 make greedy choices a coin toss between two kernels' roundings). `--model qwen2-0.5b`
@@ -264,14 +265,15 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
     random_len = args.prompt_len if args.model == QWEN2_05B else 0
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
 
-    def engine(dtype_name: str, eager: bool = False) -> EngineActor:
+    def engine(dtype_name: str, eager: bool = False, compiled: bool = False) -> EngineActor:
         return EngineActor(EngineConfig(backend="embedded", model_path=model_dir,
                                         dtype=dtype_name, device="cuda",
-                                        disable_cuda_graph=eager), 0, 1)  # fmt: skip
+                                        disable_cuda_graph=eager,
+                                        enable_torch_compile=compiled), 0, 1)  # fmt: skip
 
     print(f"model {model_dir}, {torch.cuda.get_device_name()}, {args.dtype}, "
           f"{args.new_tokens} new tokens/request, medians of {args.repeats}")
-    names = ("engine", "engine eager", "HF dynamic", "HF static")
+    names = ("engine", "engine compiled", "engine eager", "HF dynamic", "HF static")
     print(f"{'batch':>6} " + " ".join(f"{n + ' tok/s':>18}" for n in names) + "  checks")
     failed = False
     for batch in args.batch_sizes:
@@ -284,14 +286,15 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
         finally:
             actor.shutdown()
         model = model.to(dtype)
-        actors = (engine(args.dtype), engine(args.dtype, eager=True))
+        actors = (engine(args.dtype), engine(args.dtype, compiled=True),
+                  engine(args.dtype, eager=True))
         try:
             runners: list[Callable[[], list[Any]]] = [
                 EngineRunner(a.url(), ids, args.new_tokens, 1.0) for a in actors]
             runners += [hf_runner(model, pad, ids, args.new_tokens, True, cache)
                         for cache in ("dynamic", "static")]
             for run in runners:
-                run()  # warm-up (a graph capture, HF's static cache)
+                run()  # warm-up (graph capture, torch.compile, HF's static cache)
             rates: list[list[float]] = [[] for _ in runners]
             for _ in range(args.repeats):
                 for run, out in zip(runners, rates, strict=True):

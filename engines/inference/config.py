@@ -40,6 +40,12 @@ class EngineConfig(Section):
         description="Embedded engine on a GPU: decode every step from Python instead of "
         "replaying a captured CUDA graph of it (SGLang's --disable-cuda-graph).",
     )
+    enable_torch_compile: bool = Field(
+        False,
+        description="Embedded engine on a GPU: run the captured decode step's layers "
+        "through torch.compile (SGLang's --enable-torch-compile); the first batch waits for "
+        "the compile. Its effect: bench/RESULTS.md, \"Embedded engine vs HF generate on a GPU\".",
+    )
     batch_invariant: bool | None = Field(
         None,
         description="Embedded engine: compute each request's logits and log-probs in a fixed "

@@ -65,11 +65,14 @@ class _CapturedStep:
 class CudaGraphTurns:
     """`LlamaDecoder.decode_steps` for a model on a GPU: a turn of steps as graph replays.
     `capture=False` runs the same step eagerly each time (the CPU tests of the turn logic,
-    and a way to tell a graph's fault from the step's)."""
+    and a way to tell a graph's fault from the step's); `compile` runs its layers through
+    torch.compile (`LlamaDecoder.compile_layers`)."""
 
-    def __init__(self, decoder: LlamaDecoder, capture: bool = True) -> None:
+    def __init__(self, decoder: LlamaDecoder, capture: bool = True, compile: bool = False) -> None:
         self.decoder = decoder
         self.capture = capture
+        if compile:
+            decoder.compile_layers()
         self._step: _CapturedStep | None = None
         self.captures = 0  # graphs captured so far (a test and the bench read it)
 

@@ -78,6 +78,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         continuous_steps: int = 1,
         batch_invariant: bool = False,
         cuda_graph: bool = True,
+        torch_compile: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -92,6 +93,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.model.eval().requires_grad_(False)
         self.batch_invariant = batch_invariant
         self.cuda_graph = cuda_graph
+        self.torch_compile = torch_compile
         self._make_decoder()
         if batch_invariant and not self._invariant_decoder():
             log.warning("engine.batch_invariant: %s is not a float32 Llama-layout model on a CPU "
@@ -204,7 +206,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self._decoder = make_decoder(self.model, self.batch_invariant)
         self._graphs = None
         if self.cuda_graph and self.device.type == "cuda" and isinstance(self._decoder, LlamaDecoder):
-            self._graphs = CudaGraphTurns(self._decoder)
+            self._graphs = CudaGraphTurns(self._decoder, compile=self.torch_compile)
 
     def _require_weights(self) -> None:
         if self._weights_backup is not None:

@@ -43,6 +43,7 @@ def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Gene
         continuous_steps=config.num_continuous_decode_steps,
         batch_invariant=bool(config.batch_invariant),
         cuda_graph=not config.disable_cuda_graph,
+        torch_compile=config.enable_torch_compile,
     )
 
 

@@ -28,6 +28,8 @@ rollout). The cost is in bench/RESULTS.md ("Deterministic mode").
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +39,8 @@ from transformers import DynamicCache
 
 from engines.inference import fused_decode
 from engines.inference.sampling import SamplingRows
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 64  # columns added when a cache fills up (plus half its size, for amortized growth)
 
@@ -272,6 +276,7 @@ class LlamaDecoder:
         on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         self._fused = fused_decode.load() if use_fused and on_cpu else None  # no build for GPUs
         self._fused_weights: tuple[list[torch.Tensor], list[float]] | None = None
+        self._layer_fn: Callable[..., torch.Tensor] = _decode_layer
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -485,32 +490,79 @@ class LlamaDecoder:
         """The layers and head for one token per row, storing its keys and values at `col`:
         an int (attention reads columns up to it) or a 1-element device tensor (it reads
         every column; `bias` masks those not written yet)."""
-        rows, d = tokens.shape[0], self.head_dim
-        heads, qk = self.heads, self.heads + self.kv_heads
         embed, norm, eps, lm_head, lm_bias = self._head
         x = F.embedding(tokens, embed)
+        layer = self._layer_fn
         for w, kv in zip(self._layers, kv_layers, strict=True):
-            h = _rms_norm(x, w.norm1, w.eps1)
-            qkv = F.linear(h, w.qkv, w.qkv_bias).view(rows, -1, 1, d)  # heads q | k | v
-            q_k = qkv[:, :qk]
-            if w.q_norm is not None and w.k_norm is not None:  # Qwen3, before RoPE
-                q_k[:, :heads] = _rms_norm(q_k[:, :heads], w.q_norm, w.qk_eps)
-                q_k[:, heads:] = _rms_norm(q_k[:, heads:], w.k_norm, w.qk_eps)
-            rot = q_k.roll(d // 2, -1)
-            torch.addcmul(q_k * cos, rot, sin, out=q_k)  # RoPE on q and k heads, in place
-            new = qkv[:, heads:].view(rows, 2, self.kv_heads, d).transpose(1, 2)
-            if isinstance(col, int):
-                kv.select(3, col).copy_(new)
-                keys, values = kv.narrow(3, 0, col + 1).unbind(2)
-            else:
-                kv.index_copy_(3, col, new.unsqueeze(3))
-                keys, values = kv.unbind(2)
-            out = _decode_attention(qkv[:, :heads], keys, values, bias, w.scaling)
-            x = torch.addmm(x, out.view(rows, -1), w.o_t)
-            h = _rms_norm(x, w.norm2, w.eps2)
-            gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), w.down_t)
+            x = layer(x, kv, cos, sin, bias, col, w.norm1, w.qkv, w.qkv_bias, w.o_t, w.norm2,
+                      w.gate_up, w.gate_up_bias, w.down_t, w.q_norm, w.k_norm, w.eps1, w.eps2,
+                      w.qk_eps, w.scaling, self.heads, self.kv_heads)  # fmt: skip
         return F.linear(_rms_norm(x, norm, eps), lm_head, lm_bias)
+
+    def compile_layers(self) -> None:
+        """Run each layer through `torch.compile` (one compiled function for all layers and
+        all decoders of the process, dynamic in rows and cache columns): its ~30 small
+        kernels a layer fuse into a few, on a GPU where a step is launch- and memory-bound
+        (`cuda_graph_decode`). A failed compile warns and keeps the eager layer."""
+        compiled = _compiled_layer()
+
+        def layer(*args: Any) -> torch.Tensor:
+            if self._layer_fn is layer:
+                try:
+                    return compiled(*args)
+                except Exception as err:  # noqa: BLE001 - any compiler failure: stay eager
+                    log.warning("decode step: torch.compile failed (%r); eager layers", err)
+                    self._layer_fn = _decode_layer
+            return _decode_layer(*args)
+
+        self._layer_fn = layer
+
+
+_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def _compiled_layer() -> Callable[..., torch.Tensor]:
+    """`_decode_layer` through torch.compile, made once: a decoder rebuilt after a memory
+    release (every colocated step) reuses its compiled code."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_decode_layer, dynamic=True))
+    return _COMPILED[0]
+
+
+def _decode_layer(
+    x: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    bias: torch.Tensor | None, col: int | torch.Tensor, norm1: torch.Tensor, qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None, o_t: torch.Tensor, norm2: torch.Tensor, gate_up: torch.Tensor,
+    gate_up_b: torch.Tensor | None, down_t: torch.Tensor, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, eps1: float, eps2: float, qk_eps: float, scaling: float,
+    heads: int, kv_heads: int,
+) -> torch.Tensor:
+    """One layer for one token per row (`_Layer`'s weights), storing its keys and values
+    at `col` of `kv`: an int (attention reads columns up to it) or a 1-element device tensor
+    (it reads every column; `bias` masks those not written yet). Plain tensor arguments, so
+    that `torch.compile` takes it whole."""
+    rows, d = x.shape[0], kv.shape[-1]
+    qk = heads + kv_heads
+    h = _rms_norm(x, norm1, eps1)
+    qkv = F.linear(h, qkv_w, qkv_b).view(rows, -1, 1, d)  # heads q | k | v
+    q_k = qkv[:, :qk]
+    if q_norm is not None and k_norm is not None:  # Qwen3, before RoPE
+        q_k[:, :heads] = _rms_norm(q_k[:, :heads], q_norm, qk_eps)
+        q_k[:, heads:] = _rms_norm(q_k[:, heads:], k_norm, qk_eps)
+    rot = q_k.roll(d // 2, -1)
+    q_k.copy_(torch.addcmul(q_k * cos, rot, sin))  # RoPE on q and k heads (no `out=`: compiles)
+    new = qkv[:, heads:].view(rows, 2, kv_heads, d).transpose(1, 2)
+    if isinstance(col, int):
+        kv.select(3, col).copy_(new)
+        keys, values = kv.narrow(3, 0, col + 1).unbind(2)
+    else:
+        kv.index_copy_(3, col, new.unsqueeze(3))
+        keys, values = kv.unbind(2)
+    out = _decode_attention(qkv[:, :heads], keys, values, bias, scaling)
+    x = torch.addmm(x, out.view(rows, -1), o_t)
+    h = _rms_norm(x, norm2, eps2)
+    gate, up = F.linear(h, gate_up, gate_up_b).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate, inplace=True).mul_(up), down_t)
 
 
 class HFDecoder:

@@ -141,3 +141,27 @@ def test_the_gpu_engine_takes_graph_turns_unless_disabled(tiny_model_dir: str) -
     config = EngineConfig(backend="embedded", model_path=tiny_model_dir, disable_cuda_graph=True)
     generator = GENERATOR_BACKENDS["embedded"](config, 0, 1)
     assert isinstance(generator, EmbeddedGenerator) and not generator.cuda_graph
+
+
+def test_a_failed_compile_falls_back_to_the_eager_layer(
+    tiny_model_dir: str, one_thread: None, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`engine.enable_torch_compile` where the compiler fails (no triton, a new op): one
+    warning, then the same outputs from the eager layers."""
+    from engines.inference import kv_decode
+
+    calls: list[int] = []
+
+    def broken(*args: object) -> torch.Tensor:
+        calls.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(kv_decode, "_compiled_layer", lambda: broken)
+    gen = graph_turns(EmbeddedGenerator(tiny_model_dir, num_threads=1, device="cpu"))
+    want = gen.generate(mixed_requests(gen))
+    assert gen._graphs is not None
+    gen._graphs.decoder.compile_layers()
+    got = gen.generate(mixed_requests(gen))
+    assert outputs(got) == outputs(want) and calls == [1]
+    assert "torch.compile failed" in caplog.text
