@@ -525,7 +525,17 @@ def _compiled_layer() -> Callable[..., torch.Tensor]:
     """`_decode_layer` through torch.compile, made once: a decoder rebuilt after a memory
     release (every colocated step) reuses its compiled code."""
     if not _COMPILED:
-        _COMPILED.append(torch.compile(_decode_layer, dynamic=True))
+        compiled = torch.compile(_decode_layer, dynamic=True)
+        from torch.fx.experimental import _config as shapes
+
+        def general(*args: Any) -> torch.Tensor:
+            # rows and cache columns are not tied to another size they happen to equal
+            # (duck shapes: each coincidence, as rows shrink while requests end, cost a
+            # recompile); one row is still a compile of its own
+            with shapes.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+                return compiled(*args)
+
+        _COMPILED.append(general)
     return _COMPILED[0]
 
 
