@@ -17,37 +17,16 @@ checkpoint plus replay before training again instead of training on half-updated
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-import torch
-from torch import Tensor
+from engines.weights.finite import NonFiniteError, check_finite, nonfinite_names
+
+__all__ = ["STALE_VERSION", "NonFiniteError", "check_finite", "nonfinite_names", "stale_on_failure"]
 
 STALE_VERSION = -1
 """The weight version of a backend whose train() failed after changing its weights."""
-
-
-class NonFiniteError(FloatingPointError):
-    """A loss, gradient or weight that is NaN or inf, where continuing would store or
-    broadcast it. The run stays resumable: nothing corrupt was checkpointed."""
-
-
-def nonfinite_names(named: Iterable[tuple[str, Tensor]]) -> list[str]:
-    """Names of the tensors holding any NaN or inf (one device-to-host read for all)."""
-    pairs = list(named)
-    if not pairs:
-        return []
-    finite = torch.stack([torch.isfinite(t).all().to(pairs[0][1].device) for _, t in pairs])
-    return [name for (name, _), ok in zip(pairs, finite.tolist(), strict=True) if not ok]
-
-
-def check_finite(named: Iterable[tuple[str, Tensor]], what: str) -> None:
-    """Raise `NonFiniteError` naming (the first few of) the non-finite tensors of `what`."""
-    bad = nonfinite_names(named)
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN/inf ({shown})")
 
 
 class Versioned(Protocol):

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from engines.process import free_port
 from engines.weights.cuda_ipc import FLATTENED_BUCKET, serialize_bucket
+from engines.weights.finite import check_finite
 from engines.weights.hf_export import NotHFModelError, engine_state_dict, save_hf
 from engines.weights.sync import (
     NamedTensors,
@@ -225,8 +226,7 @@ class TensorWeightSender(_HTTPSender):
         for named in by_dtype.values():
             entries, flat = serialize_bucket(named, self.tp_size)
             if flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
-                bad = [n for n, t in named if not bool(torch.isfinite(t).all())]
-                raise WeightSyncError(f"weights for the engines hold NaN/inf: {bad[:5]}")
+                check_finite(named, "weights for the engines")  # names them and raises
             self._held.append(flat)
             requests.append((FLATTENED_BUCKET, entries))
         return requests
