@@ -25,6 +25,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -60,6 +61,14 @@ def engine_device(choice: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 _ABORT = {"type": "abort", "message": "Abort before decoding finished."}
 _PARALLEL_ELEMENTS = 4_096  # tokens x hidden size of a forward below which it uses one thread
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedWeights:
+    """Where `release_memory` put the weights: a local file (CPU engines), or (`file` None)
+    the pinned host buffers a GPU engine keeps between releases."""
+
+    file: str | None
 
 
 class EmbeddedGenerator(GeneratorIdentity):
@@ -112,7 +121,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self._rng = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
         self._version = 0
-        self._weights_backup: str | None = None  # "pinned", or the file the weights wait in
+        self._released: ReleasedWeights | None = None  # where released weights wait
         self._pinned: dict[str, torch.Tensor] = {}
 
     # -- weights ---------------------------------------------------------------------------
@@ -161,7 +170,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         the next (a colocated step releases and resumes every step: a round trip through a
         file cost ~1 s for 1.2 GB, bench/RESULTS.md); on a CPU in a local file."""
         with self._lock:
-            if "weights" not in tags or self._weights_backup is not None:
+            if "weights" not in tags or self._released is not None:
                 return
             params = dict(self.model.named_parameters())
             if self.device.type == "cuda":
@@ -172,12 +181,12 @@ class EmbeddedGenerator(GeneratorIdentity):
                             p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
                     held.copy_(p.data, non_blocking=True)
                 torch.cuda.synchronize()
-                self._weights_backup = "pinned"
+                self._released = ReleasedWeights(file=None)
             else:
                 fd, path = tempfile.mkstemp(prefix="rollflow-weights-", suffix=".pt")
                 os.close(fd)
                 torch.save({n: p.data for n, p in params.items()}, path)
-                self._weights_backup = path
+                self._released = ReleasedWeights(file=path)
             for p in params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._make_decoder()  # drops copies it made (fused weights, a captured graph)
@@ -186,19 +195,19 @@ class EmbeddedGenerator(GeneratorIdentity):
 
     def resume_memory(self, tags: Collection[str]) -> None:
         with self._lock:
-            backup = self._weights_backup
-            if "weights" not in tags or backup is None:
+            released = self._released
+            if "weights" not in tags or released is None:
                 return
-            if backup == "pinned":
+            if released.file is None:
                 for name, p in self.model.named_parameters():
                     p.data = self._pinned[name].to(self.device, non_blocking=True)
                 torch.cuda.synchronize()
             else:
-                saved = torch.load(backup, map_location=self.device, weights_only=True)
+                saved = torch.load(released.file, map_location=self.device, weights_only=True)
                 for name, p in self.model.named_parameters():
                     p.data = saved[name].to(p.device)
-                os.remove(backup)
-            self._weights_backup = None
+                os.remove(released.file)
+            self._released = None
 
     def _make_decoder(self) -> None:
         """The decode step for this model and device: on a GPU, turns of it replayed as a
@@ -209,7 +218,7 @@ class EmbeddedGenerator(GeneratorIdentity):
             self._graphs = CudaGraphTurns(self._decoder, compile=self.torch_compile)
 
     def _require_weights(self) -> None:
-        if self._weights_backup is not None:
+        if self._released is not None:
             raise RuntimeError("weights are released: resume_memory_occupation first")
 
     # -- generation ------------------------------------------------------------------------
