@@ -14,6 +14,7 @@ inherit it from the head.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import json
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -214,13 +217,28 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
     new one (if `start`)."""
     if cfg.address:
         return cfg.address
-    state = read_state()
-    if state and _alive(state["address"]):
-        check_environment(state)
-        check_head_usable(state)
-        check_auth(state)
-        return str(state["address"])
-    return start_local_head(cfg.num_cpus, cfg.num_gpus) if start else None
+    with _head_lock():
+        state = read_state()
+        if state and _alive(state["address"]):
+            check_environment(state)
+            check_head_usable(state)
+            check_auth(state)
+            return str(state["address"])
+        return start_local_head(cfg.num_cpus, cfg.num_gpus) if start else None
+
+
+@contextmanager
+def _head_lock() -> Iterator[None]:
+    """One process at a time looks for the local head and starts it if none answers: two
+    drivers started together, with no head running, each started one, and the state file
+    then named only the last, leaving the other running untracked."""
+    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with open(STATE_FILE.parent / "cluster.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def connect(cfg: ClusterConfig) -> str:
