@@ -50,6 +50,7 @@ from engines.train.megatron.hf_convert import (
 )
 from engines.train.megatron.model import transformer_config
 from engines.train.megatron.offload import Offloaded, move_frozen, offload_part, onload_part
+from engines.train.megatron.response_head import ResponseSlots
 from engines.train.optim_step import TRAINED_LOSS, check_loss, count_skip
 from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, MicroBatch, MicroBatchLoss, Part, Role
@@ -280,8 +281,10 @@ class MegatronTrainBackend:
         t, prefix, critic = self._parts()[part], PREFIX[part], part == "critic"
         entropy_grad = self.algo_cfg.entropy_coef != 0.0
 
-        def on_output(mb: MicroBatch, batch: PaddedBatch, output: Tensor) -> tuple[Tensor, Any]:
-            fwd = schedule.to_forward(batch, output, critic, self.temperature,
+        def on_output(
+            mb: MicroBatch, batch: PaddedBatch, slots: ResponseSlots, output: Tensor
+        ) -> tuple[Tensor, Any]:
+            fwd = schedule.to_forward(batch, slots, output, critic, self.temperature,
                                       entropy=not critic, entropy_grad=entropy_grad)
             loss, terms = loss_fn(mb.rows, fwd)
             if not mb.counted:

@@ -3,9 +3,9 @@ the shared step's response-space `Forward` (log-probs / entropy, or critic value
 
 `run` feeds token-budgeted micro-batches through `get_forward_backward_func()` (PP-aware),
 padded or (`packed`, train.pack_sequences) as one varlen row each (megatron's `thd`);
-`on_output(mb, batch, output)` runs on the last pipeline stage with the model's raw output,
-projected at the response slots only (`response_head`: `[1, B*R, V/tp]` logits, or
-`[1, B*R, 1]` values for the critic), and returns `(loss, result)`;
+`on_output(mb, batch, slots, output)` runs on the last pipeline stage with the model's raw
+output, projected at the batch's N real response slots only (`response_head`: `[1, N, V/tp]`
+logits, or `[1, N, 1]` values for the critic), and returns `(loss, result)`;
 the results come back in micro-batch order (empty on other stages). `score` splits the
 samples over DP ranks, runs forward-only and gives every rank every sample's tensor.
 Megatron is imported inside the functions.
@@ -22,14 +22,14 @@ from torch import Tensor
 from engines.train.batching import PaddedBatch, build_padded_batch
 from engines.train.megatron import parallel
 from engines.train.megatron.model import replayed_routing
-from engines.train.megatron.response_head import response_view, select_positions
+from engines.train.megatron.response_head import ResponseSlots, select_positions
 from engines.train.megatron.token_stats import token_stats
 from engines.train.packing import build_packed_batch
 from engines.train.routing_replay import build_replay_batch
 from engines.train.step_model import Forward, MicroBatch
 from storage.sample import Sample
 
-OnOutput = Callable[[MicroBatch, PaddedBatch, Tensor], tuple[Tensor, Any]]
+OnOutput = Callable[[MicroBatch, PaddedBatch, ResponseSlots, Tensor], tuple[Tensor, Any]]
 Replay = tuple[int, int] | None  # routing replay: (MoE layers, experts per token), or off
 
 
@@ -63,12 +63,14 @@ def packed_seq_params(batch: PaddedBatch, device: torch.device) -> Any:
 def _device_batches(
     samples: list[Sample], micro_batches: list[MicroBatch], pad_token_id: int, packed: bool,
     device: torch.device, replay: Replay = None,
-) -> Iterator[tuple[MicroBatch, PaddedBatch, Any]]:
-    """Each micro-batch built on the CPU when the schedule asks for it and copied without
-    waiting (pinned memory): building the next one overlaps the GPU's work on the last."""
+) -> Iterator[tuple[MicroBatch, PaddedBatch, ResponseSlots, Any]]:
+    """Each micro-batch (and its real response slots) built on the CPU when the schedule
+    asks for it and copied without waiting (pinned memory): building the next one overlaps
+    the GPU's work on the last."""
     for mb in micro_batches:
         batch = build_batch([samples[i] for i in mb.rows], pad_token_id, packed, replay)
-        yield mb, batch.to(device, non_blocking=True), packed_seq_params(batch, device)
+        slots = ResponseSlots.of(batch).to(device, non_blocking=True)
+        yield mb, batch.to(device, non_blocking=True), slots, packed_seq_params(batch, device)
 
 
 def run(
@@ -82,18 +84,18 @@ def run(
     device = parallel.current_device()
 
     def forward_step(data_iterator: Any, m: Any) -> tuple[Tensor, Any]:
-        mb, batch, seq_params = next(data_iterator)
+        mb, batch, slots, seq_params = next(data_iterator)
         ids = batch.input_ids
         pos = batch.position_ids
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        select_positions(m, batch.logit_index, batch.logit_row)
+        select_positions(m, slots)
         with replayed_routing(m, batch.routed_experts):
             out = m(input_ids=ids, position_ids=pos, attention_mask=None,
                     packed_seq_params=seq_params)
 
         def loss_func(output: Tensor) -> tuple[Tensor, Tensor, Any]:
-            loss, result = on_output(mb, batch, output)
+            loss, result = on_output(mb, batch, slots, output)
             return loss, torch.ones((), dtype=torch.int, device=output.device), result
 
         return out, loss_func
@@ -119,17 +121,20 @@ def even_micro_batches(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
 
 
 def to_forward(
-    batch: PaddedBatch, output: Tensor, values: bool, temperature: float,
+    batch: PaddedBatch, slots: ResponseSlots, output: Tensor, values: bool, temperature: float,
     entropy: bool = True, entropy_grad: bool = False,
 ) -> Forward:
-    """Response-slot model output -> response-space `Forward` (TP-aware: logits are
-    vocab-sharded; `token_stats` gives log-probs and entropy in one fused pass)."""
-    resp = response_view(output, batch.logit_index)
+    """The model's `[1, N, X]` output at the real response `slots` -> response-space
+    `Forward`, 0 at padding slots (TP-aware: logits are vocab-sharded; `token_stats` gives
+    log-probs and entropy of the N rows in one fused pass)."""
+    flat = output.reshape(-1, output.shape[-1])
     if values:
-        return Forward(batch, values=resp.squeeze(-1).float())
-    group, start = parallel.tp_vocab_shard(resp.shape[-1])
-    log_probs, ent = token_stats(resp, batch.targets, temperature, group, start, entropy_grad)
-    return Forward(batch, log_probs=log_probs, entropy=ent if entropy else None)
+        return Forward(batch, values=slots.scatter(flat.squeeze(-1).float()))
+    group, start = parallel.tp_vocab_shard(flat.shape[-1])
+    log_probs, ent = token_stats(flat, slots.gather(batch.targets), temperature, group, start,
+                                 entropy_grad)
+    return Forward(batch, log_probs=slots.scatter(log_probs),
+                   entropy=slots.scatter(ent) if entropy else None)
 
 
 @torch.no_grad()
@@ -152,8 +157,10 @@ def score(
     mbs = even_micro_batches([MicroBatch([mine[j] for j in mb]) for mb in split])
     if mbs:
 
-        def on_output(mb: MicroBatch, batch: PaddedBatch, output: Tensor) -> tuple[Tensor, Any]:
-            fwd = to_forward(batch, output, values, temperature, entropy=False)
+        def on_output(
+            mb: MicroBatch, batch: PaddedBatch, slots: ResponseSlots, output: Tensor
+        ) -> tuple[Tensor, Any]:
+            fwd = to_forward(batch, slots, output, values, temperature, entropy=False)
             t = fwd.values if values else fwd.log_probs
             assert t is not None
             per = [(i, t[r, : samples[i].response_length].float().cpu().clone())

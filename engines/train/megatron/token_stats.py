@@ -72,8 +72,10 @@ _compiled: dict[str, Callable[..., Tensor]] = {}
 def _run(name: str, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor | None:
     """`fn(x, *args)` through torch.compile on CUDA (one fused kernel reading the logits
     once, no `[n, V]` fp32 temporaries); None where it is not used: on the CPU, or once
-    compiling failed (warned once; the chunked eager path then runs)."""
-    if not x.is_cuda or os.environ.get("ROLLFLOW_COMPILE_TOKEN_STATS", "1") == "0":
+    compiling failed (warned once; the chunked eager path then runs), and for no rows at all
+    (a micro-batch of empty responses: nothing to fuse, and no compiler failure to risk)."""
+    if (not x.is_cuda or x.numel() == 0
+            or os.environ.get("ROLLFLOW_COMPILE_TOKEN_STATS", "1") == "0"):
         return None
     if name not in _compiled:
         _compiled[name] = torch.compile(fn, dynamic=True)
