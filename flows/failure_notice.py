@@ -17,6 +17,7 @@ from prefect.logging.loggers import flow_run_logger
 
 from flows.driver_record import RunInUseError
 from flows.errors import summarize
+from storage.config import StorageConfig
 from storage.run_layout import RunLayout
 from tasks.artifacts import artifact_key
 
@@ -97,8 +98,8 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
         stopped: Stopped | None = None
         where = f"{storage.get('uri')}/{run}"
         try:
-            layout = RunLayout.open(storage["uri"], run, storage.get("endpoint_url"),
-                                    storage.get("storage_options") or {})
+            options = StorageConfig.model_validate(storage).store_options()  # with retries
+            layout = RunLayout.open(storage["uri"], run, storage.get("endpoint_url"), options)
             where = layout.uri
             stopped = where_it_stopped(layout, int(num_rollout))
         except Exception as e:  # storage unreachable or the config itself was the problem

@@ -93,10 +93,15 @@ class StorageConfig(Section):
     )
 
     def store_options(self) -> dict[str, Any]:
-        """`storage_options` as the store opens with them: on S3 with the retry settings
-        under s3fs's `config_kwargs` (keys given there in storage_options win)."""
+        """`storage_options` as the run's store opens with them (`options_for(uri)`)."""
+        return self.options_for(self.uri)
+
+    def options_for(self, uri: str) -> dict[str, Any]:
+        """`storage_options` for a store at `uri` (the run's, or prompt data's): on S3 with
+        the retry settings under s3fs's `config_kwargs` (keys given there in
+        storage_options win)."""
         options = dict(self.storage_options)
-        if self.uri.startswith("s3://"):
+        if uri.startswith("s3://"):
             options["config_kwargs"] = {**self.retries.config_kwargs(),
                                         **options.get("config_kwargs", {})}
         return options

@@ -234,7 +234,8 @@ def data_spec(data: DataConfig, storage: StorageConfig, max_prompt_len: int | No
         path=data.prompt_data, input_key=data.input_key, label_key=data.label_key,
         metadata_key=data.metadata_key, apply_chat_template=data.apply_chat_template,
         max_prompt_len=max_prompt_len, config_key="data", split=data.split,
-        endpoint_url=storage.endpoint_url, storage_options=dict(storage.storage_options),
+        endpoint_url=storage.endpoint_url,
+        storage_options=storage.options_for(data.prompt_data or ""),
     )
 
 

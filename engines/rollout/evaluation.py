@@ -38,7 +38,7 @@ def eval_spec(ds: EvalDataset, index: int, max_prompt_len: int | None = None,
         config_key=f"eval.datasets[{index}]",
         split=ds.split,
         endpoint_url=storage.endpoint_url if storage else None,
-        storage_options=dict(storage.storage_options) if storage else {},
+        storage_options=storage.options_for(ds.path) if storage else {},
     )
 
 

@@ -23,6 +23,23 @@ def test_retry_settings_become_botocore_config_on_s3_only():
         StorageConfig(retries={"mode": "legacy"})
 
 
+def test_prompt_data_and_eval_sets_on_s3_get_the_retry_settings_too():
+    """The training and held-out sets are read through their own store, on S3 even where
+    the run's storage is local: they retry as the run's store does."""
+    from engines.data.config import DataConfig
+    from engines.data.prompt_dataset import data_spec
+    from engines.rollout.evaluation import eval_spec
+    from engines.rollout.config import EvalDataset
+
+    storage = StorageConfig(uri="/tmp/runs", retries={"max_attempts": 7})
+    spec = data_spec(DataConfig(prompt_data="s3://bucket/train.jsonl"), storage, None)
+    assert spec.storage_options["config_kwargs"]["retries"]["max_attempts"] == 7
+    held_out = eval_spec(EvalDataset(name="t", path="s3://bucket/test.jsonl"), 0, storage=storage)
+    assert held_out.storage_options["config_kwargs"]["retries"]["max_attempts"] == 7
+    local = data_spec(DataConfig(prompt_data="/data/train.jsonl"), storage, None)
+    assert "config_kwargs" not in local.storage_options
+
+
 def test_a_failing_request_names_the_file_and_the_store(tmp_path):
     store = ObjectStore(str(tmp_path / "runs"))
     with pytest.raises(StorageError) as failed, store.failures_named("write", "steps", "x"):
