@@ -62,7 +62,8 @@ def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
         )
         if record.lost_engines:  # the step went on without them; new ones join now
             ctx.actors = replace_lost_engines(ctx.cfg, actors, record.lost_engines)
-            sync_engine_weights(ctx.actors, None, ctx.cfg.train.weight_sync)
+            if match_survivors(ctx.actors) is None:
+                sync_engine_weights(ctx.actors, None, ctx.cfg.train.weight_sync)
         return record
 
     return run_once(ctx.layout, rollout_id, GenerateRecord, work)
@@ -172,8 +173,31 @@ def answering_engines(ctx: StepContext, actors: RunActors) -> tuple[RunActors, l
             lost.append(url)
     if lost:
         ctx.actors = actors = replace_lost_engines(ctx.cfg, actors, lost)
+        matched = match_survivors(actors)
+        if matched is not None:
+            return actors, matched
         refs = [e.weight_version.remote() for e in actors.engines]
     return actors, resolve(refs)
+
+
+def match_survivors(actors: RunActors) -> list[int] | None:
+    """Engines that replaced lost ones take a surviving engine's weights and version, so
+    they sample as the lost ones would have: the trainer may already hold newer weights
+    (`train.update_weights_interval` > 1, async mode), and pushing those would move every
+    engine ahead of the run's schedule. Returns the engines' versions after; None where no
+    engine survived or the survivors cannot hand their weights over (then the caller
+    pushes the trainer's weights, as before)."""
+    versions = resolve([e.weight_version.remote() for e in actors.engines])
+    target = max(versions, default=0)
+    donors = [e for e, v in zip(actors.engines, versions, strict=True) if v == target]
+    behind = [e for e, v in zip(actors.engines, versions, strict=True) if v != target]
+    if not behind:
+        return versions
+    if not resolve(donors[0].exports_weights.remote()):
+        return None
+    weights_ref = donors[0].weights.remote()  # engine -> object store -> engines
+    resolve([e.update_weights_from_tensor.remote(weights_ref, target) for e in behind])
+    return [target] * len(versions)
 
 
 def sync_engine_weights(

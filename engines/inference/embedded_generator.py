@@ -156,6 +156,13 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.update_weights(loaded.state_dict(), self._version if version is None else version)
         self.model_path = model_path
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights on the CPU, for an engine that replaces a lost one: it
+        starts from the weights the others hold, not the trainer's newer ones."""
+        with self._lock, torch.no_grad():
+            self._require_weights()
+            return {n: t.detach().to("cpu", copy=True) for n, t in self.model.state_dict().items()}
+
     def set_weight_version(self, version: int) -> None:
         self._version = version
 

@@ -127,6 +127,20 @@ class EngineActor:
         self.generator.update_weights(state_dict, version)
         return self.generator.weight_version
 
+    def exports_weights(self) -> bool:
+        """Whether `weights` can hand this engine's weights over (the embedded engine; not
+        an SGLang server or the mock)."""
+        return hasattr(self.generator, "export_weights")
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This engine's weights on the CPU, through Ray's object store to an engine that
+        replaces a lost one (`tasks.step_tasks.match_survivors`)."""
+        export = getattr(self.generator, "export_weights", None)
+        if export is None:
+            raise NotImplementedError(f"the {self.config.backend} engine cannot export its weights")
+        weights: dict[str, torch.Tensor] = export()
+        return weights
+
     def weights_checksum(self) -> str:
         """sha256 of the engine's weights, for `check_weight_update_equal`."""
         return self.generator.weights_checksum()

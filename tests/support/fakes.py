@@ -193,9 +193,18 @@ class FakeTrainer:
 
 
 class FakeEngine:
-    def __init__(self, index: int = 0, version: int = 0) -> None:
-        self.index, self._version = index, version
+    def __init__(self, index: int = 0, version: int = 0, exports: bool = True) -> None:
+        self.index, self._version, self._exports = index, version, exports
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.weights_from: dict[str, Any] | None = None  # the last state dict it loaded
+
+    @remote
+    def exports_weights(self) -> bool:
+        return self._exports
+
+    @remote
+    def weights(self) -> dict[str, Any]:
+        return {"engine": self.index, "version": self._version}
 
     @remote
     def weight_version(self) -> int:
@@ -207,7 +216,7 @@ class FakeEngine:
 
     @remote
     def update_weights_from_tensor(self, weights: dict[str, Any], version: int) -> int:
-        self._version = version
+        self._version, self.weights_from = version, weights
         return version
 
 

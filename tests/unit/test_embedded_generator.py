@@ -413,3 +413,26 @@ def test_release_and_resume_memory_keep_outputs_identical(gen: EmbeddedGenerator
     gen.resume_memory(["weights", "kv_cache"])
     assert gen.weights_checksum() == checksum
     assert [r.output_logprobs for r in gen.generate(reqs)] == [r.output_logprobs for r in before]
+
+
+def test_an_engine_hands_its_weights_to_a_fresh_one(gen: EmbeddedGenerator, model_dir: str) -> None:
+    """A replacement engine loads a survivor's exported weights: the two then hold the same
+    bytes and sample the same tokens (a copy, not views into the survivor's model)."""
+    torch.manual_seed(1)
+    gen.load_weights([(n, t + 0.01 * torch.randn_like(t))
+                      for n, t in gen.model.state_dict().items()], 3)
+    exported = gen.export_weights()
+    fresh = EmbeddedGenerator(model_dir, num_threads=1, device="cpu")
+    assert fresh.weights_checksum() != gen.weights_checksum()
+    fresh.update_weights(exported, 3)
+    assert fresh.weights_checksum() == gen.weights_checksum() and fresh.weight_version == 3
+    reqs = requests(gen, ["1+2=", "7*8="], max_new_tokens=12, sampling_seed=4)
+    assert [r.output_ids for r in fresh.generate(reqs)] == [r.output_ids for r in gen.generate(reqs)]
+    exported[next(iter(exported))].add_(1.0)
+    assert fresh.weights_checksum() == gen.weights_checksum() != weights_of(exported)
+
+
+def weights_of(state: dict[str, torch.Tensor]) -> str:
+    from engines.weights.sync import weights_checksum
+
+    return weights_checksum(state.items())

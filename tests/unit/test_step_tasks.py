@@ -218,6 +218,26 @@ def test_sync_engine_weights_leaves_fresh_engines_without_asking_the_trainer():
     assert t.sync_engine_weights(actors, min_version=4).engines_updated == 2
 
 
+def test_a_replacement_engine_takes_a_survivors_weights_not_the_trainers():
+    """update_weights_interval > 1 (or async): the engines hold version 3, the trainer 5.
+    The engine that replaced a lost one gets version 3's weights from a survivor; pushing
+    the trainer's would have moved every engine to 5, ahead of the run's schedule."""
+    from tests.support.fakes import FakeEngine
+
+    actors = fake_actors(engine_versions=(3, 0, 3), trainer_version=5)
+    assert t.match_survivors(actors) == [3, 3, 3]
+    assert [e._version for e in actors.engines] == [3, 3, 3]
+    new = actors.engines[1]
+    assert isinstance(new, FakeEngine) and new.weights_from == {"engine": 0, "version": 3}
+    assert actors.trainer.calls == []  # (in async mode it may be busy training)
+    assert t.match_survivors(actors) == [3, 3, 3]  # nothing behind: nothing moves
+    blind = fake_actors(engine_versions=(3, 0), trainer_version=5)
+    for engine in blind.engines:
+        engine._exports = False  # an engine that cannot hand its weights over
+    assert t.match_survivors(blind) is None  # the caller pushes the trainer's
+    assert [e._version for e in blind.engines] == [3, 0]
+
+
 def test_sync_engine_weights_over_http_hands_the_trainer_every_engine_url():
     actors = fake_actors(engine_versions=(1, 0), trainer_version=1)
     record = t.sync_engine_weights(actors, weight_sync="distributed")

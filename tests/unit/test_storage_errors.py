@@ -28,8 +28,8 @@ def test_prompt_data_and_eval_sets_on_s3_get_the_retry_settings_too():
     the run's storage is local: they retry as the run's store does."""
     from engines.data.config import DataConfig
     from engines.data.prompt_dataset import data_spec
-    from engines.rollout.evaluation import eval_spec
     from engines.rollout.config import EvalDataset
+    from engines.rollout.evaluation import eval_spec
 
     storage = StorageConfig(uri="/tmp/runs", retries={"max_attempts": 7})
     spec = data_spec(DataConfig(prompt_data="s3://bucket/train.jsonl"), storage, None)
