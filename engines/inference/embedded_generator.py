@@ -5,7 +5,8 @@ for real on CPU. Its log-probs must equal what the trainer recomputes (a plain f
 forward), so rows are left-padded with an explicit attention mask *and* position ids
 (`decode_batch`), and log-probs come from the untruncated float32 distribution (`sampling`).
 Prefill is the HF forward; each decode step writes one column of a preallocated KV cache
-(`kv_decode`), through a lean step where the model has a Llama layout (Llama, dense Qwen3).
+(`kv_decode`), through a lean step where the model has a Llama layout (Llama, Qwen2, dense
+Qwen3); on a GPU those steps run as replays of a captured CUDA graph (`cuda_graph_decode`).
 For an MoE model it records the experts each fed token was routed to (`routed_experts`),
 returned to requests that ask, as SGLang's `return_routed_experts`.
 Batch-invariant (`batch_invariant`, engine.batch_invariant): prefill and decode both go
@@ -220,7 +221,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         """The decode step for this model and device: on a GPU, turns of it replayed as a
         CUDA graph (`cuda_graph_decode`) where the model has a Llama layout."""
         self._decoder = make_decoder(self.model, self.batch_invariant)
-        self._graphs = None
+        self._graphs: CudaGraphTurns | None = None
         if self.cuda_graph and self.device.type == "cuda" and isinstance(self._decoder, LlamaDecoder):
             self._graphs = CudaGraphTurns(self._decoder, compile=self.torch_compile)
 
