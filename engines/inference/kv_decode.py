@@ -28,6 +28,7 @@ rollout). The cost is in bench/RESULTS.md ("Deterministic mode").
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -518,25 +519,22 @@ class LlamaDecoder:
         self._layer_fn = layer
 
 
-_COMPILED: list[Callable[..., torch.Tensor]] = []
-
-
+@functools.cache
 def _compiled_layer() -> Callable[..., torch.Tensor]:
     """`_decode_layer` through torch.compile, made once: a decoder rebuilt after a memory
     release (every colocated step) reuses its compiled code."""
-    if not _COMPILED:
-        compiled = torch.compile(_decode_layer, dynamic=True)
-        from torch.fx.experimental import _config as shapes
+    from torch.fx.experimental import _config as shapes
 
-        def general(*args: Any) -> torch.Tensor:
-            # rows and cache columns are not tied to another size they happen to equal
-            # (duck shapes: each coincidence, as rows shrink while requests end, cost a
-            # recompile); one row is still a compile of its own
-            with shapes.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-                return compiled(*args)
+    compiled = torch.compile(_decode_layer, dynamic=True)
 
-        _COMPILED.append(general)
-    return _COMPILED[0]
+    def general(*args: Any) -> torch.Tensor:
+        # rows and cache columns are not tied to another size they happen to equal (duck
+        # shapes: each coincidence, as rows shrink while requests end, cost a recompile);
+        # one row is still a compile of its own
+        with shapes.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            return compiled(*args)
+
+    return general
 
 
 def _decode_layer(
