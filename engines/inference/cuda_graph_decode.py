@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from engines.inference import sampling as sampling_math
-from engines.inference.kv_decode import KVCache, LlamaDecoder, RowFinish
+from engines.inference.kv_cache import KVCache, RowFinish
+from engines.inference.kv_decode import LlamaDecoder
 from engines.inference.sampling import SamplingRows
 
 _MAX_RESERVE = 2048  # cache columns a turn reserves ahead at most (the longest live budget)

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from engines.inference.gen_types import GenRequest
-from engines.inference.kv_decode import KVCache, RowFinish
+from engines.inference.kv_cache import KVCache, RowFinish
 from engines.inference.sampling import SamplingRows, uniform_table
 
 _COMPACT_BELOW = 0.75

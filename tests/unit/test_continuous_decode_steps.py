@@ -14,7 +14,7 @@ from engines.inference.decode_batch import DecodeBatch
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.engine_actor import GENERATOR_BACKENDS
 from engines.inference.gen_types import GenRequest, GenResult, SamplingParams
-from engines.inference.kv_decode import KVCache
+from engines.inference.kv_cache import KVCache
 
 PROMPTS = ["1+2=", "12*34=?", "a", "what is 7+8? answer:", "9-4=", "77+", "x", "3*3*3="]
 

@@ -13,7 +13,8 @@ import torch
 from engines.inference.cuda_graph_decode import CudaGraphTurns, _steps_kept
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.gen_types import GenRequest, SamplingParams
-from engines.inference.kv_decode import LlamaDecoder, RowFinish
+from engines.inference.kv_cache import RowFinish
+from engines.inference.kv_decode import LlamaDecoder
 from tests.unit.test_continuous_decode_steps import PROMPTS, mixed_requests, outputs
 from tests.unit.test_qwen3_models import qwen2_dir, qwen3_dir  # noqa: F401 (fixtures)
 

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from engines.inference import fused_decode
-from engines.inference.kv_decode import KVCache, LlamaDecoder
+from engines.inference.kv_cache import KVCache
+from engines.inference.kv_decode import LlamaDecoder
 from engines.inference.sampling import SamplingRows, sample_tokens, seeded_uniform
 from examples.arithmetic.build_model import save_tiny_model
 
