@@ -14,6 +14,7 @@ from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.gen_types import GenRequest, GenResult, SamplingParams
 from engines.inference.kv_decode import HFDecoder, LlamaDecoder
 from engines.inference.mock_generator import MockGenerator
+from engines.weights.sync import weights_checksum
 from examples.arithmetic.build_model import save_tiny_model
 
 PROMPTS = ["1+2=", "12*34=?", "a", "what is 7+8? answer:"]
@@ -429,10 +430,4 @@ def test_an_engine_hands_its_weights_to_a_fresh_one(gen: EmbeddedGenerator, mode
     reqs = requests(gen, ["1+2=", "7*8="], max_new_tokens=12, sampling_seed=4)
     assert [r.output_ids for r in fresh.generate(reqs)] == [r.output_ids for r in gen.generate(reqs)]
     exported[next(iter(exported))].add_(1.0)
-    assert fresh.weights_checksum() == gen.weights_checksum() != weights_of(exported)
-
-
-def weights_of(state: dict[str, torch.Tensor]) -> str:
-    from engines.weights.sync import weights_checksum
-
-    return weights_checksum(state.items())
+    assert fresh.weights_checksum() == gen.weights_checksum() != weights_checksum(exported.items())
