@@ -102,8 +102,8 @@ def main() -> None:
                 repeats = args.repeats if method == "ipc" else args.bytes_repeats
                 seconds = time_updates(sender, model, source, version, repeats)
                 check_weight_update_equal(model, [url])  # raises unless the engine matches
-                request_bytes = [len(e) for _, entries in sender.encode(
-                    list(source.export_weights().items())[:1]) for e in entries]
+                request_bytes = [len(e) for _, e in sender.encode(
+                    list(source.export_weights().items())[:1])]
                 sender.release()
                 rows.append({"method": method, "weights_mib": round(nbytes / 2**20, 1),
                              "first_s": round(seconds[0], 4),
@@ -112,7 +112,7 @@ def main() -> None:
                              "first_request_bytes": request_bytes[0],
                              "engine_checksum_equal": True})
                 if method == "ipc":
-                    entry = sender.encode(list(model.state_dict().items())[:2])[0][1][0]
+                    entry = sender.encode(list(model.state_dict().items())[:2])[0][1]
                     sender.release()
                     rows[-1]["payload_globals"] = sorted(payload_globals(entry))
                 print(json.dumps(rows[-1]), flush=True)

@@ -153,6 +153,7 @@ def _trainer(cfg: RunConfig, placement: Placement | None) -> Any:
         names, cfg.cluster.namespace,
         lambda rank, world: _named(TrainActor, names[rank], cfg, cfg, rank, world, pin=pin(rank)),
         collective_export=cfg.train.backend in COLLECTIVE_EXPORT,
+        collective_push=cfg.cluster.colocate and cfg.train.weight_sync == "tensor",
     )
 
 

@@ -15,7 +15,9 @@ the same method surface and returns real `ObjectRef`s:
 Every rank runs the collective methods (train, checkpoints, offload); rank 0 alone answers
 the rest (its weights and version are everyone's) -- except that `weights` and
 `push_weights` are collective too when the backend's weight export is (`collective_export`:
-megatron gathers TP shards and PP stages from every rank; rank 0 alone talks to engines). A failed or killed rank leaves the others
+megatron gathers TP shards and PP stages from every rank; rank 0 alone talks to engines), and
+`push_weights` is also collective where each rank may send the CUDA IPC handles of its own
+GPU (`collective_push`: colocated tensor sync). A failed or killed rank leaves the others
 inside a collective that can never finish, so any rank failure kills the whole group; the
 next attach (every task reattaches) creates it afresh, and the ranks come back to the run's
 weight version through the trainer's own rebuild path (checkpoint + replay).
@@ -112,11 +114,12 @@ class TrainGroup:
 
     def __init__(
         self, ranks: Sequence[Any], names: Sequence[str], namespace: str,
-        collective_export: bool = False,
+        collective_export: bool = False, collective_push: bool = False,
     ) -> None:
         self.ranks, self.names, self.namespace = list(ranks), list(names), namespace
         for method in COLLECTIVE + RANK0:
-            collective = method in COLLECTIVE or (collective_export and method in EXPORT)
+            collective = (method in COLLECTIVE or (collective_export and method in EXPORT)
+                          or (collective_push and method == "push_weights"))
             setattr(self, method, _GroupMethod(self, method, collective))
 
     def kill(self) -> int:
@@ -125,7 +128,7 @@ class TrainGroup:
 
 def get_or_create_group(
     names: Sequence[str], namespace: str, create: Callable[[int, int], Any],
-    collective_export: bool = False,
+    collective_export: bool = False, collective_push: bool = False,
 ) -> TrainGroup:
     """Attach to the ranks named `names`, or (re)create all of them.
 
@@ -138,7 +141,7 @@ def get_or_create_group(
     alive = [actor_exists(n, namespace) for n in names]
     if all(alive):
         ranks = [ray.get_actor(n, namespace=namespace) for n in names]
-        return TrainGroup(ranks, names, namespace, collective_export)
+        return TrainGroup(ranks, names, namespace, collective_export, collective_push)
     if any(alive):
         kill_group(names, namespace)
     try:
@@ -149,7 +152,7 @@ def get_or_create_group(
     except BaseException:
         kill_group(names, namespace)  # never leave ranks half-joined
         raise
-    return TrainGroup(ranks, names, namespace, collective_export)
+    return TrainGroup(ranks, names, namespace, collective_export, collective_push)
 
 
 def _get(refs: Any, what: str) -> Any:

@@ -2,7 +2,8 @@
 
 Request and response shapes follow SGLang's io_struct: `PauseGenerationReqInput(mode)`,
 `ReleaseMemoryOccupationReqInput(tags)`, `UpdateWeightsFromTensorReqInput`
-(`serialized_named_tensors`: one entry per TP rank, here rank 0's is read; SGLang's
+(`serialized_named_tensors`: one entry per TP rank, here rank 0's is read -- in slime's
+colocated layout the one from the train rank on this engine's GPU; SGLang's
 `MultiprocessingSerializer` payload of CUDA IPC handles, plain or `load_format:
 "flattened_bucket"`, through an allow-list unpickler -- `engines.weights.cuda_ipc` -- or, for
 CPU weights, base64 of `torch.save(list[(name, tensor)])` -- `engines.weights.sync`),

@@ -9,9 +9,10 @@ In a train group (`train_group.py`) there is one TrainActor per rank: each is bu
 rank and the world size, joins the process group in `join_group` (only then is its backend
 built, since DDP wraps the model at construction), and trains on the same step as the others.
 Every rank saves a checkpoint into one staging path, stored once per disk
-(`checkpoint_staging`); rank 0 alone moves LATEST and sends weights to the engines; where
-exporting them is a collective (megatron gathers TP shards and PP stages), the other ranks
-join that export and return nothing.
+(`checkpoint_staging`); rank 0 alone moves LATEST and talks to the engines; where
+exporting the weights is a collective (megatron gathers TP shards and PP stages), the other
+ranks join that export and return nothing, and colocated with one rank per engine GPU each
+rank hands rank 0 the CUDA IPC handles of its own GPU's copy (`PushLayout`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.process import actor_threads, freeze_actor_heap
 from engines.train.checkpoint_staging import fetch_and_load, save_and_store
@@ -27,6 +28,9 @@ from engines.train.config import TrainActorConfig
 from engines.train.step_settings import FIXED_AT_BUILD, StepSettings, settings_for_replay
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
+
+if TYPE_CHECKING:
+    from engines.weights.sender import PushLayout
 
 
 def _torch_backend(cfg: TrainActorConfig) -> Any:
@@ -150,23 +154,36 @@ class TrainActor:
 
     def push_weights(self, engine_urls: list[str]) -> list[int]:
         """Send the current weights to the engines over HTTP + a process group (or disk),
-        pause -> push -> flush -> continue; returns the versions the engines report.
-        Other ranks only join a collective export (once per push, as rank 0's sender)."""
+        pause -> push -> flush -> continue; returns the versions the engines report (rank
+        0). Other ranks send their own CUDA IPC handles in a per-rank layout
+        (`_push_layout`), else only join a collective export (once per push, as rank 0's
+        sender); they return []."""
         from engines.weights.sender import build_weight_sender
 
-        if self.rank != 0:
+        layout = self._push_layout(engine_urls)
+        if self.rank != 0 and not layout.per_rank:
             if self._joins_export():
                 self.backend.export_weights()
             return []
         start = time.perf_counter()
         if self._sender is None or self._sender_urls != engine_urls:
             self.close_weight_sender()
-            self._sender = build_weight_sender(self.cfg.train, engine_urls)
+            self._sender = build_weight_sender(self.cfg.train, engine_urls, layout)
             self._sender.connect()
             self._sender_urls = list(engine_urls)
         versions = list(self._sender.update(self.backend, self.version()))
         self._push_timings = {**self._sender.timings, "total_s": time.perf_counter() - start}
         return versions
+
+    def _push_layout(self, engine_urls: list[str]) -> PushLayout:
+        """The engines' TP size, and whether every rank sends its own entries: colocated
+        tensor sync with one rank per engine GPU, where the placement group gives trainer
+        rank r and engine r // TP's TP rank r % TP one bundle (engines/cluster/placement.py)."""
+        from engines.weights.sender import PushLayout
+
+        cluster = self.cfg.cluster
+        return PushLayout.of(cluster.colocate and self.cfg.train.weight_sync == "tensor",
+                             self.world_size, len(engine_urls), cluster.rollout_num_gpus_per_engine)
 
     def push_timings(self) -> dict[str, float]:
         """Where the last `push_weights` spent its seconds (the sender's `timings`: group

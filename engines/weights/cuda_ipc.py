@@ -142,13 +142,12 @@ def serialize_cuda(obj: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def serialize_bucket(named: NamedTensors, tp_size: int = 1) -> tuple[list[str], torch.Tensor]:
-    """`serialized_named_tensors` for `load_format: "flattened_bucket"` (the same handles
-    for every TP rank) and the flat tensor, which the caller keeps alive until the engine
-    has copied it."""
+def serialize_bucket(named: NamedTensors) -> tuple[str, torch.Tensor]:
+    """One `serialized_named_tensors` entry for `load_format: "flattened_bucket"` (handles
+    on this process's GPU; the sender picks which entry each TP rank gets) and the flat
+    tensor, which the caller keeps alive until the engine has copied it."""
     flat, metadata = flatten_bucket(named)
-    payload = serialize_cuda({"flattened_tensor": flat, "metadata": metadata})
-    return [payload] * tp_size, flat
+    return serialize_cuda({"flattened_tensor": flat, "metadata": metadata}), flat
 
 
 _METADATA_CLASSES = ("sglang.srt.weight_sync.tensor_bucket", "engines.weights.cuda_ipc",

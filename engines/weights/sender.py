@@ -5,7 +5,9 @@ then the engines' `get_weight_version` is read back. The push is one of (`train.
 
 - `tensor`: `/update_weights_from_tensor` per bucket: weights on a GPU go as SGLang's CUDA IPC
   handles (`load_format: "flattened_bucket"`, engines.weights.cuda_ipc: no bytes move, for
-  engines that share the trainer's GPU), CPU weights as base64 `torch.save` bytes;
+  engines that share the trainer's GPU), CPU weights as base64 `torch.save` bytes; one
+  `serialized_named_tensors` entry per engine TP rank, each from the trainer rank on that
+  rank's GPU where the placement allows it (`PushLayout`);
 - `distributed`: the trainer is rank 0 of a process group with the engines (ranks 1..n);
   per bucket it POSTs `/update_weights_from_distributed` (names, dtypes, shapes) to every
   engine and broadcasts the bucket's tensors while those requests wait on the group;
@@ -29,11 +31,13 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from engines.process import free_port
@@ -136,6 +140,12 @@ class _HTTPSender:
     def post_all(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         return [f.result() for f in self.post_async(path, body)]
 
+    def post_each(self, path: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`bodies[i]` to engine i, concurrently."""
+        futures = [self._pool.submit(self._post, url + path, body)
+                   for url, body in zip(self.urls, bodies, strict=True)]
+        return [f.result() for f in futures]
+
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         response = self._http.post(url, json=body)
         if response.status_code >= 400:
@@ -181,20 +191,64 @@ class _HTTPSender:
         return groups
 
 
+@dataclass(frozen=True)
+class PushLayout:
+    """How the engines' TP ranks meet the trainer's ranks, from the cluster section.
+
+    SGLang's model runner reads `serialized_named_tensors[tp_rank]`, so a tensor update
+    carries `tp_size` entries. `per_rank` is slime's colocated layout: the train group has
+    `num_engines x tp_size` ranks and trainer rank r shares its GPU (placement bundle r) with
+    engine r // tp_size's TP rank r % tp_size, so each rank sends the entry for its own GPU
+    and no engine rank opens memory on another GPU. Without it, rank 0's payload is every TP
+    rank's entry."""
+
+    tp_size: int = 1
+    per_rank: bool = False
+
+    @classmethod
+    def of(cls, colocate: bool, world_size: int, num_engines: int, tp_size: int) -> PushLayout:
+        return cls(tp_size, colocate and world_size > 1 and world_size == num_engines * tp_size)
+
+
+RankPayloads = list[tuple[str | None, str]]
+"""One rank's (load_format, payload) per request of a bucket."""
+
+
 class TensorWeightSender(_HTTPSender):
     """`/update_weights_from_tensor`; CUDA buckets are held until the whole update is done,
     because the engine reads the trainer's memory through the handles (and real SGLang
-    answers before its copy has finished)."""
+    answers before its copy has finished).
+
+    With `layout.per_rank` every rank of the train group (torch.distributed's default group)
+    runs `update`, in the same bucket order (each exports the full weights): rank 0 gathers
+    each bucket's payloads, posts engine i the entries of ranks i*tp .. i*tp+tp-1 and runs the
+    pause / flush / continue cycle; the others hold their buckets until rank 0's update is
+    over (a barrier). A failure on one rank leaves the others inside a collective: the train
+    group then kills them all (engines/cluster/train_group.py)."""
 
     def __init__(self, engine_urls: list[str], bucket_bytes: int = 512 * 1024**2,
-                 tp_size: int = 1, **kw: Any) -> None:
+                 layout: PushLayout = PushLayout(), **kw: Any) -> None:
         super().__init__(engine_urls, bucket_bytes, **kw)
-        self.tp_size = tp_size
+        if layout.per_rank and dist.get_world_size() != len(self.urls) * layout.tp_size:
+            raise ValueError(f"a per-rank push needs {len(self.urls)} engines x TP "
+                             f"{layout.tp_size} train ranks, not {dist.get_world_size()}")
+        self.layout = layout
         self._held: list[Tensor] = []
 
     def update(self, weights: Weights, version: int) -> list[int]:
+        """Rank 0: the cycle, returning the engines' versions; another rank of a per-rank
+        layout: its payloads for rank 0, then `[]` once rank 0 is done."""
         try:
-            return super().update(weights, version)
+            if self.layout.per_rank and dist.get_rank() != 0:
+                self.timings = {}
+                for bucket in self.named_buckets(as_weight_source(weights)):
+                    self.rank_payloads(bucket)
+                dist.barrier()
+                return []
+            versions = super().update(weights, version)
+            if self.layout.per_rank:
+                dist.barrier()  # the engines have copied: the other ranks may let go
+            return versions
         finally:
             self.release()
 
@@ -206,29 +260,57 @@ class TensorWeightSender(_HTTPSender):
 
     def push(self, source: WeightSource, version: int) -> None:
         for bucket in self.named_buckets(source):
-            for load_format, entries in self.encode(bucket):
-                body = tensor_update_body(entries, version, load_format)
-                self.post_all("/update_weights_from_tensor", body)
+            payloads = self.rank_payloads(bucket)
+            for k, (load_format, _) in enumerate(payloads[0]):
+                bodies = [tensor_update_body(self.entries(payloads, engine, k), version, load_format)
+                          for engine in range(len(self.urls))]
+                self.post_each("/update_weights_from_tensor", bodies)
 
-    def encode(self, bucket: NamedTensors) -> list[tuple[str | None, list[str]]]:
-        """(load_format, serialized_named_tensors) per request: on a GPU machine one
-        flattened bucket of CUDA IPC handles per dtype (weights a backend exports on the CPU,
-        as megatron's gather does, are copied to the GPU first: far cheaper than their bytes
-        over HTTP); without a GPU one safe `torch.save` payload."""
+    def rank_payloads(self, bucket: NamedTensors) -> list[RankPayloads]:
+        """This rank's payloads of `bucket`; on rank 0 of a per-rank layout, every rank's
+        (gathered: `gather_s`), each checked to hold the same tensors as rank 0's."""
+        mine = self.encode(bucket)
+        if not self.layout.per_rank:
+            return [mine]
+        start = time.perf_counter()
+        shape = ([n for n, _ in bucket], [fmt for fmt, _ in mine])
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((shape, mine), gathered, dst=0)
+        self._timed("gather_s", start)
+        if gathered is None:
+            return [mine]
+        for rank, (theirs, _) in enumerate(gathered):
+            if theirs != shape:
+                raise WeightSyncError(f"train rank {rank} bucketed its weights unlike rank 0")
+        return [payloads for _, payloads in gathered]
+
+    def entries(self, payloads: list[RankPayloads], engine: int, request: int) -> list[str]:
+        """Engine `engine`'s `serialized_named_tensors`: TP rank j's entry from train rank
+        engine * tp_size + j where every rank sent one, else rank 0's for every TP rank."""
+        tp = self.layout.tp_size
+        if len(payloads) == 1:
+            return [payloads[0][request][1]] * tp
+        return [payloads[engine * tp + j][request][1] for j in range(tp)]
+
+    def encode(self, bucket: NamedTensors) -> RankPayloads:
+        """(load_format, payload) per request: on a GPU machine one flattened bucket of CUDA
+        IPC handles per dtype (weights a backend exports on the CPU, as megatron's gather
+        does, are copied to this rank's GPU first: far cheaper than their bytes over HTTP);
+        without a GPU one safe `torch.save` payload."""
         if not all(t.is_cuda for _, t in bucket):
             if not torch.cuda.is_available():
-                return [(None, [encode_named_tensors(bucket)] * self.tp_size)]
+                return [(None, encode_named_tensors(bucket))]
             bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
         by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
         for name, tensor in bucket:
             by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
-        requests: list[tuple[str | None, list[str]]] = []
+        requests: RankPayloads = []
         for named in by_dtype.values():
-            entries, flat = serialize_bucket(named, self.tp_size)
+            payload, flat = serialize_bucket(named)
             if flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
                 check_finite(named, "weights for the engines")  # names them and raises
             self._held.append(flat)
-            requests.append((FLATTENED_BUCKET, entries))
+            requests.append((FLATTENED_BUCKET, payload))
         return requests
 
 
@@ -378,24 +460,29 @@ class SyncSettings(Protocol):
     def weight_sync_master_address(self) -> str: ...
 
 
-SenderFactory = Callable[[SyncSettings, list[str]], WeightSender]
+SenderFactory = Callable[[SyncSettings, list[str], PushLayout], WeightSender]
 WEIGHT_SENDERS: dict[str, SenderFactory] = {
-    "tensor": lambda cfg, urls: TensorWeightSender(urls, cfg.update_weight_buffer_size),
-    "distributed": lambda cfg, urls: DistributedWeightSender(
+    "tensor": lambda cfg, urls, layout: TensorWeightSender(
+        urls, cfg.update_weight_buffer_size, layout),
+    "distributed": lambda cfg, urls, layout: DistributedWeightSender(
         urls, cfg.update_weight_buffer_size, cfg.weight_sync_backend, cfg.weight_sync_master_address
     ),
-    "disk": lambda cfg, urls: DiskWeightSender(urls),
+    "disk": lambda cfg, urls, layout: DiskWeightSender(urls),
 }
 
 
-def build_weight_sender(config: SyncSettings, engine_urls: list[str]) -> WeightSender:
-    """The sender `train.weight_sync` names; call `connect()` once, `update()` per step."""
+def build_weight_sender(
+    config: SyncSettings, engine_urls: list[str], layout: PushLayout
+) -> WeightSender:
+    """The sender `train.weight_sync` names; call `connect()` once, `update()` per step.
+    `layout` comes from the cluster section (the engines' TP size), which the `train`
+    section does not hold; only the tensor sender uses it."""
     factory = WEIGHT_SENDERS.get(config.weight_sync)
     if factory is None:
         raise ValueError(
             f"train.weight_sync {config.weight_sync!r} is not one of {sorted(WEIGHT_SENDERS)}"
         )
-    return factory(config, engine_urls)
+    return factory(config, engine_urls, layout)
 
 
 def check_weight_update_equal(weights: Weights, engine_urls: list[str]) -> str:

@@ -28,7 +28,7 @@ def test_cuda_ipc_update_reaches_the_engine_as_a_copy(qwen2_tiny_dir: str) -> No
         requests = sender.encode(list(model.state_dict().items()))
         sender.release()
         assert {fmt for fmt, _ in requests} == {FLATTENED_BUCKET}
-        entry = requests[0][1][0]
+        entry = requests[0][1]
         assert len(entry) < 4096  # handles, not weights
         names = payload_globals(entry)
         assert "torch.multiprocessing.reductions.rebuild_cuda_tensor" in names

@@ -13,9 +13,10 @@ import torch
 
 from engines.cluster.train_group import TrainGroup, TrainGroupError, get_or_create_group
 from engines.train.train_actor import TrainActor
+from engines.weights.sync import decode_named_tensors
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir
-from tests.support.fakes import ExportingBackend
+from tests.support.fakes import ExportingBackend, RecordingEngine
 from tests.support.samples import make_samples
 
 NAMESPACE = "rollflow-tests"
@@ -144,5 +145,35 @@ def test_a_collective_export_runs_on_every_rank(torch_config, tmp_path):
         ray.get(plain.weights.remote())
         assert ray.get([r.exports.remote() for r in ranks]) == [2, 2]  # rank 0 only
     finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def test_colocated_tensor_sync_pushes_from_every_rank(make_config):
+    """`collective_push` (a colocated run with tensor sync) calls `push_weights` on every
+    rank; with one rank per engine GPU each rank's entry reaches its TP rank (the ranks'
+    exports are marked with their rank here; tests/integration/test_rank_weight_push.py has
+    the layouts)."""
+    cfg = make_config("push", "cluster.colocate=true", "cluster.rollout_num_gpus_per_engine=2")
+
+    @ray.remote(num_cpus=0)
+    class Rank(TrainActor):
+        def install(self, fill: float) -> None:
+            self.backend = ExportingBackend(fill=fill)
+
+    ranks = [Rank.remote(cfg, r, 2) for r in range(2)]
+    engine = RecordingEngine()
+    try:
+        addr, port = ray.get(ranks[0].master_address.remote())
+        ray.get([r.join_group.remote(addr, port) for r in ranks])
+        ray.get([r.install.remote(float(i)) for i, r in enumerate(ranks)])
+        group = TrainGroup(ranks, ["r0", "r1"], NAMESPACE, collective_push=True)
+        assert ray.get(group.push_weights.remote([engine.url])) == [3]
+        [update] = engine.tensor_updates
+        markers = [decode_named_tensors(e)[0][1][0].item() for e in update["serialized_named_tensors"]]
+        assert markers == [0.0, 1.0]
+        assert "gather_s" in ray.get(group.push_timings.remote())
+    finally:
+        engine.close()
         for r in ranks:
             ray.kill(r)

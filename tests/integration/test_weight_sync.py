@@ -20,6 +20,7 @@ from engines.weights.hf_export import engine_state_dict
 from engines.weights.sender import (
     DiskWeightSender,
     DistributedWeightSender,
+    PushLayout,
     TensorWeightSender,
     WeightSyncError,
     build_weight_sender,
@@ -182,9 +183,9 @@ def test_disk_fallback_and_config_registry(
     sender.close()
     check_weight_update_equal(model, [engine.url()])
     cfg = TrainConfig(weight_sync="disk")
-    assert isinstance(build_weight_sender(cfg, [engine.url()]), DiskWeightSender)
+    assert isinstance(build_weight_sender(cfg, [engine.url()], PushLayout()), DiskWeightSender)
     with pytest.raises(ValueError, match="at least one engine"):
-        build_weight_sender(TrainConfig(weight_sync="tensor"), [])
+        build_weight_sender(TrainConfig(weight_sync="tensor"), [], PushLayout())
 
 
 def test_distributed_update_reaches_two_engines_and_says_where_its_seconds_went(

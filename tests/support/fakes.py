@@ -28,6 +28,7 @@ whose `.remote()` returns the value itself needs no Ray at all. Storage stays re
 - `CountingStore`, `FullDiskStore`: object stores that record each download (one file per
   torch.distributed rank) / fail their first upload, as a full disk does.
 - `ExportingBackend`: a train backend whose weight export counts its (collective) calls.
+- `RecordingEngine`: an engine over real HTTP that records each `/update_weights_from_tensor`.
 - `RewardServer`: a real HTTP reward model that can fail or be slow.
 
 Each actor fake appends `(method, args)` to its `calls`, so a test can check what was (not) asked.
@@ -333,19 +334,66 @@ class FullDiskStore(ObjectStore):
 
 
 class ExportingBackend:
-    """Stands in for megatron's: counts its (collective) exports."""
+    """Stands in for megatron's: counts its (collective) exports, of `names`, each two
+    floats of `fill` (a rank's marker, where a test gives each rank its own)."""
 
     version = 3
 
-    def __init__(self) -> None:
+    def __init__(self, fill: float = 1.0, names: tuple[str, ...] = ("w",)) -> None:
         self.exports = 0
+        self.fill, self.names = fill, names
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         self.exports += 1
-        return {"w": torch.ones(2)}
+        return {name: torch.full((2,), self.fill) for name in self.names}
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         return self.export_weights()
+
+
+class RecordingEngine:
+    """An SGLang server's weight-update routes over real HTTP, recording instead of loading:
+    each `/update_weights_from_tensor` body lands in `tensor_updates`, and its
+    `weight_version` is what `/get_weight_version` answers from then on. Pause, flush and
+    continue answer `{}`."""
+
+    def __init__(self) -> None:
+        self.tensor_updates: list[dict[str, Any]] = []
+        self.version = "0"
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, payload: dict[str, Any]) -> None:
+                out = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path == "/update_weights_from_tensor":
+                    engine.tensor_updates.append(body)
+                    engine.version = body["weight_version"]
+                    self._answer({"success": True, "message": "recorded"})
+                else:
+                    self._answer({})
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer({"weight_version": engine.version})
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 class RewardServer:

@@ -15,12 +15,14 @@ import os
 import pickle
 import types
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
 
+from engines.train.train_actor import TrainActor
 from engines.weights.cuda_ipc import (
     FLATTENED_BUCKET,
     WeightPayloadError,
@@ -31,9 +33,11 @@ from engines.weights.cuda_ipc import (
     payload_globals,
     unflatten_bucket,
 )
-from engines.weights.sender import TensorWeightSender, tensor_update_body
-from engines.weights.sync import encode_named_tensors
+from engines.weights.sender import PushLayout, TensorWeightSender, tensor_update_body
+from engines.weights.sync import decode_named_tensors, encode_named_tensors
+from tests.support.configs import small_config
 from tests.support.engines import embedded_engine
+from tests.support.fakes import ExportingBackend, RecordingEngine
 
 
 @dataclass
@@ -133,11 +137,46 @@ def test_the_engine_unpickler_refuses_anything_but_tensor_rebuilds(obj: Any) -> 
 def test_cpu_tensors_keep_the_safe_format() -> None:
     sender = TensorWeightSender(["http://127.0.0.1:9"])
     try:
-        [(load_format, entries)] = sender.encode([("w", torch.zeros(2))])
+        [(load_format, payload)] = sender.encode([("w", torch.zeros(2))])
     finally:
         sender.close()
-    assert load_format is None and len(entries) == 1 and not is_pickle(entries[0])
-    assert entries[0] == encode_named_tensors([("w", torch.zeros(2))])
+    assert load_format is None and not is_pickle(payload)
+    assert payload == encode_named_tensors([("w", torch.zeros(2))])
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_a_tensor_update_carries_one_entry_per_engine_tp_rank(tmp_path: Path, tp_size: int) -> None:
+    """SGLang's TP rank k reads `serialized_named_tensors[k]`: the trainer learns the
+    engines' TP size from the cluster section, also for one trainer rank on the CPU (rank
+    0's payload for every TP rank)."""
+    cfg = small_config(f"storage.uri={tmp_path}", "train.update_weight_buffer_size=8",
+                       f"cluster.rollout_num_gpus_per_engine={tp_size}")
+    trainer = TrainActor(cfg)
+    trainer.backend = ExportingBackend(fill=2.0, names=("a", "b"))
+    engine = RecordingEngine()
+    try:
+        assert trainer.push_weights([engine.url]) == [3]
+    finally:
+        trainer.close_weight_sender()
+        engine.close()
+    assert [len(b["serialized_named_tensors"]) for b in engine.tensor_updates] == [tp_size] * 2
+    for body, name in zip(engine.tensor_updates, ("a", "b"), strict=True):
+        [entry] = set(body["serialized_named_tensors"])
+        [(got, tensor)] = decode_named_tensors(entry)
+        assert got == name and torch.equal(tensor, torch.full((2,), 2.0))
+    assert trainer.push_timings()["buckets"] == 2
+
+
+@pytest.mark.parametrize(("colocate", "world", "engines", "tp", "per_rank"), [
+    (True, 2, 1, 2, True), (True, 2, 2, 1, True), (True, 8, 2, 4, True),
+    (False, 2, 1, 2, False),  # engines on other GPUs: no rank shares one
+    (True, 2, 1, 1, False), (True, 4, 1, 2, False),  # not one rank per engine GPU
+    (True, 1, 1, 1, False),  # one rank: its payload is the entry anyway
+])
+def test_each_rank_sends_its_own_entry_only_in_slimes_colocated_layout(
+    colocate: bool, world: int, engines: int, tp: int, per_rank: bool
+) -> None:
+    assert PushLayout.of(colocate, world, engines, tp) == PushLayout(tp, per_rank)
 
 
 def test_engine_answers_400_naming_the_global_and_keeps_its_weights(tiny_model_dir: str) -> None:
