@@ -242,7 +242,7 @@ def mcore_to_hf(mc: Mapping[str, Tensor], shape: ModelShape) -> dict[str, Tensor
 
 
 # -- tensor parallelism --------------------------------------------------------------------------
-def _tp_dim(name: str) -> int | None:
+def tp_split_dim(name: str) -> int | None:
     """Split dim of a megatron parameter: 0 column-parallel, 1 row-parallel, None replicated."""
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight")):
         return 0
@@ -283,7 +283,7 @@ def shard_tp(full: Mapping[str, Tensor], rank: int, size: int) -> dict[str, Tens
     """This TP rank's slice of a full megatron state dict (any PP stage's subset)."""
     out = {}
     for name, t in full.items():
-        dim = _tp_dim(name)
+        dim = tp_split_dim(name)
         if dim is None or size == 1:
             out[name] = t
         elif name.endswith("linear_fc1.weight"):
@@ -296,18 +296,18 @@ def shard_tp(full: Mapping[str, Tensor], rank: int, size: int) -> dict[str, Tens
 
 def merge_tp(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Inverse of `shard_tp`: the per-rank dicts of one PP stage, in TP-rank order."""
-    out = {}
-    for name, first in shards[0].items():
-        dim = _tp_dim(name)
-        parts = [s[name] for s in shards]
-        if dim is None or len(shards) == 1:
-            out[name] = first
-        elif name.endswith("linear_fc1.weight"):
-            halves = [torch.chunk(p, 2, dim=0) for p in parts]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        else:
-            out[name] = torch.cat(parts, dim=dim)
-    return out
+    return {name: merge_tp_tensor(name, [s[name] for s in shards]) for name in shards[0]}
+
+
+def merge_tp_tensor(name: str, parts: Sequence[Tensor]) -> Tensor:
+    """One parameter's TP shards, in TP-rank order, as the full tensor."""
+    dim = tp_split_dim(name)
+    if dim is None or len(parts) == 1:
+        return parts[0]
+    if name.endswith("linear_fc1.weight"):  # [gate; up] per rank -> [all gates; all ups]
+        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(parts), dim=dim)
 
 
 # -- expert parallelism ------------------------------------------------------------------------
