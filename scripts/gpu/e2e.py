@@ -263,7 +263,9 @@ def qwen(args: argparse.Namespace) -> None:
     gpus = c.actor_num_nodes * c.actor_num_gpus_per_node
     engines = cfg.engine.num_engines
     if args.colocate:
-        where = "colocated on one GPU"
+        where = "colocated on one GPU" if gpus == 1 else (
+            f"{args.backend} trainer TP={cfg.train.tensor_parallel} colocated with {engines} "
+            f"engines on {gpus} GPUs")
     elif gpus == 1 and engines == 1:
         where = "trainer GPU 0, engine GPU 1"
     else:

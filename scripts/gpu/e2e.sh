@@ -24,6 +24,9 @@
 #       steps (not run by default). Its second table breaks each step's push down
 #       (`broadcast_weights/push/*`: group set-up, the collective export, the first bucket's
 #       broadcast with NCCL's communicator set-up, the engines' apply).
+#   (g) 2 GPUs, colocated: (c)'s GRPO with a megatron TP=2 train group and two embedded engines,
+#       one per GPU, weights as CUDA IPC handles (`train.weight_sync=tensor`), each engine's
+#       entry serialized by the train rank on its own GPU (slime's layout; not run by default).
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
 # run: bench/RESULTS.md, "GPU end to end".
@@ -101,6 +104,10 @@ for part in $PARTS; do
               --set cluster.actor_num_gpus_per_node=2 --set engine.num_engines=2
               --set cluster.rollout_num_gpus=2 --set rollout.use_router=true)
        run f_tp2_2engines "${T_F:-360}" qwen2-grpo-tp2-2engines qwen "${TP2X2[@]}" ;;
+    g) TP2COLO=(--colocate --backend megatron --run-name qwen2-grpo-tp2-colocate
+                --set train.tensor_parallel=2 --set cluster.actor_num_gpus_per_node=2
+                --set engine.num_engines=2 --set cluster.rollout_num_gpus=2)
+       run g_tp2_colocate "${T_G:-360}" qwen2-grpo-tp2-colocate qwen "${TP2COLO[@]}" ;;
   esac
 done
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1
