@@ -41,6 +41,7 @@ COLLECTIVE = ("train", "train_step", "ensure_version", "save_checkpoint", "offlo
 RANK0 = ("version", "weights", "push_weights", "push_timings", "close_weight_sender",
          "trained_indices", "sends_cuda_ipc")
 EXPORT = ("weights", "push_weights")  # collective when the backend's export is
+PUSH = ("push_weights", "close_weight_sender")  # collective when every rank sends (its sender)
 
 JOIN_TIMEOUT_S = 900.0  # a join includes loading the model on every rank
 
@@ -119,7 +120,7 @@ class TrainGroup:
         self.ranks, self.names, self.namespace = list(ranks), list(names), namespace
         for method in COLLECTIVE + RANK0:
             collective = (method in COLLECTIVE or (collective_export and method in EXPORT)
-                          or (collective_push and method == "push_weights"))
+                          or (collective_push and method in PUSH))
             setattr(self, method, _GroupMethod(self, method, collective))
 
     def kill(self) -> int:

@@ -161,6 +161,9 @@ def test_colocated_tensor_sync_pushes_from_every_rank(make_config):
         def install(self, fill: float) -> None:
             self.backend = ExportingBackend(fill=fill)
 
+        def has_sender(self) -> bool:
+            return self._sender is not None
+
     ranks = [Rank.remote(cfg, r, 2) for r in range(2)]
     engine = RecordingEngine()
     try:
@@ -173,6 +176,9 @@ def test_colocated_tensor_sync_pushes_from_every_rank(make_config):
         markers = [decode_named_tensors(e)[0][1][0].item() for e in update["serialized_named_tensors"]]
         assert markers == [0.0, 1.0]
         assert "gather_s" in ray.get(group.push_timings.remote())
+        assert ray.get([r.has_sender.remote() for r in ranks]) == [True, True]
+        ray.get(group.close_weight_sender.remote())  # every rank's HTTP client and threads
+        assert ray.get([r.has_sender.remote() for r in ranks]) == [False, False]
     finally:
         engine.close()
         for r in ranks:
