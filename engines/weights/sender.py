@@ -235,6 +235,26 @@ class TensorWeightSender(_HTTPSender):
         self.layout = layout
         self._held: list[Tensor] = []
 
+    def connect(self) -> None:
+        """Check the entries each engine will index: an SGLang server reports its `tp_size`
+        in `/get_server_info`, and one that differs from `cluster.rollout_num_gpus_per_engine`
+        (external servers, `engine.urls`, are started by the user) would fail inside SGLang
+        at its first update. Engines without the route (the embedded one) are not asked."""
+        for url, info in zip(self.urls, self._pool.map(self._server_info, self.urls), strict=True):
+            reported = info.get("tp_size")
+            if isinstance(reported, int) and reported != self.layout.tp_size:
+                raise WeightSyncError(
+                    f"{url} runs with tp_size {reported}, but cluster.rollout_num_gpus_per_engine"
+                    f" is {self.layout.tp_size}: a tensor update carries one entry per engine TP"
+                    f" rank, so set it to {reported}")
+
+    def _server_info(self, url: str) -> dict[str, Any]:
+        response = self._http.get(f"{url}/get_server_info")
+        if response.status_code != 200:
+            return {}
+        info = response.json()
+        return info if isinstance(info, dict) else {}
+
     def update(self, weights: Weights, version: int) -> list[int]:
         """Rank 0: the cycle, returning the engines' versions; another rank of a per-rank
         layout: its payloads for rank 0, then `[]` once rank 0 is done."""

@@ -355,9 +355,10 @@ class RecordingEngine:
     """An SGLang server's weight-update routes over real HTTP, recording instead of loading:
     each `/update_weights_from_tensor` body lands in `tensor_updates`, and its
     `weight_version` is what `/get_weight_version` answers from then on. Pause, flush and
-    continue answer `{}`."""
+    continue answer `{}`; `/get_server_info` reports `tp_size` where one is given, as SGLang
+    does."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp_size: int | None = None) -> None:
         self.tensor_updates: list[dict[str, Any]] = []
         self.version = "0"
         engine = self
@@ -382,7 +383,10 @@ class RecordingEngine:
                     self._answer({})
 
             def do_GET(self) -> None:  # noqa: N802
-                self._answer({"weight_version": engine.version})
+                if self.path == "/get_server_info" and tp_size is not None:
+                    self._answer({"tp_size": tp_size, "weight_version": engine.version})
+                else:
+                    self._answer({"weight_version": engine.version})
 
             def log_message(self, *a: Any) -> None:
                 pass

@@ -33,7 +33,12 @@ from engines.weights.cuda_ipc import (
     payload_globals,
     unflatten_bucket,
 )
-from engines.weights.sender import PushLayout, TensorWeightSender, tensor_update_body
+from engines.weights.sender import (
+    PushLayout,
+    TensorWeightSender,
+    WeightSyncError,
+    tensor_update_body,
+)
 from engines.weights.sync import decode_named_tensors, encode_named_tensors
 from tests.support.configs import small_config
 from tests.support.engines import embedded_engine
@@ -165,6 +170,25 @@ def test_a_tensor_update_carries_one_entry_per_engine_tp_rank(tmp_path: Path, tp
         [(got, tensor)] = decode_named_tensors(entry)
         assert got == name and torch.equal(tensor, torch.full((2,), 2.0))
     assert trainer.push_timings()["buckets"] == 2
+
+
+def test_an_engine_of_another_tp_size_is_refused_before_any_update(tmp_path: Path) -> None:
+    """An external SGLang server started with --tp-size 2 against a config that says 1
+    would fail inside SGLang at its first update; the sender asks `/get_server_info` and
+    names the setting to change instead."""
+    cfg = small_config(f"storage.uri={tmp_path}", "cluster.rollout_num_gpus_per_engine=1")
+    trainer = TrainActor(cfg)
+    trainer.backend = ExportingBackend(fill=2.0, names=("a",))
+    matching, other = RecordingEngine(tp_size=1), RecordingEngine(tp_size=2)
+    try:
+        assert trainer.push_weights([matching.url]) == [3]
+        with pytest.raises(WeightSyncError, match="tp_size 2.*rollout_num_gpus_per_engine is 1"):
+            trainer.push_weights([matching.url, other.url])
+    finally:
+        trainer.close_weight_sender()
+        matching.close()
+        other.close()
+    assert other.tensor_updates == [] and len(matching.tensor_updates) == 1
 
 
 @pytest.mark.parametrize(("colocate", "world", "engines", "tp", "per_rank"), [
