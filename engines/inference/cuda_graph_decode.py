@@ -11,16 +11,19 @@ A graph reads fixed addresses, so it belongs to one cache (its buffers), one set
 (their sampling parameters) and one gathering of the weights; it is captured again when
 any of them changes: the batch is compacted or merged, the cache grows, or the weights are
 updated (about once a rollout step). To keep the cache from growing mid-batch, a turn
-reserves the columns the longest live request can still use (up to `_MAX_RESERVE`).
-Attention reads every column of the cache (the unwritten ones masked), since the column is
-a device tensor inside the graph. A turn decodes all its steps, then finds the first step
-at which a live row finished, keeps the tokens up to it and un-marks the columns after it:
-the tokens kept are those one step at a time would give. Its speed against HF `generate`:
-bench/RESULTS.md, "Embedded engine vs HF generate on a GPU".
+reserves the columns the longest live request can still use (up to `_MAX_RESERVE`), as far
+as the GPU's free memory allows (`CudaGraphTurns.free_bytes`); where it does not, the cache
+grows again at a later turn and the graph is captured again over it. Attention reads every
+column of the cache (the unwritten ones masked), since the column is a device tensor
+inside the graph. A turn decodes all its steps, then finds the first step at which a live
+row finished, keeps the tokens up to it and un-marks the columns after it: the tokens kept
+are those one step at a time would give. Its speed against HF `generate`: bench/RESULTS.md,
+"Embedded engine vs HF generate on a GPU".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,20 @@ from engines.inference.sampling import SamplingRows
 
 _MAX_RESERVE = 2048  # cache columns a turn reserves ahead at most (the longest live budget)
 _ALIGN = 64  # capacity rounded up to this: rows of similar budgets share a graph
+_KV_SHARE = 0.9  # of the memory free for it a growing cache may take (the rest: the step's
+#                  activations and the graph's pool, the allocator's fragmentation)
+
+FreeBytes = Callable[[torch.device], int | None]
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes new cache buffers on `device` can take: the GPU's free memory and what torch's
+    allocator holds unused (it hands that back before an allocation fails). None off a GPU:
+    no cap (the CPU runs the turn eagerly, in tests)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 @dataclass(eq=False)
@@ -68,11 +85,22 @@ class CudaGraphTurns:
     """`LlamaDecoder.decode_steps` for a model on a GPU: a turn of steps as graph replays.
     `capture=False` runs the same step eagerly each time (the CPU tests of the turn logic,
     and a way to tell a graph's fault from the step's); `compile` runs its layers through
-    torch.compile (`LlamaDecoder.compile_layers`)."""
+    torch.compile (`LlamaDecoder.compile_layers`).
 
-    def __init__(self, decoder: LlamaDecoder, capture: bool = True, compile: bool = False) -> None:
+    `free_bytes` reads the device memory free for a growing cache (`device_free_bytes`;
+    a test passes its own figure) and caps the columns a turn reserves ahead (`_capacity`):
+    for a 7B-class model (32 layers, 8 KV heads of 128 dims, bf16: 128 KiB a token) at 256
+    rows, `_MAX_RESERVE` columns are 64 GiB of keys and values, more than an 80 GB GPU
+    holds beside the weights.
+    """
+
+    def __init__(
+        self, decoder: LlamaDecoder, capture: bool = True, compile: bool = False,
+        free_bytes: FreeBytes = device_free_bytes,
+    ) -> None:
         self.decoder = decoder
         self.capture = capture
+        self.free_bytes = free_bytes
         if compile:
             decoder.compile_layers()
         self._step: _CapturedStep | None = None
@@ -92,8 +120,10 @@ class CudaGraphTurns:
         if finish is None:
             steps = 1
         ahead = max(steps, min(_MAX_RESERVE, finish.most_left if finish else steps))
-        need = -(-(cache.width + ahead) // _ALIGN) * _ALIGN
-        cache.reserve(need - cache.width, spare=False)
+        capacity = _capacity(cache, steps, ahead, self.free_bytes)
+        if capacity > cache.capacity:
+            self._step = None  # it holds the old buffers: let each go once it is copied
+        cache.reserve(capacity - cache.width, spare=False)
         col0 = cache.width
         step = self._captured(cache, rows, uniforms is None)
         fresh = step is None
@@ -173,6 +203,27 @@ class CudaGraphTurns:
         step.tokens.copy_(tok)
         step.positions.add_(1)
         step.col.add_(1)
+
+
+def _capacity(cache: KVCache, steps: int, ahead: int, free_bytes: FreeBytes) -> int:
+    """The cache's columns for a turn: `ahead` past its width, rounded up to `_ALIGN`,
+    unless growing to that does not fit in `_KV_SHARE` of `free_bytes`; then as many as
+    fit, but never fewer than the turn's own `steps`. Growing copies the cache a layer at a
+    time, each old buffer freed once copied, so the old layers but the last count as free
+    too. Memory is probed only where the cache must grow."""
+    want = _aligned(cache.width + ahead)
+    if want <= cache.capacity:
+        return want
+    free = free_bytes(cache.mask.device)
+    if free is None:
+        return want
+    freed = cache.capacity - cache.capacity // len(cache.layers)
+    fits = int(free * _KV_SHARE) // cache.column_bytes + freed
+    return max(_aligned(cache.width + steps), min(want, fits // _ALIGN * _ALIGN))
+
+
+def _aligned(columns: int) -> int:
+    return -(-columns // _ALIGN) * _ALIGN
 
 
 def _steps_kept(tokens: torch.Tensor, finish: RowFinish) -> int:

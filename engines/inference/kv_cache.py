@@ -47,6 +47,13 @@ class KVCache:
         return self.mask.shape[1]
 
     @property
+    def column_bytes(self) -> int:
+        """Bytes one more column costs: every layer's keys and values for every row, and
+        the mask's entry per row."""
+        kv = sum(x.numel() // x.shape[3] * x.element_size() for x in self.layers)
+        return kv + self.mask.shape[0] * self.mask.element_size()
+
+    @property
     def keys(self) -> list[torch.Tensor]:
         return [x[:, :, 0] for x in self.layers]
 

@@ -70,3 +70,27 @@ def test_a_weight_update_is_replayed(qwen2_dir: str) -> None:  # noqa: F811
     fresh.load_weights(noisy, 1)
     assert after == fresh.generate(req)[0].output_ids != before
     assert graphed._graphs.captures > captured
+
+
+def test_a_reservation_capped_by_free_memory_is_captured_again_as_it_grows(
+    qwen2_dir: str,  # noqa: F811
+) -> None:
+    """The probe reads the GPU's free memory; with none free (a figure passed in) a turn
+    that grows the cache reserves its own steps only, so the cache grows again and the
+    graph is captured again, with the eager step's tokens and finishes."""
+    from engines.inference.cuda_graph_decode import device_free_bytes
+
+    free = device_free_bytes(torch.device("cuda"))
+    assert free is not None and 0 < free <= torch.cuda.mem_get_info()[1]
+    eager, graphed, capped = (engine(qwen2_dir, g) for g in (False, True, True))
+    assert graphed._graphs is not None and capped._graphs is not None
+    capped._graphs.free_bytes = lambda device: 0
+    reqs = [GenRequest(f"r{i}", eager.tokenize(p), SamplingParams(
+        max_new_tokens=90 + 20 * i, temperature=(0.0, 1.0)[i % 2], ignore_eos=True,
+        sampling_seed=i)) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    for gen in (eager, graphed, capped):
+        gen.context_len = 512  # (the model's 128 positions leave the cache little to grow)
+    want = outputs(eager.generate(reqs))
+    assert outputs(graphed.generate(reqs)) == want
+    assert outputs(capped.generate(reqs)) == want
+    assert capped._graphs.captures > graphed._graphs.captures

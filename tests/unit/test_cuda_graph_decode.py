@@ -6,14 +6,21 @@ Python step at a time gives. Graph capture and replay themselves: tests/gpu/."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from engines.inference.cuda_graph_decode import CudaGraphTurns, _steps_kept
+from engines.inference.cuda_graph_decode import (
+    CudaGraphTurns,
+    FreeBytes,
+    _capacity,
+    _steps_kept,
+    device_free_bytes,
+)
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.gen_types import GenRequest, SamplingParams
-from engines.inference.kv_cache import RowFinish
+from engines.inference.kv_cache import KVCache, RowFinish
 from engines.inference.kv_decode import LlamaDecoder
 from tests.unit.test_continuous_decode_steps import PROMPTS, mixed_requests, outputs
 from tests.unit.test_qwen3_models import qwen2_dir, qwen3_dir  # noqa: F401 (fixtures)
@@ -27,10 +34,14 @@ def python_step(gen: EmbeddedGenerator) -> EmbeddedGenerator:
     return gen
 
 
-def graph_turns(gen: EmbeddedGenerator, steps: int = 8) -> EmbeddedGenerator:
-    """`gen` decoding `steps` tokens a turn through the graph's step, run eagerly."""
+def graph_turns(
+    gen: EmbeddedGenerator, steps: int = 8, free_bytes: FreeBytes = device_free_bytes
+) -> EmbeddedGenerator:
+    """`gen` decoding `steps` tokens a turn through the graph's step, run eagerly
+    (`free_bytes`: the device memory its cache may grow into)."""
     decoder = LlamaDecoder(gen.model, use_fused=False)
-    gen._decoder, gen._graphs = decoder, CudaGraphTurns(decoder, capture=False)
+    gen._decoder = decoder
+    gen._graphs = CudaGraphTurns(decoder, capture=False, free_bytes=free_bytes)
     gen.continuous_steps = steps
     return gen
 
@@ -166,3 +177,84 @@ def test_a_failed_compile_falls_back_to_the_eager_layer(
     got = gen.generate(mixed_requests(gen))
     assert outputs(got) == outputs(want) and calls == [1]
     assert "torch.compile failed" in caplog.text
+
+
+def test_a_turn_reserves_ahead_what_the_free_memory_holds() -> None:
+    """A 7B-class model's cache (32 layers, 8 KV heads of 128 dims, bf16) at 256 rows costs
+    32 MiB a column, so the 2,048 columns a long budget asks for ahead would be 64 GiB. A
+    turn reserves what 90% of the free memory holds, beside the old buffers (freed a layer
+    at a time as they are copied); with none free, its own steps; off a GPU (no figure) or
+    with plenty free, the whole budget. Within its capacity it probes nothing."""
+    rows, width = 256, 124
+    layers = [torch.empty(rows, 8, 2, 128, 128, dtype=torch.bfloat16, device="meta")
+              for _ in range(32)]  # fmt: skip
+    cache = KVCache(layers, torch.empty(rows, 128, dtype=torch.bool, device="meta"), width)
+    assert cache.column_bytes == 32 * (rows * 8 * 2 * 128 * 2) + rows  # 128 KiB a token
+
+    def free(figure: int | None) -> FreeBytes:
+        return lambda device: figure
+
+    whole = 2176  # width + 2,048, rounded up to 64
+    assert _capacity(cache, 8, 2048, free(None)) == whole
+    assert _capacity(cache, 8, 2048, free(1 << 50)) == whole
+    # 36 GiB holds 1,151 columns, and 124 of the old 128 are freed as they are copied
+    assert _capacity(cache, 8, 2048, free(40 << 30)) == (1151 + 124) // 64 * 64
+    assert _capacity(cache, 8, 2048, free(0)) == 192  # width + 8 steps, rounded up
+
+    def unasked(device: torch.device) -> int:
+        raise AssertionError("probed for a turn within the capacity")
+
+    assert _capacity(cache, 4, 4, unasked) == 128
+
+
+def test_a_capped_reservation_grows_again_and_gives_what_python_steps_give(
+    tiny_model_dir: str, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no free memory a turn that grows the cache reserves its own steps only, so the
+    cache grows again at later turns, and the tokens, finishes and log-probs are still
+    those of one Python step at a time; with plenty free, every turn reserves what it does
+    off a GPU (the longest budget left)."""
+    gen = EmbeddedGenerator(tiny_model_dir, num_threads=1, device="cpu")
+    gen.context_len = 512  # (the tiny model's 128 positions leave the cache little to grow)
+
+    def requests(stop: int | None = None) -> list[GenRequest]:
+        return [GenRequest(f"r{i}", gen.tokenize(p), SamplingParams(
+            max_new_tokens=90 + 20 * i, temperature=(0.0, 1.0, 0.6, 1.3)[i % 4],
+            ignore_eos=True, sampling_seed=i, stop_token_ids=() if stop is None else (stop,)))
+            for i, p in enumerate(PROMPTS)]  # fmt: skip
+
+    reference = python_step(gen)
+    stop = reference.generate(requests())[1].output_ids[3]
+    one = reference.generate(requests(stop))
+    assert {r.finish_reason["type"] for r in one} == {"length", "stop"}
+
+    def reserved(figure: int | None) -> list[tuple[int, int, int, int]]:
+        """Each turn's cache width and capacity before it, its steps, capacity after."""
+        graph_turns(gen, free_bytes=lambda device: figure)
+        assert gen._graphs is not None
+        decode, seen = gen._graphs.decode_steps, []
+
+        def watched(tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                    steps: int, *rest: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+            before = (cache.width, cache.capacity)
+            out = decode(tokens, positions, cache, steps, *rest)
+            seen.append((*before, steps, cache.capacity))
+            return out
+
+        monkeypatch.setattr(gen._graphs, "decode_steps", watched)
+        got = gen.generate(requests(stop))
+        assert outputs(got) == outputs(one)
+        for a, b in zip(got, one, strict=True):
+            assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+        return seen
+
+    def grew(turns: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int]]:
+        return [(width, steps, after) for width, before, steps, after in turns if after > before]
+
+    def own_steps(width: int, steps: int) -> int:
+        return -(-(width + steps) // 64) * 64
+
+    capped, unprobed = grew(reserved(0)), grew(reserved(None))
+    assert len(capped) > 1 and all(after == own_steps(w, s) for w, s, after in capped)
+    assert any(after > own_steps(w, s) for w, s, after in unprobed)
+    assert grew(reserved(1 << 50)) == unprobed
