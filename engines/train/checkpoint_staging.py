@@ -197,7 +197,7 @@ def save_and_store(
                            lambda: _take_manifest(staged) if staged.uploads else None)
         # every disk's files are stored before any rank returns (or all raise)
         uri = _agreed(f"storing the checkpoint at {store.uri(*parts)}",
-                      lambda: store.put_dir(staged.path, *parts) if staged.uploads else "")
+                      lambda: store.put_dir(staged.path, *parts, move=True) if staged.uploads else "")
         _agreed(f"committing the checkpoint at {store.uri(*parts)}",
                 lambda: None if manifest is None else
                 store.write_bytes(manifest, *parts, integrity.MANIFEST_FILE))

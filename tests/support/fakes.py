@@ -326,11 +326,11 @@ class FullDiskStore(ObjectStore):
 
     failed = False
 
-    def put_dir(self, local_dir: str, *parts: str) -> str:
+    def put_dir(self, local_dir: str, *parts: str, move: bool = False) -> str:
         if not self.failed:
             self.failed = True
             raise OSError(28, "No space left on device")
-        return super().put_dir(local_dir, *parts)
+        return super().put_dir(local_dir, *parts, move=move)
 
 
 class ExportingBackend:

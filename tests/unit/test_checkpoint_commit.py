@@ -47,6 +47,10 @@ def test_the_manifest_is_stored_after_every_other_file(layout: RunLayout) -> Non
             written.append(parts[-1])
             return super().write_bytes(data, *parts, sync=sync)
 
+        def put_file(self, local_path: str, *parts: str, move: bool = False) -> str:
+            written.append(parts[-1])
+            return super().put_file(local_path, *parts, move=move)
+
     store = Recording(layout.store.root, layout.store.storage_options)
     save_and_store(backend_save, store, ("checkpoints", "000000"))
     assert written[-1] == MANIFEST_FILE and written.count(MANIFEST_FILE) == 1

@@ -127,6 +127,40 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
     assert store.list("x") == ["y.json"]
 
 
+def _staged(root) -> dict[str, bytes]:
+    files = {"model.bin": os.urandom(3000), "shards/part-0.distcp": os.urandom(5000)}
+    for name, data in files.items():
+        os.makedirs(os.path.dirname(root / name), exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("move", [False, True])
+def test_put_dir_stores_every_file_and_moves_only_when_asked(tmp_path, move):
+    """`move=True` (a checkpoint's staging dir) takes the files over by rename on the same
+    file system: the stored file is the staged one, written once."""
+    staged, store = tmp_path / "staging", ObjectStore(str(tmp_path / "store"))
+    files = _staged(staged)
+    inodes = {name: os.stat(staged / name).st_ino for name in files}
+    store.put_dir(str(staged), "checkpoints", "000001", move=move)
+    for name, data in files.items():
+        stored = store.path("checkpoints", "000001", name)
+        assert store.read_bytes("checkpoints", "000001", name) == data
+        assert (os.stat(stored).st_ino == inodes[name]) is move
+        assert (staged / name).exists() is not move
+    assert not [n for _, _, fs in os.walk(tmp_path / "store") for n in fs if ".tmp-" in n]
+
+
+def test_a_failed_move_leaves_the_staged_file_in_place(tmp_path):
+    staged, store = tmp_path / "staging", ObjectStore(str(tmp_path / "store"))
+    files = _staged(staged)
+    os.makedirs(store.path("ckpt", "model.bin", "in-the-way"))  # a directory where a file goes
+    with pytest.raises(OSError):
+        store.put_dir(str(staged), "ckpt", move=True)
+    assert (staged / "model.bin").read_bytes() == files["model.bin"]
+    assert not [n for _, _, fs in os.walk(tmp_path / "store") for n in fs if ".tmp-" in n]
+
+
 def test_run_layout_commits_in_order(tmp_path):
     layout = RunLayout.open(str(tmp_path), "run")
     assert layout.next_rollout_id() == 0
