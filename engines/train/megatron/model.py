@@ -20,6 +20,7 @@ Megatron is imported inside the functions: this module is safe to import without
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +72,18 @@ def _sdpa_attention_class() -> type:
     return SDPACoreAttention
 
 
+@functools.cache
+def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
+    """torch's `varlen_attn` and the names of its parameters (they changed between torch
+    releases), looked up once: attention runs per layer and micro-batch."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None
+    fn = getattr(varlen, "varlen_attn", None)
+    return None if fn is None else (fn, frozenset(inspect.signature(fn).parameters))
+
+
 def varlen_causal_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
     scale: float | None = None,
@@ -82,15 +95,9 @@ def varlen_causal_attention(
     exists (bf16/fp16 on CUDA); else SDPA per sequence (the same result, a launch per
     sequence: float32 and CPU, which flash does not take)."""
     rep = q.shape[1] // k.shape[1]
-    varlen_attn: Any = None
-    try:
-        from torch.nn.attention import varlen
-
-        varlen_attn = varlen.varlen_attn
-    except (ImportError, AttributeError):
-        pass
-    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        params = inspect.signature(varlen_attn).parameters
+    flash = _flash_varlen()
+    if flash is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        varlen_attn, params = flash
         kw: dict[str, Any] = {"scale": scale} if "scale" in params else {}
         if "is_causal" in params:  # torch 2.9-2.10
             kw["is_causal"] = True
