@@ -13,6 +13,7 @@ from storage.run_layout import RunLayout
 from tests.support.compare import compare_runs
 from tests.support.faults import (
     THREE_STEPS,
+    KillWhileWorking,
     actor_pid,
     kill,
     run_with_fault,
@@ -80,14 +81,17 @@ def test_engine_killed_mid_generate(prefect_api, make_config, fault_matrix):
 def test_trainer_killed_mid_train_is_rebuilt(prefect_api, make_config, fault_matrix):
     from flows.train import train
 
-    bigger = ["rollout.rollout_batch_size=64", "train.global_batch_size=16"]
+    # several optimizer passes a step: a train call long enough for a kill to land inside
+    bigger = ["rollout.rollout_batch_size=64", "train.global_batch_size=16",
+              "train.num_epochs_per_rollout=4"]
     reference = make_config("ref", *THREE_STEPS, *bigger, backend="embedded")
     train(reference)
     cfg = make_config("trainer-kill", *THREE_STEPS, *bigger, "cluster.keep_actors=true",
                       backend="embedded")
     try:
-        result = run_with_fault(cfg, lambda lay: lay.task_record(1, "reward") is not None,
-                                lambda: kill(cfg, "trainer"))
+        fault = KillWhileWorking(cfg, "trainer", lambda lay: lay.task_record(0, "train") is not None,
+                                 lambda lay: lay.task_record(1, "reward") is not None, cpu_s=0.03)
+        result = run_with_fault(cfg, fault.when, fault.fire)
         trainer = get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, "trainer")
         pid, trained = actor_pid(cfg, "trainer"), ray.get(trainer.trained_indices.remote())
     finally:
@@ -95,12 +99,12 @@ def test_trainer_killed_mid_train_is_rebuilt(prefect_api, make_config, fault_mat
     assert pid != result["fault"], "the trainer is still the process that was killed"
     # the new trainer holds step 0's samples only because it replayed step 0 to rebuild
     assert trained == trained_indices(reference)
-    # the kill lands in step 1's train task (which fails and is retried) or just before it
-    # (whose first call then finds the trainer gone and starts a new one)
-    runs = task_run_counts(cfg, "train", lambda c: len(c) == 3, timeout_s=20)
-    retried = runs.get("rollout-1/train", 0) > 1
+    # the kill lands inside step 1's train call: the task fails and is retried
+    runs = task_run_counts(cfg, "train", lambda c: len(c) == 3 and c["rollout-1/train"] > 1,
+                           timeout_s=20)
+    assert runs.get("rollout-1/train", 0) > 1, f"step 1's train task was not retried: {runs}"
     same = compare_runs(reference, cfg, weights=("model.safetensors",), rtol=1e-5, atol=1e-6)
     assert same.identical, same
-    how = "train task retried" if retried else "dead trainer replaced on reattach"
-    fault_matrix.add("trainer actor killed mid-train", "step 1, train", f"{how}; trainer "
+    fault_matrix.add("trainer actor killed mid-train (kill -9)", "step 1, train",
+                     "train task retried; trainer "
                      "rebuilt by replay, final weights equal (1e-5)", same.identical)

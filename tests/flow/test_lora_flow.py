@@ -89,6 +89,8 @@ def test_lora_run_syncs_merged_weights_and_resumes_exactly(
         "model.safetensors", "adapter/adapter_model.safetensors"))
     assert same.identical, same
     how = "train task retried" if retried else "dead trainer replaced on reattach"
-    fault_matrix.add("LoRA trainer killed mid-train", "step 1, train", f"{how}; rebuilt from "
+    # (`kill` waits for a call in progress: the kill lands before or after step 1's train,
+    # not inside it; tests/flow/test_faults.py kills a trainer inside its train call)
+    fault_matrix.add("LoRA trainer killed in step 1", "step 1, around train", f"{how}; rebuilt from "
                      "the adapter checkpoint, final adapter and merged weights equal",
                      same.identical)

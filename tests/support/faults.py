@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +57,43 @@ def kill(cfg, role) -> int:
     pid = actor_pid(cfg, role)
     ray.kill(get_run_actor(cfg.cluster.namespace, cfg.storage.run_name, role))
     return pid
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class KillWhileWorking:
+    """kill -9 of a run's actor inside a call, not between two: asking a busy actor its pid
+    (as `kill` does) waits for its call to end. The pid is read once `idle(layout)` holds
+    (the actor has nothing to do then), the process's CPU time noted once `ready(layout)`
+    holds, and the kill fires after it has used `cpu_s` more: in the call that came next.
+    `when` and `fire` go to `run_with_fault`."""
+
+    def __init__(self, cfg: Any, role: str, idle: Callable[[RunLayout], bool],
+                 ready: Callable[[RunLayout], bool], cpu_s: float = 0.1) -> None:
+        self.cfg, self.role, self.idle, self.ready, self.cpu_s = cfg, role, idle, ready, cpu_s
+        self.pid: int | None = None
+        self.base: float | None = None
+
+    def when(self, layout: RunLayout) -> bool:
+        if self.pid is None:
+            if self.idle(layout):
+                self.pid = actor_pid(self.cfg, self.role)
+            return False
+        if self.base is None:
+            if self.ready(layout):
+                self.base = cpu_seconds(self.pid)
+            return False
+        return cpu_seconds(self.pid) - self.base >= self.cpu_s
+
+    def fire(self) -> int:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGKILL)
+        return self.pid
 
 
 def task_run_counts(
