@@ -9,6 +9,8 @@ in a local store on the same file system:
   copy        - `put_dir(move=False)`: streamed copy (`shutil.copyfile`), fsync, rename
   move        - `put_dir(move=True)`, what checkpoints use: the staged file is renamed into
                 place after its fsync, so its bytes reach the disk once
+and the manifest a save writes first (`storage.integrity.dir_manifest`: every file's sha256),
+one file at a time and several side by side (what it does).
 Figures: bench/RESULTS.md, "Checkpoint store".
 Usage:
   python -m bench.checkpoint_store --gib 2 --files 4
@@ -23,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from storage import integrity
 from storage.object_store import ObjectStore
 
 
@@ -52,6 +55,20 @@ def main() -> None:
         "move": lambda store, staged: store.put_dir(staged, "ckpt", move=True),
     }
     print(f"{args.gib:g} GiB in {args.files} files, staged fresh each time")
+    root = tempfile.mkdtemp(prefix="rollflow-ckpt-bench-", dir=args.dir)
+    try:
+        stage(os.path.join(root, "staging"), args.files, file_bytes)
+        store = ObjectStore(os.path.join(root, "staging"))
+        threads = integrity._HASH_THREADS
+        for label, n in (("sha256, 1 thread", 1), (f"sha256, up to {threads}", threads)):
+            integrity._HASH_THREADS = n
+            start = time.perf_counter()
+            integrity.dir_manifest(store)
+            seconds = time.perf_counter() - start
+            print(f"{label:>18}: {seconds:6.2f} s  {args.gib / seconds:5.2f} GiB/s", flush=True)
+        integrity._HASH_THREADS = threads
+    finally:
+        shutil.rmtree(root)
     for name, way in ways.items():
         root = tempfile.mkdtemp(prefix="rollflow-ckpt-bench-", dir=args.dir)
         try:
