@@ -165,7 +165,8 @@ class TrainConfig(Section):
         description="Local directory where the train ranks write a checkpoint before it goes to "
         "storage.uri (and where an object-store checkpoint is downloaded to load it); made if "
         "missing, the same path on every node. Default: the system temp dir (TMPDIR), which "
-        "may be too small for a large model.",
+        "may be too small for a large model. On the file system of a local storage.uri, a "
+        "checkpoint is renamed into the run instead of copied.",
     )
     seed: int = 1234
     deterministic: bool = Field(
