@@ -19,14 +19,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from engines.process import free_port
 from engines.train.train_actor import TrainActor
 from engines.weights.cuda_ipc import FLATTENED_BUCKET
-from tests.support.configs import small_config
-from tests.support.fakes import ExportingBackend, RecordingEngine
+from tests.support.fakes import ExportingBackend
 from tests.support.gpu import NCCL_SAFE_ENV, needs_two
+from tests.support.rank_push import push_from_two_ranks
 
 pytestmark = [pytest.mark.gpu, needs_two]
 
@@ -84,19 +82,7 @@ def handle_devices(entry: str) -> list[str]:
 
 
 def test_each_entry_holds_handles_on_its_train_ranks_gpu(tmp_path: Path) -> None:
-    cfgs, engines = [], []
-    for colocate, tp, num_engines, _ in CASES:
-        cfgs.append(small_config(f"storage.uri={tmp_path / 'runs'}", f"cluster.colocate={colocate}",
-                                 f"cluster.rollout_num_gpus_per_engine={tp}",
-                                 "train.update_weight_buffer_size=8"))  # a bucket per tensor
-        engines.append([RecordingEngine() for _ in range(num_engines)])
-    try:
-        mp.spawn(_rank, args=(free_port(), cfgs, [[e.url for e in case] for case in engines],
-                              str(tmp_path)), nprocs=2, join=True)
-    finally:
-        for case in engines:
-            for engine in case:
-                engine.close()
+    engines = push_from_two_ranks(tmp_path, _rank, [case[:3] for case in CASES])
     uuids = [json.loads((tmp_path / f"rank{r}.json").read_text())["uuid"] for r in range(2)]
     assert uuids[0] != uuids[1]
     for (colocate, tp, _, expected), case in zip(CASES, engines, strict=True):

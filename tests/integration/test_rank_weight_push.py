@@ -15,13 +15,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from engines.process import free_port
 from engines.train.train_actor import TrainActor
 from engines.weights.sync import decode_named_tensors
-from tests.support.configs import small_config
-from tests.support.fakes import ExportingBackend, RecordingEngine
+from tests.support.fakes import ExportingBackend
+from tests.support.rank_push import push_from_two_ranks
 
 # (cluster.colocate, cluster.rollout_num_gpus_per_engine, engines, whether each rank sends
 # its own entries, the train rank whose payload is each engine's entry j)
@@ -60,19 +58,7 @@ def _marker(entry: str, name: str) -> int:
 
 @pytest.mark.timeout(180)
 def test_each_engine_tp_rank_gets_the_entry_of_the_train_rank_on_its_gpu(tmp_path: Path) -> None:
-    cfgs, engines = [], []
-    for colocate, tp, num_engines, _, _ in CASES:
-        cfgs.append(small_config(f"storage.uri={tmp_path / 'runs'}", f"cluster.colocate={colocate}",
-                                 f"cluster.rollout_num_gpus_per_engine={tp}",
-                                 "train.update_weight_buffer_size=8"))  # a bucket per tensor
-        engines.append([RecordingEngine() for _ in range(num_engines)])
-    try:
-        mp.spawn(_rank, args=(free_port(), cfgs, [[e.url for e in case] for case in engines],
-                              str(tmp_path)), nprocs=2, join=True)
-    finally:
-        for case in engines:
-            for engine in case:
-                engine.close()
+    engines = push_from_two_ranks(tmp_path, _rank, [case[:3] for case in CASES])
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for i, ((colocate, tp, _, per_rank, expected), case) in enumerate(
             zip(CASES, engines, strict=True)):
