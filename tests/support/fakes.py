@@ -351,7 +351,21 @@ class ExportingBackend:
         return self.export_weights()
 
 
-class RecordingEngine:
+class _LocalServer:
+    """A fake's threaded HTTP server on 127.0.0.1, on a free port; `close()` stops it."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> int:
+        """Serve `handler` in a daemon thread; returns the port."""
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return int(self.httpd.server_address[1])
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RecordingEngine(_LocalServer):
     """An SGLang server's weight-update routes over real HTTP, recording instead of loading:
     each `/update_weights_from_tensor` body lands in `tensor_updates`, and its
     `weight_version` is what `/get_weight_version` answers from then on. Pause, flush and
@@ -391,16 +405,10 @@ class RecordingEngine:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.url = f"http://127.0.0.1:{self._serve(Handler)}"
 
 
-class RewardServer:
+class RewardServer(_LocalServer):
     """A real HTTP reward model: fails the first `fail_first` requests (and every request
     while `down`) with `fail_status`, sleeps `delay_s` before answering, then scores
     `len(response)`."""
@@ -433,10 +441,4 @@ class RewardServer:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.url = f"http://127.0.0.1:{self._serve(Handler)}/score"
