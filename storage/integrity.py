@@ -89,8 +89,8 @@ def dir_manifest(store: ObjectStore, *parts: str, skip: Collection[str] = ()) ->
 
 def _digest_files(store: ObjectStore, parts: Sequence[str], rels: list[str]) -> list[FileDigest]:
     """The digests of files `rels` under `parts`, several at a time: a checkpoint's shards
-    run to GBs, and one thread hashes about 1.5 GB/s (bench/RESULTS.md, "Checkpoint
-    store")."""
+    run to GBs, and hashing them one after another leaves cores idle (bench/RESULTS.md,
+    "Checkpoint store")."""
     def digest(rel: str) -> FileDigest:
         with store.failures_named("read", *parts, rel), \
                 store.fs.open(store.path(*parts, rel), "rb") as f:

@@ -142,9 +142,8 @@ class TrainConfig(Section):
         "balance tail padding against masked attention; megatron: one row per micro-batch "
         "through flash varlen attention (bf16; float32 runs SDPA per sequence). Same "
         "log-probs and gradients as padded batches up to float rounding. It pays where "
-        "padding is large: on one H100 megatron packed ran 1.37x padded at 22% padding "
-        "and 0.90x at 1.3% (bench/RESULTS.md, \"Megatron GRPO\"), so turn it on for "
-        "long-tailed response lengths.",
+        "padding is large and loses where it is small (bench/RESULTS.md, \"Megatron "
+        "GRPO\"), so turn it on for long-tailed response lengths.",
     )
     skip_zero_gradient_samples: bool = Field(
         True,

@@ -100,7 +100,7 @@ def gather_tp(local: Mapping[str, Tensor], group: Any, size: int) -> dict[str, T
     lives (NCCL on the GPU; the shards of a split tensor have one shape on every rank),
     merged there and copied to the host one at a time, so the device holds one extra
     full tensor at most. Pickling the shards through `all_gather_object` instead took
-    2.6-5.7 s per push for a 0.5B model at TP=2 (bench/RESULTS.md, "GPU end to end")."""
+    most of each push (bench/RESULTS.md, "GPU end to end", parts (f) and (g))."""
     device = current_device() if torch.cuda.is_available() else torch.device("cpu")
     full: dict[str, Tensor] = {}
     for name, tensor in local.items():
