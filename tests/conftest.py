@@ -86,6 +86,11 @@ def ray_address() -> Iterator[str]:
     """A Ray head owned by this test session (in-process start, stopped at the end)."""
     import ray
 
+    from engines.cluster.head import WORKER_NICENESS_ENV
+
+    # the actors at the tests' own priority, as on a head rollflow starts: at Ray's nice 15
+    # they starved beside the other xdist workers (a fault test timed out in CI)
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     ctx = ray.init(
         address="local",  # never join a cluster left running by `rollflow` itself
         num_cpus=4, namespace="rollflow-tests", include_dashboard=False, log_to_driver=False,

@@ -39,9 +39,19 @@ log = logging.getLogger(__name__)
 STATE_FILE = HOME / "cluster.json"
 
 
+# Ray starts its workers at nice 15 unless told otherwise (RayConfig `worker_niceness`), and
+# every actor doing rollflow's work is such a worker: beside any program at normal priority
+# they got a few percent of the CPU (bench/RESULTS.md, "Busy machine"). 0 keeps the workers
+# at the priority of the process that started the head, the user's own.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
 def _ray_env() -> dict[str, str]:
-    """This process's environment for Ray commands (its auth settings included)."""
+    """This process's environment for Ray commands (its auth settings included); a head
+    started with it runs its workers at this process's priority unless the user set
+    RAY_worker_niceness."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     return dict(os.environ)
 
 

@@ -1,5 +1,5 @@
-"""The local Ray head rollflow starts on demand: it offers the machine's GPUs (none here) and
-runs Ray's dashboard on 127.0.0.1, so Ray's state API (`ray list actors`) works with the
+"""The local Ray head rollflow starts on demand: it offers the machine's GPUs (none here), runs
+its actors at the driver's priority and runs Ray's dashboard on 127.0.0.1, so Ray's state API (`ray list actors`) works with the
 head's token, and `rollflow cluster status` prints where it is.
 
 Each client is a subprocess with its own ROLLFLOW_HOME: Ray reads its auth settings once per
@@ -22,11 +22,14 @@ import torch
 from tests.support.procs import python, rollflow_env
 
 # A rollflow driver that starts the head and leaves a named detached actor on it.
+# The probe says the niceness it runs at: Ray's default (15) starved every actor beside any
+# program at normal priority.
 DRIVER = ("from engines.cluster.config import ClusterConfig; "
-          "from engines.cluster.head import connect; import ray; "
+          "from engines.cluster.head import connect; import os, ray; "
           "print(connect(ClusterConfig(num_cpus=1, namespace='rf-head-test'))); "
-          "ray.remote(num_cpus=0)(type('Probe', (), {'ping': lambda self: 1}))"
-          ".options(name='probe', lifetime='detached').remote()")
+          "probe = ray.remote(num_cpus=0)(type('Probe', (), {'nice': lambda self: os.nice(0)}))"
+          ".options(name='probe', lifetime='detached').remote(); "
+          "print('niceness', os.nice(0), ray.get(probe.nice.remote()))")
 STATE = ("import sys; from ray.util.state import list_actors; "
          "print(sorted(a.name for a in list_actors(address=sys.argv[1])))")
 
@@ -45,6 +48,8 @@ def test_local_head_has_the_machines_gpus_and_a_dashboard_with_the_state_api():
         first = python(DRIVER, env)
         out, err = first.communicate(timeout=180)
         assert first.returncode == 0, err
+        driver_nice, actor_nice = re.findall(r"niceness (\d+) (\d+)", out)[0]
+        assert actor_nice == driver_nice, f"actor at nice {actor_nice}, driver at {driver_nice}"
         deadline = time.monotonic() + 180  # a loaded machine can start the dashboard late
         while True:
             status = json.loads(cli(env, "cluster", "status", "--namespace", "rf-head-test",

@@ -1,5 +1,5 @@
 """Subprocesses that run rollflow as a user's shell would: their own ROLLFLOW_HOME, this
-checkout on PYTHONPATH, none of the test session's Ray auth settings."""
+checkout on PYTHONPATH, none of the test session's Ray auth or niceness settings."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from tests.support import REPO_ROOT
 
 
 def rollflow_env(home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_AUTH") and k != "RAY_worker_niceness"}
     return {**env, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO_ROOT), **extra}
 
 
