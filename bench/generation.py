@@ -178,7 +178,7 @@ def bench_batch(
     check error or ''), timing the two alternately."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engines.inference.config import EngineConfig
+    from engines.config.engine import EngineConfig
     from engines.inference.engine_actor import EngineActor
 
     torch.set_num_threads(threads)
@@ -257,7 +257,7 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
     HF generate (dynamic, static cache) alternately, `--repeats` rounds; medians."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engines.inference.config import EngineConfig
+    from engines.config.engine import EngineConfig
     from engines.inference.engine_actor import EngineActor
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -38,10 +38,10 @@ from typing import Any  # noqa: E402
 
 import yaml  # noqa: E402
 
+from engines.config.engine import EngineConfig  # noqa: E402
+from engines.config.rollout import RolloutConfig  # noqa: E402
 from engines.data.data_source import RolloutDataSourceWithBuffer  # noqa: E402
-from engines.inference.config import EngineConfig  # noqa: E402
 from engines.inference.engine_actor import EngineActor  # noqa: E402
-from engines.rollout.config import RolloutConfig  # noqa: E402
 from engines.rollout.generation import GenerationLoop, RolloutResult  # noqa: E402
 from engines.rollout.restore import JournalLog, Outcome, StepLog, replay  # noqa: E402
 from engines.rollout.rewards.hub import RewardHub  # noqa: E402

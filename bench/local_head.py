@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engines.cluster.config import ClusterConfig
 from engines.cluster.head import cluster_address, stop_local_head
+from engines.config.cluster import ClusterConfig
 
 
 @contextmanager

@@ -1,11 +1,10 @@
 """The run config: the components' sections composed, checked across sections, defaults
 resolved.
 
-Each section lives with the component it configures (field docs and checks beside it):
-`cluster` in engines/cluster/config.py; `data`, `rollout`, `engine`, `eval` in
-engines/rollout/config.py; `algorithm` in engines/algorithms/config.py; `train` in
-engines/train/config.py; `storage` in storage/config.py; `logging` in flows/logging_sinks.py.
-Engines read the run config through `engines.run_config.RunConfig`, never this module.
+Each section is its component's class, with field docs and checks beside it: `cluster`,
+`data`, `rollout`, `eval`, `engine`, `algorithm` and `train` in engines/config/ (a module
+per section); `storage` in storage/config.py; `logging` in flows/logging_sinks.py.
+Engines read the run config through `engines.config.run.RunConfig`, never this module.
 The whole `RollflowConfig` is the `train` flow's parameter, so the Prefect UI shows it for
 every run; field descriptions double as the reference (`rollflow config --help`).
 """
@@ -16,12 +15,12 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from engines.algorithms.config import AlgorithmConfig
-from engines.cluster.config import ClusterConfig
-from engines.data.config import DataConfig
-from engines.inference.config import EngineConfig
-from engines.rollout.config import EvalConfig, EvalDataset, RolloutConfig
-from engines.train.config import TrainConfig, check_parallel_sizes
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.cluster import ClusterConfig
+from engines.config.data import DataConfig
+from engines.config.engine import EngineConfig
+from engines.config.rollout import EvalConfig, EvalDataset, RolloutConfig
+from engines.config.train import TrainConfig, check_parallel_sizes
 from flows.logging_sinks import LoggingConfig
 from storage.config import ConfigError, Section, StorageConfig
 from storage.secrets import REDACTED, drop_redacted, option_secrets, url_secrets

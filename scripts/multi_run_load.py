@@ -32,8 +32,8 @@ os.environ.update(ROLLFLOW_HOME=str(HOME), RAY_AUTH_MODE="disabled",
                   TOKENIZERS_PARALLELISM="false")
 sys.path.insert(0, str(REPO))
 
-from engines.cluster.config import ClusterConfig  # noqa: E402
 from engines.cluster.head import cluster_address, stop_local_head  # noqa: E402
+from engines.config.cluster import ClusterConfig  # noqa: E402
 from engines.process import free_port  # noqa: E402
 from flows.config_loader import dump_config  # noqa: E402
 from flows.server import start_server  # noqa: E402

@@ -1,10 +1,10 @@
 """The base of every component's config section, `ConfigError`, and the storage section.
 
 Each component owns its config class, with a description per field and its checks beside it
-(torchtitan's configurable style): `engines/cluster/config.py`, `engines/rollout/config.py`,
-`engines/algorithms/config.py`, `engines/train/config.py` and this module; `flows/config.py`
-only composes them into the run config and checks what spans sections. They live at or below
-the code that reads them, so no layer imports the one above it.
+(torchtitan's configurable style): the engines' sections in `engines/config/` (one module per
+section), the storage section in this module; `flows/config.py` only composes them into the
+run config and checks what spans sections. They sit at the bottom of the layer they belong
+to, so no layer imports the one above it, not even for a type.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import ray
 from prefect.context import TaskRunContext
 
 from engines.cluster.actors import RunActors, get_or_create_actors
+from engines.config.run import RunConfig
 from engines.records import StageRecord
-from engines.run_config import RunConfig
 from engines.train.step_settings import StepSettings
 from storage.run_layout import RunLayout
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from engines.run_config import RunConfig
+from engines.config.run import RunConfig
 from engines.weights.schedule import pushes_weights, required_weight_version
 from storage.run_layout import RunLayout
 from tasks.retries import step_run_name

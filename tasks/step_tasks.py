@@ -21,6 +21,7 @@ import ray
 from prefect import task
 
 from engines.cluster.actors import RunActors, apply_engine_pool, replace_lost_engines
+from engines.config.run import RunConfig
 from engines.records import (
     FilterRecord,
     GenerateRecord,
@@ -28,7 +29,6 @@ from engines.records import (
     SamplePromptsRecord,
     StageRecord,
 )
-from engines.run_config import RunConfig
 from engines.weights.schedule import pushes_weights, required_weight_version
 from tasks import colocate
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_eval

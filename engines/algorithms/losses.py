@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engines.algorithms.config import AlgorithmConfig
+from engines.config.algorithm import AlgorithmConfig
 
 
 def _masked(x: Tensor, loss_mask: Tensor) -> Tensor:

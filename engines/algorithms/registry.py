@@ -30,7 +30,7 @@ from engines.algorithms.advantages import (
     reinforce_plus_plus_returns,
     rloo_advantages_by_group,
 )
-from engines.algorithms.config import AlgorithmConfig
+from engines.config.algorithm import AlgorithmConfig
 from engines.hooks.loader import HookError, checked_returns, load_user_hook
 
 Estimates = tuple[list[Tensor], list[Tensor]]

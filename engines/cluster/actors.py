@@ -41,10 +41,10 @@ from engines.cluster.registry import (
     stop_run,
 )
 from engines.cluster.train_group import actor_exists, get_or_create_group, kill_group
+from engines.config.run import RunConfig
 from engines.inference.engine_actor import EngineActor
 from engines.inference.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.rollout.rollout_manager import RolloutManager
-from engines.run_config import RunConfig
 from engines.train.null_trainer import NullTrainActor
 from engines.train.train_actor import COLLECTIVE_EXPORT, TrainActor
 from storage.config import ConfigError

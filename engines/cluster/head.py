@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engines.cluster.config import ClusterConfig
+from engines.config.cluster import ClusterConfig
 from engines.process import HOME, free_port, process_auth_mode
 
 log = logging.getLogger(__name__)

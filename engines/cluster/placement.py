@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engines.cluster.config import ClusterConfig
+from engines.config.cluster import ClusterConfig
 from storage.config import ConfigError
 
 # Share of a bundle each actor asks for. Colocated, the trainer and an engine share a bundle

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from engines.cluster.train_group import kill_group
-from engines.run_config import ACTOR_SECTIONS, RunConfig
+from engines.config.run import ACTOR_SECTIONS, RunConfig
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.data.config import DataConfig
+from engines.config.data import DataConfig
 from engines.data.prompt_checks import FieldReport, check_fields
 from engines.data.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
 from storage.config import StorageConfig

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import uvicorn
 
-from engines.inference.config import EngineConfig
+from engines.config.engine import EngineConfig
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.gen_types import Generator
 from engines.inference.mock_generator import MockGenerator

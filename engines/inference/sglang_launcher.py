@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from engines.inference.config import EngineConfig
+from engines.config.engine import EngineConfig
 from engines.process import free_port, wait_for_health
 
 

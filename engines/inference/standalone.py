@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engines.inference.config import EngineConfig
+from engines.config.engine import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

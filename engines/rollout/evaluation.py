@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engines.config.rollout import EvalDataset, RolloutConfig
 from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.hooks.loader import bad_return
 from engines.hooks.protocols import EvalFn, RewardFn
-from engines.rollout.config import EvalDataset, RolloutConfig
 from engines.rollout.generation import EngineClient, GenerationLoop
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import resolve_reward_fn

@@ -35,9 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.config.rollout import RolloutConfig
+from engines.config.run import RunConfig
 from engines.hooks.protocols import GenerateFn
 from engines.rollout.agent_gateway import AGENT_COUNTERS, AGENT_REWARD
-from engines.rollout.config import RolloutConfig
 from engines.rollout.dispatch import Dispatch, Healing, RoundRobinDispatch
 from engines.rollout.engine_watch import EngineWatch
 from engines.rollout.filters import DynamicFilter
@@ -55,7 +56,6 @@ from engines.rollout.rewards.deadline import TIMEOUT_FLAG
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import RewardFn
 from engines.rollout.sglang_client import GenerateOutput
-from engines.run_config import RunConfig
 from storage.sample import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class HookArgs:
     attributes, plus where to send requests: `engine_url` is the router (or the first
     engine), see `engines.hooks.protocols.engine_url`.
 
-    `config` is the whole run config, read through `engines.run_config.RunConfig` (its
+    `config` is the whole run config, read through `engines.config.run.RunConfig` (its
     sections: `args.rollout.temperature`, `args.data.input_key`, ...); attribute access
     passes through to it, as slime's hooks read its argument namespace."""
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-from engines.run_config import RunConfig
+from engines.config.run import RunConfig
 from storage.group_journal import GroupJournal, JournalEntry, encode_entry
 from storage.sample import Group, Sample
 

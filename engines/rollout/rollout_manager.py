@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engines.config.run import RunConfig
 from engines.data.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
 from engines.data.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.hooks.loader import load_hook, load_user_hook, returned_groups
@@ -48,7 +49,6 @@ from engines.rollout.restore import (
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
-from engines.run_config import RunConfig
 from engines.weights.schedule import oldest_trainable_version
 from storage.batch_io import read_samples, write_samples
 from storage.group_journal import GroupJournal

@@ -25,18 +25,15 @@ import copy
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from engines.train.config import LoraConfig, TrainConfig
+from engines.config.train import LoraConfig, TrainConfig
 from engines.train.torch_models import load_causal_lm
 from engines.weights.hf_export import peft_model_of, save_hf
 from storage.sample import Sample
-
-if TYPE_CHECKING:
-    pass
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from engines.train.config import TrainConfig
+from engines.config.train import TrainConfig
 
 
 def lr_at(

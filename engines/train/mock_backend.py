@@ -16,8 +16,8 @@ import zlib
 import torch
 from torch import Tensor
 
-from engines.algorithms.config import AlgorithmConfig
-from engines.train.config import TrainConfig
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.train import TrainConfig
 from engines.train.metrics import SKIPPED, TrainMetrics
 from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
 from storage.sample import Sample

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.run_config import RunConfig
+from engines.config.run import RunConfig
 
 
 class NullTrainActor:

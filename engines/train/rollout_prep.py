@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import kl_penalty, zero_gradient_samples
 from engines.algorithms.registry import AdvantageInputs, Estimator, compute_advantages
+from engines.config.algorithm import AlgorithmConfig
 from storage.sample import Sample
 
 Scorer = Callable[[list[Sample]], list[Tensor]]

@@ -33,12 +33,12 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import LossInputs, actor_loss, critic_loss, make_reducer
 from engines.algorithms.registry import load_estimator
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.train import TrainConfig
 from engines.hooks.loader import checked_returns, load_user_hook
 from engines.train.batching import pad_response_values, split_micro_batches
-from engines.train.config import TrainConfig
 from engines.train.finite import stale_on_failure
 from engines.train.metrics import SKIPPED, already_trained, summarise
 from engines.train.rollout_prep import PreparedBatch, Scorers, prepare_batch

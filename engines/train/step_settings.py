@@ -18,8 +18,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engines.algorithms.config import AlgorithmConfig
-from engines.train.config import TrainActorConfig, TrainConfig
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.run import RunConfig
+from engines.config.train import TrainConfig
 
 FIXED_AT_BUILD: frozenset[str] = frozenset({
     "backend", "tensor_parallel", "pipeline_parallel", "expert_parallel", "model_path", "load",
@@ -40,7 +41,7 @@ class StepSettings:
     reward_key: str | None
 
     @classmethod
-    def of(cls, cfg: TrainActorConfig) -> StepSettings:
+    def of(cls, cfg: RunConfig) -> StepSettings:
         return cls(cfg.train, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.reward_key)
 
     def to_json(self) -> dict[str, Any]:

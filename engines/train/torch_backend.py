@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from engines.algorithms.config import AlgorithmConfig
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.train import TrainConfig
 from engines.train import checkpoint_io as ckpt
 from engines.train import lora
 from engines.train.batching import PaddedBatch, build_padded_batch, effective_temperature
-from engines.train.config import TrainConfig
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engines.config.run import RunConfig
 from engines.process import actor_threads, freeze_actor_heap
 from engines.train.checkpoint_staging import fetch_and_load, save_and_store
-from engines.train.config import TrainActorConfig
 from engines.train.step_settings import FIXED_AT_BUILD, StepSettings, settings_for_replay
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engines.weights.sender import PushLayout
 
 
-def _torch_backend(cfg: TrainActorConfig) -> Any:
+def _torch_backend(cfg: RunConfig) -> Any:
     from engines.train.torch_backend import TorchTrainBackend
 
     # a CPU group's ranks on one node train at the same time: they split its cores
@@ -44,13 +44,13 @@ def _torch_backend(cfg: TrainActorConfig) -> Any:
     )
 
 
-def _mock_backend(cfg: TrainActorConfig) -> Any:
+def _mock_backend(cfg: RunConfig) -> Any:
     from engines.train.mock_backend import MockTrainBackend
 
     return MockTrainBackend(cfg.train, cfg.algorithm, cfg.rollout.temperature)
 
 
-def _megatron_backend(cfg: TrainActorConfig) -> Any:
+def _megatron_backend(cfg: RunConfig) -> Any:
     from engines.train.megatron import MegatronTrainBackend
 
     return MegatronTrainBackend(
@@ -60,7 +60,7 @@ def _megatron_backend(cfg: TrainActorConfig) -> Any:
     )
 
 
-TRAIN_BACKENDS: dict[str, Callable[[TrainActorConfig], Any]] = {
+TRAIN_BACKENDS: dict[str, Callable[[RunConfig], Any]] = {
     "torch": _torch_backend,
     "megatron": _megatron_backend,
     "mock": _mock_backend,
@@ -72,7 +72,7 @@ group calls those on all its ranks, not only on rank 0."""
 
 
 class TrainActor:
-    def __init__(self, cfg: TrainActorConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.layout = RunLayout.open(

@@ -15,44 +15,10 @@ a restarted engine is brought to, and which buffered samples are too old to trai
 
 from __future__ import annotations
 
-from typing import Protocol
+from engines.config.run import RunConfig
 
 
-class RolloutKeys(Protocol):
-    """The `rollout` keys the schedule reads (`RolloutConfig` has them)."""
-
-    @property
-    def num_rollout(self) -> int: ...
-    @property
-    def off_policy_async(self) -> bool: ...
-    @property
-    def max_staleness(self) -> int: ...
-
-
-class TrainKeys(Protocol):
-    @property
-    def update_weights_interval(self) -> int: ...
-
-
-class EvalKeys(Protocol):
-    @property
-    def enabled(self) -> bool: ...
-    @property
-    def eval_interval(self) -> int | None: ...
-
-
-class ScheduleConfig(Protocol):
-    """The sections the schedule reads; the run config is one."""
-
-    @property
-    def rollout(self) -> RolloutKeys: ...
-    @property
-    def train(self) -> TrainKeys: ...
-    @property
-    def eval(self) -> EvalKeys: ...
-
-
-def required_weight_version(cfg: ScheduleConfig, rollout_id: int) -> int:
+def required_weight_version(cfg: RunConfig, rollout_id: int) -> int:
     """Oldest policy allowed to generate step `rollout_id`: the last version pushed before
     it, less `max_staleness` in async mode (its own version when synchronous, interval 1)."""
     staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
@@ -60,7 +26,7 @@ def required_weight_version(cfg: ScheduleConfig, rollout_id: int) -> int:
     return max(0, rollout_id - staleness) // interval * interval
 
 
-def pushes_weights(cfg: ScheduleConfig, rollout_id: int) -> bool:
+def pushes_weights(cfg: RunConfig, rollout_id: int) -> bool:
     """Whether step `rollout_id` ends by pushing its new weights to the engines."""
     after = rollout_id + 1
     if after % cfg.train.update_weights_interval == 0 or after >= cfg.rollout.num_rollout:
@@ -68,14 +34,14 @@ def pushes_weights(cfg: ScheduleConfig, rollout_id: int) -> bool:
     return evaluates_after(cfg, rollout_id)
 
 
-def evaluates_after(cfg: ScheduleConfig, rollout_id: int) -> bool:
+def evaluates_after(cfg: RunConfig, rollout_id: int) -> bool:
     """Whether the weights step `rollout_id` trains (version rollout_id + 1) are evaluated:
     every `eval.eval_interval` steps, when the run evaluates at all."""
     interval = cfg.eval.eval_interval
     return bool(cfg.eval.enabled and interval and (rollout_id + 1) % interval == 0)
 
 
-def oldest_trainable_version(cfg: ScheduleConfig, rollout_id: int) -> int | None:
+def oldest_trainable_version(cfg: RunConfig, rollout_id: int) -> int | None:
     """Samples drawn back from the buffer (partial rollouts, surplus groups) whose first token
     came from a version older than this are regenerated from the prompt. Synchronous runs
     keep slime's unbounded partial rollouts (None)."""

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engines.config.train import TrainConfig
 from engines.process import free_port
 from engines.weights.cuda_ipc import FLATTENED_BUCKET, serialize_bucket
 from engines.weights.finite import check_finite
@@ -467,20 +468,7 @@ class DiskWeightSender(_HTTPSender):
         self._last = path
 
 
-class SyncSettings(Protocol):
-    """The keys of the `train` section a sender is built from (`TrainConfig` has them)."""
-
-    @property
-    def weight_sync(self) -> str: ...
-    @property
-    def update_weight_buffer_size(self) -> int: ...
-    @property
-    def weight_sync_backend(self) -> str: ...
-    @property
-    def weight_sync_master_address(self) -> str: ...
-
-
-SenderFactory = Callable[[SyncSettings, list[str], PushLayout], WeightSender]
+SenderFactory = Callable[[TrainConfig, list[str], PushLayout], WeightSender]
 WEIGHT_SENDERS: dict[str, SenderFactory] = {
     "tensor": lambda cfg, urls, layout: TensorWeightSender(
         urls, cfg.update_weight_buffer_size, layout),
@@ -492,7 +480,7 @@ WEIGHT_SENDERS: dict[str, SenderFactory] = {
 
 
 def build_weight_sender(
-    config: SyncSettings, engine_urls: list[str], layout: PushLayout
+    config: TrainConfig, engine_urls: list[str], layout: PushLayout
 ) -> WeightSender:
     """The sender `train.weight_sync` names; call `connect()` once, `update()` per step.
     `layout` comes from the cluster section (the engines' TP size), which the `train`

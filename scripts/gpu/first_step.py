@@ -44,8 +44,8 @@ def main() -> None:
         dist.init_process_group("nccl")
     show = int(os.environ.get("RANK", "0")) == 0
 
-    from engines.algorithms.config import AlgorithmConfig
-    from engines.train.config import TrainConfig
+    from engines.config.algorithm import AlgorithmConfig
+    from engines.config.train import TrainConfig
     from examples.arithmetic.build_model import save_tiny_model
     from tests.support.gpu import grpo_samples
 

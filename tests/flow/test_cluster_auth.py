@@ -21,7 +21,7 @@ PROBE = ("import os, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False
          "print('uid', ray.get(ray.remote(lambda: os.getuid()).remote()))")
 # A rollflow driver as the CLI runs one: rollflow imported first (which fixes Ray's auth mode),
 # then the local head started on demand, or found, and joined, in the same process.
-DRIVER = ("import os; from engines.cluster.config import ClusterConfig; "
+DRIVER = ("import os; from engines.config.cluster import ClusterConfig; "
           "from engines.cluster.head import connect; import ray; "
           "print(connect(ClusterConfig(num_cpus=1))); "
           "print('uid', ray.get(ray.remote(lambda: os.getuid()).remote()))")

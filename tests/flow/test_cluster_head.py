@@ -24,7 +24,7 @@ from tests.support.procs import python, rollflow_env
 # A rollflow driver that starts the head and leaves a named detached actor on it.
 # The probe says the niceness it runs at: Ray's default (15) starved every actor beside any
 # program at normal priority.
-DRIVER = ("from engines.cluster.config import ClusterConfig; "
+DRIVER = ("from engines.config.cluster import ClusterConfig; "
           "from engines.cluster.head import connect; import os, ray; "
           "print(connect(ClusterConfig(num_cpus=1, namespace='rf-head-test'))); "
           "probe = ray.remote(num_cpus=0)(type('Probe', (), {'nice': lambda self: os.nice(0)}))"
@@ -90,7 +90,7 @@ def head_processes(home: Path) -> list[str]:
     return found
 
 
-CONNECT = ("from engines.cluster.config import ClusterConfig; "
+CONNECT = ("from engines.config.cluster import ClusterConfig; "
            "from engines.cluster.head import connect, stop_local_head; import ray, sys; "
            "connect(ClusterConfig(num_cpus=1, namespace='rf-down-test')); ")
 # a driver left connected while the head goes down (a notebook, another run)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.cluster.config import ClusterConfig
 from engines.cluster.head import BrokenHead, check_head_usable, cluster_address, stop_local_head
+from engines.config.cluster import ClusterConfig
 from engines.process import HOME
 
 # A new worker of the head: imports torch (what failed in a deleted directory) and says

@@ -49,11 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engines.algorithms.config import AlgorithmConfig
 from engines.cluster.actors import RunActors
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.train import TrainConfig
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.train.batching import build_padded_batch
-from engines.train.config import TrainConfig
 from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
 from flows.config_loader import apply_overrides, config_from_dict

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engines.inference.config import EngineConfig
+from engines.config.engine import EngineConfig
 from engines.inference.decode_batch import DecodeBatch
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.engine_actor import GENERATOR_BACKENDS

@@ -145,7 +145,7 @@ def test_a_weight_update_between_turns_is_used_by_the_next_turn(
 
 def test_the_gpu_engine_takes_graph_turns_unless_disabled(tiny_model_dir: str) -> None:
     """On a CPU the engine keeps its compiled step; `engine.disable_cuda_graph` is passed."""
-    from engines.inference.config import EngineConfig
+    from engines.config.engine import EngineConfig
     from engines.inference.engine_actor import GENERATOR_BACKENDS
 
     gen = EmbeddedGenerator(tiny_model_dir, num_threads=1, device="cpu")

@@ -91,7 +91,7 @@ def test_a_failed_request_fails_every_group_in_it() -> None:
 
 
 def test_groups_share_requests_only_when_every_group_must_finish() -> None:
-    from engines.rollout.config import RolloutConfig
+    from engines.config.rollout import RolloutConfig
     from engines.rollout.generation import request_cap
 
     cfg = RolloutConfig(num_rollout=1, rollout_batch_size=4, max_request_samples=512)
@@ -108,8 +108,8 @@ def test_a_loop_on_plain_clients_shares_requests_only_when_it_cannot_abort(filte
     """A GenerationLoop given plain engine clients (a custom rollout function's way) decides
     request sharing in run_dynamic as the rollout manager does: a step that may abort
     stragglers sends a request per group, so one slow sample cannot hold back the others."""
+    from engines.config.rollout import RolloutConfig
     from engines.data.data_source import RolloutDataSourceWithBuffer
-    from engines.rollout.config import RolloutConfig
     from engines.rollout.generation import GenerationLoop
     from storage.sample import Sample
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from engines.config.rollout import RolloutConfig
 from engines.data.data_source import RolloutDataSourceWithBuffer
-from engines.rollout.config import RolloutConfig
 from engines.rollout.generation import GenerationLoop, RolloutResult
 from engines.rollout.restore import (
     JournalLog,

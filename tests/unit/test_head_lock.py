@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engines.cluster import head
-from engines.cluster.config import ClusterConfig
+from engines.config.cluster import ClusterConfig
 
 
 def test_drivers_started_together_start_one_head(

@@ -99,7 +99,7 @@ def test_a_head_of_another_environment_is_named_not_joined():
 def test_every_section_but_the_drivers_shapes_the_actors():
     """The digests cover each section of the run config except the driver-only ones."""
     from engines.cluster.registry import DRIVER_ONLY
-    from engines.run_config import ACTOR_SECTIONS
+    from engines.config.run import ACTOR_SECTIONS
     from flows.config import RollflowConfig
 
     driver_only = {name for name, fields in DRIVER_ONLY.items() if fields is None}

@@ -26,9 +26,9 @@ def test_retry_settings_become_botocore_config_on_s3_only():
 def test_prompt_data_and_eval_sets_on_s3_get_the_retry_settings_too():
     """The training and held-out sets are read through their own store, on S3 even where
     the run's storage is local: they retry as the run's store does."""
-    from engines.data.config import DataConfig
+    from engines.config.data import DataConfig
+    from engines.config.rollout import EvalDataset
     from engines.data.prompt_dataset import data_spec
-    from engines.rollout.config import EvalDataset
     from engines.rollout.evaluation import eval_spec
 
     storage = StorageConfig(uri="/tmp/runs", retries={"max_attempts": 7})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.losses import zero_gradient_samples
+from engines.config.algorithm import AlgorithmConfig
 from engines.train.rollout_prep import steps_without
 from storage.sample import Sample
 from tests.support.fakes import FakeModel, fake_train_step

@@ -26,9 +26,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engines.config.rollout import RolloutConfig
 from engines.hooks.loader import bad_return, load_user_hook
 from engines.hooks.protocols import GroupRewardFn, Reward, RewardFn
-from engines.rollout.config import RolloutConfig
 from engines.rollout.rewards.deadline import (
     DEFAULT_TIMEOUT_S,
     SHARED_POOL,

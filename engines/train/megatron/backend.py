@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from engines.algorithms.config import AlgorithmConfig
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.train import TrainConfig
 from engines.train.batching import PaddedBatch, effective_temperature
 from engines.train.checkpoint_io import verify_checkpoint, write_manifest
-from engines.train.config import TrainConfig
 from engines.train.finite import NonFiniteError, check_finite, nonfinite_names
 from engines.train.lr_schedule import scheduled_lr
 from engines.train.megatron import checkpoint as ckpt

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engines.config.train import check_parallel_sizes
 from engines.process import free_port
-from engines.train.config import check_parallel_sizes
 from engines.train.megatron.hf_convert import (
     expert_tensors,
     merge_ep,

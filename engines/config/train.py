@@ -1,17 +1,12 @@
-"""The train section, and the view of the run config a train actor reads."""
+"""The train section: backend, model, optimizer, batching, checkpoints and weight sync."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from engines.algorithms.config import AlgorithmConfig
-from storage.config import Section, StorageConfig
-
-if TYPE_CHECKING:  # section types for the view below; at run time it reads duck-typed
-    from engines.cluster.config import ClusterConfig
-    from engines.rollout.config import RolloutConfig
+from storage.config import Section
 
 
 class LoraConfig(Section):
@@ -243,17 +238,3 @@ class TrainConfig(Section):
             )
         return self
 
-
-class TrainActorConfig(Protocol):
-    """The sections a train actor (and its backend) reads; the run config is one."""
-
-    @property
-    def train(self) -> TrainConfig: ...
-    @property
-    def algorithm(self) -> AlgorithmConfig: ...
-    @property
-    def rollout(self) -> RolloutConfig: ...
-    @property
-    def cluster(self) -> ClusterConfig: ...
-    @property
-    def storage(self) -> StorageConfig: ...

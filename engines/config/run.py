@@ -3,24 +3,22 @@
 `flows/config.py` composes the sections into `RollflowConfig`, and nothing below `flows/`
 may import it (imports run flows -> tasks -> engines -> storage). Code handed the whole run
 config types it with this Protocol instead: actor creation and naming (`engines/cluster/`),
-the rollout manager, and the `args` of user hooks (slime hands its hooks its whole argument
-namespace; rollflow hands them the run config, read through this view). Components that
-read fewer sections declare a narrower view beside them (`TrainActorConfig`,
-`ScheduleConfig`); `RollflowConfig` satisfies every one of them.
+the rollout manager, the train actor, the weight schedule, and the `args` of user hooks
+(slime hands its hooks its whole argument namespace; rollflow hands them the run config,
+read through this view). A component built from one section takes that section's class.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:  # the section types only: this view imports no component at run time
-    from engines.algorithms.config import AlgorithmConfig
-    from engines.cluster.config import ClusterConfig
-    from engines.data.config import DataConfig
-    from engines.inference.config import EngineConfig
-    from engines.rollout.config import EvalConfig, RolloutConfig
-    from engines.train.config import TrainConfig
-    from storage.config import StorageConfig
+from engines.config.algorithm import AlgorithmConfig
+from engines.config.cluster import ClusterConfig
+from engines.config.data import DataConfig
+from engines.config.engine import EngineConfig
+from engines.config.rollout import EvalConfig, RolloutConfig
+from engines.config.train import TrainConfig
+from storage.config import StorageConfig
 
 # The sections the run's actors are built from, in the run config's order (`logging` is the
 # driver's alone).

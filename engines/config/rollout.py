@@ -1,5 +1,5 @@
-"""The sections the rollout actor is built from besides `data` (engines/data/config.py) and
-`engine` (engines/inference/config.py): rollout (generation loop, rewards, filters) and eval."""
+"""The sections the rollout actor is built from besides `data` (data.py) and `engine`
+(engine.py): rollout (generation loop, rewards, filters) and eval."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_serializer, model_validator
 
-from engines.data.config import DataConfig
+from engines.config.data import DataConfig
 from storage.config import Section
 from storage.secrets import redact_url
 
