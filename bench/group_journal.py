@@ -42,7 +42,7 @@ from engines.config.engine import EngineConfig  # noqa: E402
 from engines.config.rollout import RolloutConfig  # noqa: E402
 from engines.data.data_source import RolloutDataSourceWithBuffer  # noqa: E402
 from engines.inference.engine_actor import EngineActor  # noqa: E402
-from engines.rollout.generation import GenerationLoop, RolloutResult  # noqa: E402
+from engines.rollout.generation import RolloutResult, build_generation_loop  # noqa: E402
 from engines.rollout.restore import JournalLog, Outcome, StepLog, replay  # noqa: E402
 from engines.rollout.rewards.hub import RewardHub  # noqa: E402
 from engines.rollout.rollout_manager import StepDataSource  # noqa: E402
@@ -109,8 +109,9 @@ def run(cfg: RolloutConfig, url: str, data: list[Sample], journal_dir: str | Non
     async def go() -> RolloutResult:
         client = SGLangClient(url)
         try:
-            loop = GenerationLoop(cfg, [client], RewardHub.from_config(cfg))
-            return await loop.run_dynamic(source, cfg.rollout_batch_size, log, restored)
+            loop = build_generation_loop(cfg, [client], RewardHub.from_config(cfg),
+                                         target=cfg.rollout_batch_size)
+            return await loop.run_dynamic(source, log, restored)
         finally:
             await client.aclose()
 

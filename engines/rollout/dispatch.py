@@ -49,6 +49,12 @@ class AbortClient(Protocol):
     async def abort_all(self) -> None: ...
 
 
+class EngineClient(BatchClient, AbortClient, Protocol):
+    """One engine as the round-robin dispatch reaches it (`SGLangClient`): batched
+    `/generate` and `abort_all`. The watch names an engine by its `base_url` where it has
+    one."""
+
+
 @runtime_checkable
 class Dispatch(Protocol):
     """One unit of work = one HTTP request; `per_sample` says whether a unit is a sample or a
@@ -77,13 +83,13 @@ class Healing(Protocol):
         ...
 
 
-async def _abort_quietly(client: Any, timeout_s: float = 5.0) -> None:
+async def _abort_quietly(client: AbortClient, timeout_s: float = 5.0) -> None:
     """Best effort: a dead engine refuses it, a hung one never answers."""
     with contextlib.suppress(Exception):
         await asyncio.wait_for(client.abort_all(), timeout_s)
 
 
-def _url(client: Any) -> str:
+def _url(client: object) -> str:
     """How the watch names an engine: its client's base URL."""
     return str(getattr(client, "base_url", id(client)))
 
@@ -113,7 +119,7 @@ class RoundRobinDispatch:
 
     per_sample = False
 
-    def __init__(self, clients: Sequence[Any], max_request_samples: int = 1) -> None:
+    def __init__(self, clients: Sequence[EngineClient], max_request_samples: int = 1) -> None:
         if not clients:
             raise ValueError("the generation loop needs at least one engine")
         self.clients = list(clients)
@@ -154,7 +160,7 @@ class RoundRobinDispatch:
             self._in_flight.add(request)
             request.add_done_callback(self._in_flight.discard)
 
-    def _pick(self) -> Any:
+    def _pick(self) -> EngineClient:
         if not self.live:
             raise EnginesLost("every engine of the step was lost")
         client = self.live[self._turn % len(self.live)]

@@ -16,7 +16,8 @@ from engines.config.rollout import EvalDataset, RolloutConfig
 from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.hooks.loader import bad_return
 from engines.hooks.protocols import EvalFn, RewardFn
-from engines.rollout.generation import EngineClient, GenerationLoop
+from engines.rollout.dispatch import EngineClient
+from engines.rollout.generation import build_generation_loop
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.rewards.rm_hub import resolve_reward_fn
 from storage.config import StorageConfig
@@ -111,7 +112,7 @@ async def evaluate_datasets(
     metrics: dict[str, float] = {}
     for index, ds in enumerate(datasets):
         rewards = eval_reward_fn(ds, reward_fn, rollout_cfg.rm_rule_timeout_s)
-        loop = GenerationLoop(eval_rollout_config(ds, rollout_cfg), clients, rewards, hook_args)
+        loop = build_generation_loop(eval_rollout_config(ds, rollout_cfg), clients, rewards, hook_args)
         groups, stats = await loop.run(eval_groups(ds, tokenizer, index, storage))
         metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))
         metrics[f"eval/{ds.name}/seconds"] = stats.seconds

@@ -39,7 +39,7 @@ from engines.config.rollout import RolloutConfig
 from engines.config.run import RunConfig
 from engines.hooks.protocols import GenerateFn
 from engines.rollout.agent_gateway import AGENT_COUNTERS, AGENT_REWARD
-from engines.rollout.dispatch import Dispatch, Healing, RoundRobinDispatch
+from engines.rollout.dispatch import Dispatch, EngineClient, Healing, RoundRobinDispatch
 from engines.rollout.engine_watch import EngineWatch
 from engines.rollout.filters import DynamicFilter
 from engines.rollout.restore import (
@@ -68,8 +68,6 @@ FINISH_TO_STATUS = {
     "abort": Status.ABORTED,
 }
 FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
-# An engine client, for the generation loop and evaluation.py: anything with `generate_batch`.
-EngineClient = Any
 
 
 @dataclass(slots=True)
@@ -92,6 +90,21 @@ class HookArgs:
 
 
 @dataclass
+class LoopTally:
+    """What the loop counts as it goes, over every group it sends or scores, kept or not."""
+
+    generated_tokens: int = 0
+    group_tokens: Counter[int] = field(default_factory=Counter)  # generated_tokens by group_index
+    resumed_samples: int = 0  # partial samples continued
+    stale_regenerated: int = 0  # started over: begun on a policy older than allowed
+    reward_timeouts: int = 0  # every group scored, kept or not: each one stalled the step
+
+    def generated(self, sample: Sample, tokens: int) -> None:
+        self.generated_tokens += tokens
+        self.group_tokens[sample.group_index] += tokens
+
+
+@dataclass
 class GenerationStats:
     groups: int = 0
     samples: int = 0
@@ -106,6 +119,21 @@ class GenerationStats:
     journal: dict[str, float] = field(default_factory=dict)
     response_lengths: list[int] = field(default_factory=list)
     agent: Counter[str] = field(default_factory=Counter)  # AGENT_COUNTERS summed over samples
+
+    @classmethod
+    def of(
+        cls, groups: list[Group], tally: LoopTally, seconds: float, *, abort_seconds: float = 0.0,
+        tokens_restored: int = 0, tokens_regenerated: int = 0,
+        journal: dict[str, float] | None = None,
+    ) -> GenerationStats:
+        """Samples, lengths and statuses of `groups` (what the caller keeps); tokens and
+        reward timeouts of every group the loop generated or scored."""
+        stats = cls(seconds=seconds, abort_seconds=abort_seconds,
+                    generated_tokens=tally.generated_tokens, reward_timeouts=tally.reward_timeouts,
+                    tokens_restored=tokens_restored, tokens_regenerated=tokens_regenerated,
+                    journal=journal or {})
+        stats.add_groups(groups)
+        return stats
 
     def add_groups(self, groups: list[Group]) -> None:
         for g in groups:
@@ -151,6 +179,53 @@ class GenerationStats:
 
 
 @dataclass
+class StepGroups:
+    """Where each group a step is done with goes: `kept` is trained, `returned` goes back to
+    the buffer whole, `surplus` (kept beyond the target) joins it; the rest is only counted."""
+
+    kept: list[Group] = field(default_factory=list)
+    returned: list[Group] = field(default_factory=list)
+    surplus: list[Group] = field(default_factory=list)
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("drawn", "dropped", "failed", "aborted", "surplus"), 0))
+
+    @classmethod
+    def restored(cls, r: Restored) -> StepGroups:
+        """What an earlier attempt of the step had done in its loop (its drain comes later)."""
+        groups = cls(list(r.kept), list(r.returned))
+        groups.counts.update(r.counts, drawn=r.drawn)
+        return groups
+
+    def add(self, group: Group, outcome: Outcome) -> None:
+        if outcome == Outcome.KEPT:
+            self.kept.append(group)
+        elif outcome == Outcome.SURPLUS:
+            self.surplus.append(group)
+        elif outcome == Outcome.RETURNED:  # aborted by someone else: keep the work
+            self.returned.append(group)
+        else:
+            self.counts[outcome] += 1
+            if outcome == Outcome.ABORTED:  # partial tokens, kept for the next step
+                self.returned.append(group)
+
+    def trim(self, target: int) -> None:
+        """Keep the first `target` groups by index; the rest are surplus."""
+        self.kept.sort(key=first_index)
+        self.surplus.extend(self.kept[target:])
+        del self.kept[target:]
+
+    def settle(self, partial_rollout: bool) -> None:
+        """Surplus goes back with the returned groups, which keep their tokens only for
+        partial rollouts."""
+        self.counts["surplus"] = len(self.surplus)
+        self.returned.extend(self.surplus)
+        if not partial_rollout:
+            for s in (s for g in self.returned for s in g):
+                reset_to_prompt(s)
+        self.returned.sort(key=first_index)
+
+
+@dataclass
 class RolloutResult:
     """What one step's generation produced: `kept` (sorted by index) is trained; `returned`
     goes back to the buffer whole; dropped/failed groups are only counted."""
@@ -163,6 +238,21 @@ class RolloutResult:
     resent_samples: int = 0  # sent again after the engine they were on was lost
     engines: int = 0  # the engines the step started with (the run's pool)
     engine_requests: dict[str, int] = field(default_factory=dict)  # by URL (round-robin only)
+
+    @classmethod
+    def of_step(
+        cls, groups: StepGroups, stats: GenerationStats, restored_groups: int,
+        loop: GenerationLoop,
+    ) -> RolloutResult:
+        """The step's result once `groups` is settled; the loop's counts, and the engine
+        pool's figures from its dispatch and watch."""
+        counts = {**groups.counts, "kept": len(groups.kept), "returned": len(groups.returned),
+                  "restored": restored_groups, "resumed_samples": loop.tally.resumed_samples,
+                  "stale_regenerated_samples": loop.tally.stale_regenerated}
+        return cls(groups.kept, groups.returned, stats, counts,
+                   lost_engines=dict(loop.watch.lost) if loop.watch is not None else {},
+                   resent_samples=loop.resent_samples, engines=loop.dispatch.num_engines,
+                   engine_requests=loop.engine_requests)
 
     def metrics(self) -> dict[str, float]:
         healing = {"rollout/engines_lost": float(len(self.lost_engines)),
@@ -230,9 +320,46 @@ def request_cap(cfg: RolloutConfig, filtered: bool, target: int) -> int:
     return 1 if may_abort else cfg.max_request_samples
 
 
+def build_generation_loop(
+    cfg: RolloutConfig,
+    engines: Dispatch | Sequence[EngineClient],
+    rewards: RewardHub | RewardFn | None = None,
+    hook_args: Any = None,
+    *,
+    target: int | None = None,
+    custom_generate: GenerateFn | None = None,
+    dynamic_filter: DynamicFilter | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    min_weight_version: int | None = None,
+    watch: EngineWatch | None = None,
+) -> GenerationLoop:
+    """A loop over a built dispatch. `target` is the groups `run_dynamic` keeps; None for a
+    loop that only runs a fixed list (`run`, evaluation).
+
+    Plain clients (the rollout manager without a router, evaluation, custom rollout
+    functions) go round-robin: groups share requests up to `max_request_samples` where
+    every group finishes, one request per group where the loop may abort (request_cap).
+    A bare reward function is the common case (eval, tests); the hub adds group_rm,
+    per-sample metadata.rm_type and remote reward models."""
+    if isinstance(engines, Dispatch):
+        dispatch = engines
+    else:
+        cap = (cfg.max_request_samples if target is None
+               else request_cap(cfg, dynamic_filter is not None, target))
+        dispatch = RoundRobinDispatch(engines, cap)
+    if watch is not None and isinstance(dispatch, Healing):
+        dispatch.suspect = watch.suspect
+    hub = rewards if isinstance(rewards, RewardHub) else RewardHub(default=rewards)
+    return GenerationLoop(
+        cfg, dispatch, hub, hook_args, target=target, custom_generate=custom_generate,
+        dynamic_filter=dynamic_filter, progress=progress,
+        min_weight_version=min_weight_version, watch=watch,
+    )
+
+
 class GenerationLoop:
     """Runs groups through the engines, scores finished groups, and (run_dynamic) keeps
-    drawing until enough groups pass the dynamic filter.
+    drawing until `target` groups pass the dynamic filter. Built by `build_generation_loop`.
 
     A custom generate function replaces the HTTP call per sample; it must leave the sample
     with a final status (COMPLETED/TRUNCATED, or ABORTED when a turn came back aborted, so
@@ -242,47 +369,31 @@ class GenerationLoop:
     def __init__(
         self,
         cfg: RolloutConfig,
-        dispatch: Dispatch | Sequence[EngineClient],
-        reward_fn: RewardHub | RewardFn | None,
-        hook_args: Any = None,
+        dispatch: Dispatch,
+        rewards: RewardHub,
+        hook_args: Any,
         *,
-        custom_generate: GenerateFn | None = None,
-        dynamic_filter: DynamicFilter | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        min_weight_version: int | None = None,
-        watch: EngineWatch | None = None,
+        target: int | None,
+        custom_generate: GenerateFn | None,
+        dynamic_filter: DynamicFilter | None,
+        progress: Callable[[int, int], None] | None,
+        min_weight_version: int | None,
+        watch: EngineWatch | None,
     ) -> None:
         self.cfg = cfg
-        self.watch = watch  # probes the engines; a lost one's requests go to the others
-        # Buffered samples started on an older policy are regenerated (async max_staleness).
-        self.min_weight_version = min_weight_version
-        self.stale_regenerated = 0
-        # Plain clients (the rollout manager without a router, evaluation, custom rollout
-        # functions): groups share requests up to `max_request_samples` where every group
-        # finishes (`run`); `run_dynamic` narrows that where it may abort (request_cap).
-        self._clients = None if isinstance(dispatch, Dispatch) else list(dispatch)
-        self.dispatch: Dispatch = self._watched(
-            dispatch if isinstance(dispatch, Dispatch)
-            else RoundRobinDispatch(dispatch, cfg.max_request_samples)
-        )
-        # A bare reward function is the common case (eval, tests); the hub adds group_rm,
-        # per-sample metadata.rm_type and remote reward models.
-        self.rewards = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub(default=reward_fn)
+        self.dispatch = dispatch
+        self.rewards = rewards
         self.hook_args = hook_args
+        self.target = target
         self.custom_generate = custom_generate
         self.dynamic_filter = dynamic_filter
         self.progress = progress  # (groups kept, target), after each batch of finished groups
-        self._semaphore = asyncio.Semaphore(cfg.sglang_server_concurrency * self.dispatch.num_engines)
+        # Buffered samples started on an older policy are regenerated (async max_staleness).
+        self.min_weight_version = min_weight_version
+        self.watch = watch  # probes the engines; names the lost ones in the result
+        self.tally = LoopTally()
+        self._semaphore = asyncio.Semaphore(cfg.sglang_server_concurrency * dispatch.num_engines)
         self._aborting = False
-        self.generated_tokens = 0
-        self._group_tokens: Counter[int] = Counter()  # generated_tokens by group_index
-        self.resumed_samples = 0
-        self.reward_timeouts = 0  # every group scored, kept or not: each one stalled the step
-
-    def _watched(self, dispatch: Dispatch) -> Dispatch:
-        if self.watch is not None and isinstance(dispatch, Healing):
-            dispatch.suspect = self.watch.suspect
-        return dispatch
 
     async def lose_engine(self, url: str, why: str) -> None:
         """The watch's verdict: go on without `url` (the step fails if it was the last)."""
@@ -313,7 +424,7 @@ class GenerationLoop:
             s.status = Status.TRUNCATED
             return None
         if s.response_length > 0:
-            self.resumed_samples += 1
+            self.tally.resumed_samples += 1
             if self.cfg.mask_offpolicy_in_partial_rollout:
                 s.loss_mask = [0] * s.response_length
         return params
@@ -325,16 +436,14 @@ class GenerationLoop:
             if self.custom_generate is not None:
                 before = samples[0].response_length
                 await self.custom_generate(self.hook_args, samples[0], params[0])
-                self.generated_tokens += samples[0].response_length - before
-                self._group_tokens[samples[0].group_index] += samples[0].response_length - before
+                self.tally.generated(samples[0], samples[0].response_length - before)
                 return
             outs = await self.dispatch.generate(
                 [s.tokens for s in samples], params, [f"sample-{s.index}" for s in samples]
             )
         for s, out in zip(samples, outs, strict=True):
             apply_output(s, out)
-            self.generated_tokens += len(out.output_ids)
-            self._group_tokens[s.group_index] += len(out.output_ids)
+            self.tally.generated(s, len(out.output_ids))
 
     def _regenerate_stale(self, group: Group) -> None:
         """Reset samples whose first token came from a policy older than allowed."""
@@ -345,7 +454,7 @@ class GenerationLoop:
             started = int(s.metadata.get("start_weight_version", s.weight_version))
             if s.response_length > 0 and started < oldest:
                 reset_to_prompt(s)
-                self.stale_regenerated += 1
+                self.tally.stale_regenerated += 1
 
     async def generate_group(self, group: Group) -> Group:
         self._regenerate_stale(group)
@@ -361,17 +470,14 @@ class GenerationLoop:
             self.rewards.configured or any("rm_type" in s.metadata for s in group)
         ):
             await self.rewards.assign(self.hook_args, unscored)
-            self.reward_timeouts += sum(bool(s.metadata.get(TIMEOUT_FLAG)) for s in group)
+            self.tally.reward_timeouts += sum(bool(s.metadata.get(TIMEOUT_FLAG)) for s in group)
         return group
 
     # -- a fixed list of groups (evaluation) ---------------------------------------------
     async def run(self, groups: list[Group]) -> tuple[list[Group], GenerationStats]:
         start = time.perf_counter()
         done = await asyncio.gather(*(self.generate_group(g) for g in groups))
-        stats = GenerationStats(seconds=time.perf_counter() - start)
-        stats.add_groups(done)
-        stats.generated_tokens = self.generated_tokens
-        stats.reward_timeouts = self.reward_timeouts
+        stats = GenerationStats.of(done, self.tally, time.perf_counter() - start)
         return sorted(done, key=first_index), stats
 
     # -- dynamic sampling with abort (training) ------------------------------------------
@@ -379,99 +485,86 @@ class GenerationLoop:
         return self.dynamic_filter is None or bool(self.dynamic_filter(self.hook_args, group))
 
     async def run_dynamic(
-        self, source: GroupSource, target: int, journal: StepLog | None = None,
+        self, source: GroupSource, journal: StepLog | None = None,
         restored: Restored | None = None,
     ) -> RolloutResult:
         """Keep `target` groups that pass the dynamic filter, then abort the rest. Each draw
         and each group the loop is done with goes to `journal` as it happens; `restored` is
         the state of an earlier attempt of this step (engines/rollout/restore.py): its
-        groups count as done, its in-flight ones are sent again."""
-        if self._clients is not None:
-            cap = request_cap(self.cfg, self.dynamic_filter is not None, target)
-            self.dispatch = self._watched(RoundRobinDispatch(self._clients, cap))
-        log_ = journal or NullLog()
+        groups count as done, its in-flight ones are sent again. The watch, if any, probes
+        the engines meanwhile."""
+        if self.target is None:
+            raise ValueError("run_dynamic needs a loop built with a target")
         r = restored or Restored()
+        watching = asyncio.ensure_future(self.watch.run()) if self.watch is not None else None
+        try:
+            groups, stats = await self._step(self.target, source, journal or NullLog(), r)
+        finally:
+            if watching is not None:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+        return RolloutResult.of_step(groups, stats, r.groups, self)
+
+    async def _step(
+        self, target: int, source: GroupSource, log_: StepLog, r: Restored,
+    ) -> tuple[StepGroups, GenerationStats]:
         start = time.perf_counter()
-        limit = self.cfg.max_groups_per_step or 10 * target
-        pending: dict[asyncio.Task[Group], Group] = {}
-        kept, returned = list(r.kept), list(r.returned)
-        counts = dict.fromkeys(("drawn", "dropped", "failed", "aborted", "surplus"), 0)
-        counts.update(r.counts, drawn=r.drawn)
-        for g in r.in_flight:
-            pending[asyncio.ensure_future(self.generate_group(g))] = g
-        again = {g[0].group_index for g in r.in_flight}
+        groups = StepGroups.restored(r)
+        pending = {asyncio.ensure_future(self.generate_group(g)): g for g in r.in_flight}
         try:
             try:
-                while len(kept) < target:
-                    while len(kept) + len(pending) < target and counts["drawn"] < limit:
-                        n = min(self.cfg.submit_batch_size, limit - counts["drawn"])
-                        drawn = source.get_samples(n)
-                        log_.drawn(n, drawn, cursor_of(source))
-                        for g in drawn:
-                            counts["drawn"] += 1
-                            pending[asyncio.ensure_future(self.generate_group(g))] = g
-                    if not pending:
-                        log.warning("dynamic sampling drew %d groups and kept only %d of %d",
-                                    counts["drawn"], len(kept), target)
-                        break
-                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for task in sorted(done, key=lambda t: first_index(pending[t])):
-                        group = pending.pop(task)
-                        task.result()
-                        outcome = self._loop_outcome(group)
-                        log_.finished(group, outcome, LOOP)
-                        if outcome == Outcome.KEPT:
-                            kept.append(group)
-                        elif outcome == Outcome.RETURNED:  # aborted by someone else: keep the work
-                            returned.append(group)
-                        else:
-                            counts[outcome] += 1
-                    log_.commit()
-                    if self.progress is not None:
-                        self.progress(len(kept), target)
+                await self._draw_until_kept(target, source, pending, groups, log_)
             except BaseException:
                 await self._abort_and_drain(pending)  # leave no request running on the engines
                 raise
-            kept.sort(key=first_index)
-            surplus = kept[target:]
-            del kept[target:]
+            groups.trim(target)
             abort_start = time.perf_counter()
-            drained = list(r.drained)
+            for group, outcome in r.drained:
+                groups.add(group, outcome)
             for group in await self._abort_and_drain(pending):
                 outcome = self._drain_outcome(group)
                 log_.finished(group, outcome, DRAIN)
-                drained.append((group, outcome))
+                groups.add(group, outcome)
             log_.commit()
         finally:
             await log_.flush()
-        for group, outcome in drained:
-            if outcome == Outcome.SURPLUS:
-                surplus.append(group)
-            elif outcome == Outcome.ABORTED:
-                counts["aborted"] += 1
-                returned.append(group)
-            else:
-                counts[outcome] += 1
-        counts["surplus"] = len(surplus)
-        returned.extend(surplus)
-        if not self.cfg.partial_rollout:
-            for s in (s for g in returned for s in g):
-                reset_to_prompt(s)
-        counts["kept"] = len(kept)
-        counts["returned"] = len(returned)
-        counts["restored"] = r.groups
-        stats = GenerationStats(seconds=time.perf_counter() - start)
-        stats.add_groups(kept)
-        stats.generated_tokens = self.generated_tokens
-        stats.tokens_restored = r.tokens
-        stats.tokens_regenerated = sum(
-            self._group_tokens.get(gi, 0) for gi in again) + self.resent_tokens
-        stats.reward_timeouts = self.reward_timeouts
-        stats.abort_seconds = time.perf_counter() - abort_start
-        stats.journal = log_.metrics()
-        counts["resumed_samples"] = self.resumed_samples
-        counts["stale_regenerated_samples"] = self.stale_regenerated
-        return RolloutResult(kept, sorted(returned, key=first_index), stats, counts)
+        groups.settle(self.cfg.partial_rollout)
+        end = time.perf_counter()
+        again = sum(self.tally.group_tokens.get(g[0].group_index, 0) for g in r.in_flight)
+        stats = GenerationStats.of(
+            groups.kept, self.tally, end - start, abort_seconds=end - abort_start,
+            tokens_restored=r.tokens, tokens_regenerated=again + self.resent_tokens,
+            journal=log_.metrics(),
+        )
+        return groups, stats
+
+    async def _draw_until_kept(
+        self, target: int, source: GroupSource, pending: dict[asyncio.Task[Group], Group],
+        groups: StepGroups, log_: StepLog,
+    ) -> None:
+        """Draw and send until `target` groups are kept, or the step drew all it may."""
+        limit = self.cfg.max_groups_per_step or 10 * target
+        while len(groups.kept) < target:
+            while len(groups.kept) + len(pending) < target and groups.counts["drawn"] < limit:
+                n = min(self.cfg.submit_batch_size, limit - groups.counts["drawn"])
+                drawn = source.get_samples(n)
+                log_.drawn(n, drawn, cursor_of(source))
+                groups.counts["drawn"] += len(drawn)
+                pending.update((asyncio.ensure_future(self.generate_group(g)), g) for g in drawn)
+            if not pending:
+                log.warning("dynamic sampling drew %d groups and kept only %d of %d",
+                            groups.counts["drawn"], len(groups.kept), target)
+                return
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: first_index(pending[t])):
+                group = pending.pop(task)
+                task.result()
+                outcome = self._loop_outcome(group)
+                log_.finished(group, outcome, LOOP)
+                groups.add(group, outcome)
+            log_.commit()
+            if self.progress is not None:
+                self.progress(len(groups.kept), target)
 
     def _loop_outcome(self, group: Group) -> Outcome:
         if not is_finished(group):

@@ -32,9 +32,9 @@ from engines.rollout.filters import (
     resolve_over_sampling_filter,
 )
 from engines.rollout.generation import (
-    GenerationLoop,
     HookArgs,
     RolloutResult,
+    build_generation_loop,
     is_finished,
 )
 from engines.rollout.restore import (
@@ -468,23 +468,12 @@ async def run_generation(
         if gateway is not None and hooks.agent is not None:
             await gateway.start()
             custom_generate = gateway.generate_fn(hooks.agent)
-        loop = GenerationLoop(
-            cfg.rollout, dispatch, hooks.rewards, args,
+        loop = build_generation_loop(
+            cfg.rollout, dispatch, hooks.rewards, args, target=target,
             custom_generate=custom_generate, dynamic_filter=hooks.dynamic_filter,
             progress=progress, min_weight_version=min_weight_version, watch=watch,
         )
-        watching = asyncio.ensure_future(watch.run()) if watch is not None else None
-        try:
-            result = await loop.run_dynamic(source, target, journal, restored)
-        finally:
-            if watching is not None:
-                watching.cancel()
-                await asyncio.gather(watching, return_exceptions=True)
-        if watch is not None:
-            result.lost_engines = dict(watch.lost)
-        result.resent_samples = loop.resent_samples
-        result.engines, result.engine_requests = len(urls), loop.engine_requests
-        return result
+        return await loop.run_dynamic(source, journal, restored)
     finally:
         if watch is not None:
             await watch.close()

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from engines.rollout.generation import GenerationLoop
+from engines.rollout.generation import build_generation_loop
 from engines.rollout.rewards import (
     RewardHub,
     dapo_score,
@@ -98,7 +98,7 @@ def test_hanging_answer_fails_at_the_deadline_and_is_counted(pool: GradingPool) 
         s.status = Status.COMPLETED
     restarts = pool.restarts
     start = time.monotonic()
-    _, stats = off_main_thread(lambda: GenerationLoop(cfg, never_called, hub).run([group]))
+    _, stats = off_main_thread(lambda: build_generation_loop(cfg, never_called, hub).run([group]))
     assert time.monotonic() - start < 6.0  # two 1 s deadlines in a row at most
     assert [s.reward for s in group] == [0.0, 1.0, 0.0]
     assert [bool(s.metadata.get(TIMEOUT_FLAG)) for s in group] == [True, False, True]
@@ -106,7 +106,8 @@ def test_hanging_answer_fails_at_the_deadline_and_is_counted(pool: GradingPool) 
     assert pool.restarts > restarts
     # Grading goes on, on a fresh pool; a sample graded in time loses its flag.
     group[0].response = r"\boxed{1}"
-    _, stats = off_main_thread(lambda: GenerationLoop(cfg, never_called, hub).run([group[:1]]))
+    _, stats = off_main_thread(
+        lambda: build_generation_loop(cfg, never_called, hub).run([group[:1]]))
     assert group[0].reward == 1.0 and TIMEOUT_FLAG not in group[0].metadata
     assert stats.reward_timeouts == 0
 

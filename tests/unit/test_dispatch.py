@@ -110,7 +110,7 @@ def test_a_loop_on_plain_clients_shares_requests_only_when_it_cannot_abort(filte
     stragglers sends a request per group, so one slow sample cannot hold back the others."""
     from engines.config.rollout import RolloutConfig
     from engines.data.data_source import RolloutDataSourceWithBuffer
-    from engines.rollout.generation import GenerationLoop
+    from engines.rollout.generation import build_generation_loop
     from storage.sample import Sample
 
     cfg = RolloutConfig(num_rollout=1, rollout_batch_size=3, n_samples_per_prompt=2,
@@ -120,8 +120,8 @@ def test_a_loop_on_plain_clients_shares_requests_only_when_it_cannot_abort(filte
     source = RolloutDataSourceWithBuffer(prompts, n_samples_per_prompt=2)
     engine = RecordingEngine()
     keep_all = (lambda _args, _group: True) if filtered else None
-    loop = GenerationLoop(cfg, [engine], None, dynamic_filter=keep_all)
-    result = asyncio.run(loop.run_dynamic(source, target=3))
+    loop = build_generation_loop(cfg, [engine], target=3, dynamic_filter=keep_all)
+    result = asyncio.run(loop.run_dynamic(source))
     assert len(result.kept) == 3
     assert [len(r) for r in engine.requests] == ([2, 2, 2] if filtered else [6])
 

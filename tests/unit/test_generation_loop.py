@@ -14,7 +14,7 @@ from engines.rollout.filters import (
     resolve_over_sampling_filter,
     sort_by_reward_std,
 )
-from engines.rollout.generation import GenerationLoop, reset_to_prompt
+from engines.rollout.generation import GenerationLoop, build_generation_loop, reset_to_prompt
 from engines.rollout.sglang_client import SGLangClient
 from flows.config import EngineConfig, RolloutConfig
 from storage.sample import Sample, Status
@@ -57,11 +57,11 @@ async def _run_dynamic(urls: list[str], cfg: RolloutConfig, target: int, keep_ev
     source = RolloutDataSourceWithBuffer(prompts(50), n_samples_per_prompt=cfg.n_samples_per_prompt)
     clients = [SGLangClient(u) for u in urls]
     try:
-        loop = GenerationLoop(
-            cfg, clients, None,
+        loop = build_generation_loop(
+            cfg, clients, target=target,
             dynamic_filter=(lambda _a, g: g[0].group_index % 2 == 0) if keep_even else None,
         )
-        return await loop.run_dynamic(source, target)
+        return await loop.run_dynamic(source)
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
 
@@ -95,7 +95,7 @@ def test_buffered_samples_older_than_the_staleness_bound_are_regenerated():
 
     async def run() -> GenerationLoop:
         async with SGLangClient(engine.url()) as client:
-            loop = GenerationLoop(cfg, [client], None, min_weight_version=1)
+            loop = build_generation_loop(cfg, [client], min_weight_version=1)
             await loop.generate_group([stale, partial])
         return loop
 
@@ -103,7 +103,7 @@ def test_buffered_samples_older_than_the_staleness_bound_are_regenerated():
         loop = asyncio.run(run())
     finally:
         engine.shutdown()
-    assert loop.stale_regenerated == 1
+    assert loop.tally.stale_regenerated == 1
     # The too-old sample starts over on the current policy...
     assert stale.tokens[3:] != [7, 7, 7, 7] and stale.response_length == 4
     assert stale.metadata["start_weight_version"] == 2 and stale.weight_version == 2

@@ -15,7 +15,7 @@ import pytest
 
 from engines.config.rollout import RolloutConfig
 from engines.data.data_source import RolloutDataSourceWithBuffer
-from engines.rollout.generation import GenerationLoop, RolloutResult
+from engines.rollout.generation import RolloutResult, build_generation_loop
 from engines.rollout.restore import (
     JournalLog,
     JournalMismatch,
@@ -140,9 +140,10 @@ def run_step(cfg: RolloutConfig, root, entries: list[JournalEntry] | None = None
     source = StepDataSource(first, data, 0)
     restored = replay(entries, source, FINGERPRINT) if entries else None
     engines = FakeEngines()
-    loop = GenerationLoop(cfg, engines, reward, dynamic_filter=keep_mixed if dynamic else None)
+    loop = build_generation_loop(cfg, engines, reward, target=cfg.rollout_batch_size,
+                                 dynamic_filter=keep_mixed if dynamic else None)
     log = JournalLog(journal(root), FINGERPRINT, restored.next_seq if restored else 0)
-    result = asyncio.run(loop.run_dynamic(source, cfg.rollout_batch_size, log, restored))
+    result = asyncio.run(loop.run_dynamic(source, log, restored))
     data.add_samples(result.returned + source.unused())
     return result, engines, source
 
