@@ -67,6 +67,22 @@ class PaddedBatch:
     # the engine routed each input token to.
     routed_experts: Tensor | None = None
 
+    @classmethod
+    def of_samples(
+        cls, samples: Sequence[Sample], input_ids: Tensor, attention_mask: Tensor,
+        logit_index: Tensor, *, position_ids: Tensor | None = None,
+        logit_row: Tensor | None = None, cu_seqlens: Tensor | None = None,
+    ) -> PaddedBatch:
+        """`samples` over the given input rows (padded, shared-prompt or packed); response
+        space (targets, masks, lengths) is the samples' own, the same in every layout."""
+        targets, response_mask, loss_mask = _response_targets(samples)
+        return cls(
+            input_ids=input_ids, attention_mask=attention_mask, logit_index=logit_index,
+            targets=targets, response_mask=response_mask, loss_mask=loss_mask,
+            response_lengths=tuple(s.response_length for s in samples),
+            position_ids=position_ids, logit_row=logit_row, cu_seqlens=cu_seqlens,
+        )
+
     @property
     def num_tokens(self) -> int:
         """Real (not padding) input tokens: what the forward pass actually computes on."""
@@ -112,7 +128,7 @@ def padded_rows(
     return torch.tensor([[*r, *[fill] * (width - len(r))] for r in rows], dtype=dtype)
 
 
-def response_targets(samples: Sequence[Sample]) -> tuple[Tensor, Tensor, Tensor]:
+def _response_targets(samples: Sequence[Sample]) -> tuple[Tensor, Tensor, Tensor]:
     """`[B, R]` targets, response mask and loss mask (zero past each response's end)."""
     resp = max(max(s.response_length for s in samples), 1)
     targets = padded_rows([s.response_tokens for s in samples], resp, 0, torch.long)
@@ -137,8 +153,8 @@ def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> Padd
             )
     seq_len = max(len(s.tokens) for s in samples)
     resp_len = max(max(s.response_length for s in samples), 1)
-    targets, response_mask, loss_mask = response_targets(samples)
-    return PaddedBatch(
+    return PaddedBatch.of_samples(
+        samples,
         input_ids=padded_rows([s.tokens for s in samples], seq_len, pad_token_id, torch.long),
         attention_mask=padded_rows(
             [[1] * len(s.tokens) for s in samples], seq_len, 0, torch.long
@@ -147,10 +163,6 @@ def build_padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> Padd
             [range(s.prompt_length - 1, s.prompt_length - 1 + s.response_length)
              for s in samples], resp_len, 0, torch.long,
         ),
-        targets=targets,
-        response_mask=response_mask,
-        loss_mask=loss_mask,
-        response_lengths=tuple(s.response_length for s in samples),
     )
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from engines.train.batching import PaddedBatch, response_targets
+from engines.train.batching import PaddedBatch
 from engines.train.prompt_sharing import _PAD, PromptRow, prompt_rows, shared_prompt_mask
 from storage.sample import Sample
 
@@ -67,23 +67,13 @@ def build_packed_batch(
             unit[r, at:] = u  # padding at the row's end joins the last unit (see packed_mask)
             at += n
             starts.append(starts[-1] + n)
-    targets, response_mask, loss_mask = response_targets(samples)
     if varlen:
         mask = torch.ones((1, width), dtype=torch.long)
         cu: Tensor | None = torch.tensor(starts, dtype=torch.int32)
     else:
         mask, cu = packed_mask(seg, unit), None
-    return PaddedBatch(
-        input_ids=ids,
-        attention_mask=mask,
-        logit_index=logit_index,
-        targets=targets,
-        response_mask=response_mask,
-        loss_mask=loss_mask,
-        response_lengths=tuple(s.response_length for s in samples),
-        position_ids=pos,
-        logit_row=logit_row,
-        cu_seqlens=cu,
+    return PaddedBatch.of_samples(
+        samples, ids, mask, logit_index, position_ids=pos, logit_row=logit_row, cu_seqlens=cu
     )
 
 

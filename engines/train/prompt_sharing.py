@@ -30,7 +30,6 @@ from engines.train.batching import (
     PaddedBatch,
     build_padded_batch,
     padded_rows,
-    response_targets,
 )
 from storage.sample import Sample
 
@@ -117,17 +116,8 @@ def build_shared_prompt_batch(samples: Sequence[Sample], pad_token_id: int = 0) 
         [[row_of[i]] * len(slots) for i, slots in enumerate(slots_of)], resp, 0, torch.long
     )
     logit_index = padded_rows(slots_of, resp, 0, torch.long)
-    targets, response_mask, loss_mask = response_targets(samples)
-    return PaddedBatch(
-        input_ids=ids,
-        attention_mask=shared_prompt_mask(seg),
-        logit_index=logit_index,
-        targets=targets,
-        response_mask=response_mask,
-        loss_mask=loss_mask,
-        response_lengths=tuple(s.response_length for s in samples),
-        position_ids=pos,
-        logit_row=logit_row,
+    return PaddedBatch.of_samples(
+        samples, ids, shared_prompt_mask(seg), logit_index, position_ids=pos, logit_row=logit_row
     )
 
 
