@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bench.train_step import build_qwen30m, build_tiny, make_samples
+from bench.train_step import add_step_arguments, build_qwen30m, build_tiny, make_samples
 
 ALGO = {"use_kl_loss": True, "kl_loss_coef": 0.01}
 
@@ -127,14 +127,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen30m", choices=sorted(BUILDERS))
     parser.add_argument("--modes", default="full,8,64", help="'full' and/or LoRA ranks")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--response-len", type=int, default=96)
-    parser.add_argument("--micro-tokens", type=int, default=16384)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=None)
+    add_step_arguments(parser)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one mode, print JSON
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -45,18 +44,20 @@ from typing import Any
 
 import torch
 
+from bench.grpo_batch import VOCAB, add_batch_arguments, make_samples
+from bench.packing import layout_slots
 from flows.config import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 QWEN2_05B = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
 # Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts of 768) with 8
 # layers of 32 experts, 4 per token: one H100 holds it with Adam's state.
 QWEN3_MOE_2B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+    vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
     num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
     num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.0,
     max_position_embeddings=4096, tie_word_embeddings=False,
@@ -73,42 +74,6 @@ def make_model(path: str, family: str = "qwen2") -> int:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
-
-
-LENGTHS = {  # response lengths up to R: `--lengths`
-    "half": "uniform in [R/2, R]: padded micro-batches of similar lengths",
-    "uniform": "uniform in [1, R]",
-    "longtail": "exponential of mean R/4, capped at R (2% reach it): many short, a few long, "
-                "as RL responses run",
-}
-
-
-def response_length(rng: random.Random, resp_len: int, lengths: str) -> int:
-    """One response length up to `resp_len` drawn as `LENGTHS[lengths]` says."""
-    if lengths == "half":
-        return rng.randint(resp_len // 2, resp_len)
-    if lengths == "uniform":
-        return rng.randint(1, resp_len)
-    if lengths == "longtail":
-        return min(resp_len, max(1, round(rng.expovariate(4 / resp_len))))
-    raise ValueError(f"lengths: one of {sorted(LENGTHS)}, not {lengths!r}")
-
-
-def make_samples(
-    n_groups: int, group: int, prompt_len: int, resp_len: int, lengths: str = "half"
-) -> list[Sample]:
-    rng = random.Random(0)
-    vocab = int(QWEN2_05B["vocab_size"])  # the same in both shapes
-    samples = []
-    for g in range(n_groups):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        for j in range(group):
-            r = response_length(rng, resp_len, lengths)
-            samples.append(Sample(
-                index=g * group + j, group_index=g, tokens=prompt + [rng.randrange(vocab) for _ in range(r)],
-                response_length=r, loss_mask=[1] * r, reward=float(rng.random() > 0.5),
-            ))
-    return samples
 
 
 def _dims(family: str = "qwen2") -> tuple[int, int, int, int]:
@@ -178,12 +143,7 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1, help="megatron: expert parallel (qwen3_moe)")
     ap.add_argument("--family", choices=sorted(SHAPES), default="qwen2")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=768)
-    ap.add_argument("--lengths", choices=sorted(LENGTHS), default="half",
-                    help="response lengths: " + "; ".join(f"{k}: {v}" for k, v in LENGTHS.items()))
+    add_batch_arguments(ap, groups=8, prompt_len=256, response_len=768)
     ap.add_argument("--micro-tokens", type=int, default=16384)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 per GPU")
     ap.add_argument("--pack", action="store_true", help="train.pack_sequences")
@@ -252,13 +212,6 @@ def main() -> None:
         }), flush=True)
     if args.profile:
         profile_step(backend, samples, args.steps, rank)
-
-
-def layout_slots(samples: list[Sample], budget: int, layout: str, hidden: int) -> tuple[int, int]:
-    """`bench.packing.layout_slots` (imported late: that module imports this one)."""
-    from bench.packing import layout_slots as slots
-
-    return slots(samples, budget, layout, hidden)
 
 
 def profile_step(backend: Any, samples: list[Sample], step: int, rank: int) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.megatron_grpo import LENGTHS, make_samples
+from bench.grpo_batch import add_batch_arguments, make_samples
 from engines.train.batching import PaddedBatch, build_padded_batch, split_micro_batches
 from engines.train.packing import build_packed_batch
 from engines.train.prompt_sharing import build_shared_prompt_batch
@@ -94,12 +94,7 @@ def time_torch(path: str, samples: list[Sample], layout: str, args: argparse.Nam
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--response-len", type=int, default=160)
-    ap.add_argument("--lengths", choices=sorted(LENGTHS), default="half",
-                    help="response lengths (bench.megatron_grpo.LENGTHS)")
+    add_batch_arguments(ap, groups=4, prompt_len=32, response_len=160)
     ap.add_argument("--micro-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256,
@@ -109,7 +104,7 @@ def main() -> None:
     samples = make_samples(args.groups, args.group_size, args.prompt_len, args.response_len,
                            args.lengths)
     vocab = 4096
-    for s in samples:  # make_samples draws from Qwen2's vocabulary
+    for s in samples:  # make_samples draws from Qwen2's vocabulary (grpo_batch.VOCAB)
         s.tokens = [t % vocab for t in s.tokens]
     real = sum(len(s.tokens) for s in samples)
     print(f"{len(samples)} samples, {real} tokens (prompt {args.prompt_len}, responses "

@@ -85,6 +85,18 @@ def make_samples(n: int, vocab: int, prompt: int, response: int) -> list[Sample]
     return out
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a torch-backend step on `make_samples`' batch (this bench, bench.lora)."""
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--response-len", type=int, default=96)
+    parser.add_argument("--micro-tokens", type=int, default=16384)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None)
+
+
 def bench(name: str, path: str, args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         model_path=path,
@@ -120,14 +132,7 @@ def bench(name: str, path: str, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="tiny,qwen30m")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--response-len", type=int, default=96)
-    parser.add_argument("--micro-tokens", type=int, default=16384)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=None)
+    add_step_arguments(parser)
     args = parser.parse_args()
     builders = {"tiny": build_tiny, "qwen30m": build_qwen30m}
     with tempfile.TemporaryDirectory() as root:
