@@ -465,6 +465,9 @@ class GenerationLoop:
                 await asyncio.gather(*(self._send([s], [p]) for s, p in live))
             else:
                 await self._send([s for s, _ in live], [p for _, p in live])
+        # The step's rewards are computed here, as each group finishes, not in the reward
+        # stage: the dynamic filter judges a group by its rewards before the loop decides to
+        # keep it or draw more (slime does the same). The reward stage only makes them scalars.
         unscored = [s for s in group if not s.metadata.get(AGENT_REWARD)]
         if is_finished(group) and unscored and (
             self.rewards.configured or any("rm_type" in s.metadata for s in group)
@@ -522,7 +525,7 @@ class GenerationLoop:
             for group, outcome in r.drained:
                 groups.add(group, outcome)
             for group in await self._abort_and_drain(pending):
-                outcome = self._drain_outcome(group)
+                outcome = self._outcome(group, DRAIN)
                 log_.finished(group, outcome, DRAIN)
                 groups.add(group, outcome)
             log_.commit()
@@ -559,26 +562,23 @@ class GenerationLoop:
             for task in sorted(done, key=lambda t: first_index(pending[t])):
                 group = pending.pop(task)
                 task.result()
-                outcome = self._loop_outcome(group)
+                outcome = self._outcome(group, LOOP)
                 log_.finished(group, outcome, LOOP)
                 groups.add(group, outcome)
             log_.commit()
             if self.progress is not None:
                 self.progress(len(groups.kept), target)
 
-    def _loop_outcome(self, group: Group) -> Outcome:
+    def _outcome(self, group: Group, phase: str) -> Outcome:
+        """In the loop an unfinished group was aborted by someone else (RETURNED) and an
+        accepted one is KEPT; while draining they are ABORTED and SURPLUS."""
         if not is_finished(group):
-            return Outcome.RETURNED
+            return Outcome.RETURNED if phase == LOOP else Outcome.ABORTED
         if any(s.status == Status.FAILED for s in group):
             return Outcome.FAILED
-        return Outcome.KEPT if self._accepts(group) else Outcome.DROPPED
-
-    def _drain_outcome(self, group: Group) -> Outcome:
-        if not is_finished(group):
-            return Outcome.ABORTED
-        if any(s.status == Status.FAILED for s in group):
-            return Outcome.FAILED
-        return Outcome.SURPLUS if self._accepts(group) else Outcome.DROPPED
+        if not self._accepts(group):
+            return Outcome.DROPPED
+        return Outcome.KEPT if phase == LOOP else Outcome.SURPLUS
 
     async def _abort_and_drain(self, pending: dict[asyncio.Task[Group], Group]) -> list[Group]:
         """abort_all on every engine until nothing is in flight. Repeated, because a request
