@@ -14,6 +14,8 @@ curves are comparable:
   the tokens where the clipped branch wins.
 * KL to the reference: k1 = log r, k2 = (log r)^2 / 2, k3 = low_var_kl = exp(-log r) - 1 +
   log r with log r = log_p - log_p_ref; low_var_kl is clamped to [-10, 10].
+* pg is weighted per token by `algorithm.rollout_correction` (`corrections.py`) when the
+  engine's log-probs are there.
 * loss = pg - entropy_coef * entropy + kl_loss_coef * kl   (kl only when use_kl_loss).
 
 Reductions take an explicit denominator (`num_samples` / `num_tokens`) so that a global batch
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engines.algorithms.corrections import rollout_correction
 from engines.config.algorithm import AlgorithmConfig
 
 
@@ -114,22 +117,6 @@ def gspo_kl(log_probs: Tensor, old_log_probs: Tensor, loss_mask: Tensor) -> Tens
     return seq.expand_as(log_probs)
 
 
-def tis_weights(
-    old_log_probs: Tensor, rollout_log_probs: Tensor, tis_clip: float, tis_clip_low: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance sampling between trainer and engine: weights
-    `clamp(exp(old - rollout), tis_clip_low, tis_clip)` (no gradient) and per-token metrics
-    `tis` (raw ratio), `tis_clipfrac`, `tis_abs` = |ratio - 1|."""
-    ratio = torch.exp(old_log_probs.detach().float() - rollout_log_probs.float())
-    weights = ratio.clamp(min=tis_clip_low, max=tis_clip)
-    metrics = {
-        "tis": ratio,
-        "tis_clipfrac": (weights != ratio).float(),
-        "tis_abs": (ratio - 1.0).abs(),
-    }
-    return weights, metrics
-
-
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, value_clip: float
 ) -> tuple[Tensor, Tensor]:
@@ -200,7 +187,8 @@ class LossInputs:
     advantages: Tensor | None = None
     ref_log_probs: Tensor | None = None
     rollout_log_probs: Tensor | None = None
-    """Engine log-probs: train/rollout mismatch metrics, and the TIS denominator."""
+    """Engine log-probs: the mismatch metrics, and the behaviour policy of
+    `algorithm.rollout_correction`."""
 
 
 Reducer = Callable[[Tensor], Tensor]
@@ -226,18 +214,17 @@ def _pg_terms(algo: AlgorithmConfig, inputs: LossInputs, reduce: Reducer) -> dic
     )
     terms: dict[str, Tensor] = {}
     if inputs.rollout_log_probs is not None:
-        weights, tis_metrics = tis_weights(
-            inputs.old_log_probs, inputs.rollout_log_probs, algo.tis_clip, algo.tis_clip_low
-        )
-        if algo.use_tis:
-            pg_tok = pg_tok * weights
-        terms.update({k: reduce(v) for k, v in tis_metrics.items()})
+        if algo.rollout_correction.enabled:
+            correction = rollout_correction(
+                algo.rollout_correction, inputs.old_log_probs, inputs.rollout_log_probs, mask
+            )
+            pg_tok = pg_tok * correction.weights
         terms["ois"] = reduce(torch.exp(-ppo_kl.detach()))
         terms["train_rollout_logprob_abs_diff"] = reduce(
             (inputs.old_log_probs - inputs.rollout_log_probs).abs()
         )
-    elif algo.use_tis:
-        raise ValueError("use_tis needs rollout_log_probs on every sample")
+    elif algo.rollout_correction.enabled:
+        raise ValueError("algorithm.rollout_correction needs rollout_log_probs on every sample")
     terms.update(
         pg_loss=reduce(pg_tok), clipfrac=reduce(clip_tok), approx_kl=reduce(_masked(ppo_kl, mask))
     )

@@ -14,6 +14,84 @@ from storage.config import Section
 GROUP_ESTIMATORS = frozenset({"grpo", "gspo", "rloo", "reinforce_plus_plus_baseline"})
 
 
+CorrectionMode = Literal[
+    "none", "token_tis", "token_mis", "seq_tis", "seq_mis", "icepop", "decoupled"
+]
+
+# Bounds a mode uses when `low` / `high` are unset: TIS truncates from above only, as in
+# Yao et al.'s TIS; MIS keeps a band around 1; the sequence ratio is a geometric mean, so
+# its band is narrow; IcePop's [0.5, 5] is Ring-1T's; the decoupled cap 5 is AReaL's usual
+# behav_imp_weight_cap.
+DEFAULT_CORRECTION_BOUNDS: dict[str, tuple[float, float]] = {
+    "none": (0.0, float("inf")),
+    "token_tis": (0.0, 2.0),
+    "seq_tis": (0.0, 2.0),
+    "token_mis": (0.5, 2.0),
+    "seq_mis": (0.99, 1.01),
+    "icepop": (0.5, 5.0),
+    "decoupled": (0.0, 5.0),
+}
+
+
+class RolloutCorrectionConfig(Section):
+    """The train-inference mismatch correction: the engine (behaviour policy) samples with
+    other probabilities than the trainer's old policy (bf16 kernels, MoE routing, stale
+    weights), so each token's loss is weighted or masked by r = pi_old / pi_rollout, the
+    ratio of the trainer's old log-probs to the engine's (no gradient). Needs the engine's
+    log-probs on every sample. The formulas are in `engines/algorithms/corrections.py`."""
+
+    mode: CorrectionMode = Field(
+        "none",
+        description="none: the loss is unchanged (the mismatch metrics are still reported); "
+        "token_tis: weight clamp(r, low, high); token_mis: drop tokens with r outside "
+        "[low, high]; seq_tis / seq_mis: the same on the sequence's geometric-mean ratio, "
+        "for the whole sequence; icepop: weight r inside [low, high], drop the token "
+        "outside (IcePop, Ring-1T); decoupled: AReaL's decoupled PPO, weight r, drop tokens "
+        "with r above high (no lower bound).",
+    )
+    low: float | None = Field(
+        None, ge=0.0,
+        description="Lower bound on the ratio; None: the mode's default (tis 0, token_mis "
+        "0.5, seq_mis 0.99, icepop 0.5). Not used by decoupled.",
+    )
+    high: float | None = Field(
+        None, gt=0.0,
+        description="Upper bound on the ratio; None: the mode's default (tis 2, token_mis 2, "
+        "seq_mis 1.01, icepop 5, decoupled 5).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """`(low, high)`, unset ones from the mode's defaults."""
+        low, high = DEFAULT_CORRECTION_BOUNDS[self.mode]
+        return (low if self.low is None else self.low, high if self.high is None else self.high)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RolloutCorrectionConfig:
+        key = "algorithm.rollout_correction"
+        if not self.enabled and (self.low is not None or self.high is not None):
+            raise ValueError(
+                f"{key}.low / {key}.high are set but {key}.mode is none: set a mode, or "
+                "unset the bounds"
+            )
+        if self.mode == "decoupled" and self.low is not None:
+            raise ValueError(
+                f"{key}.low: decoupled has no lower bound (AReaL drops only tokens whose "
+                f"ratio exceeds {key}.high); unset it"
+            )
+        low, high = self.bounds
+        if self.enabled and not low <= 1.0 <= high:
+            raise ValueError(
+                f"{key}.low ({low}) and {key}.high ({high}) must satisfy low <= 1 <= high: a "
+                "token the engine and the trainer agree on (ratio 1) must keep weight 1"
+            )
+        return self
+
+
 class AlgorithmConfig(Section):
     loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = Field(
         "policy_loss", description="custom_loss calls `custom_loss_function_path`."
@@ -47,11 +125,11 @@ class AlgorithmConfig(Section):
     use_rollout_logprobs: bool = Field(
         False, description="Use the engine's log-probs as the old policy (skip a forward)."
     )
-    use_tis: bool = Field(
-        False, description="Truncated importance sampling: weight pg by old/rollout ratio."
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="How the loss corrects for the engine sampling tokens with other "
+        "probabilities than the trainer (see RolloutCorrectionConfig).",
     )
-    tis_clip: float = Field(2.0, gt=0.0, description="Upper truncation of the TIS weight.")
-    tis_clip_low: float = Field(0.0, ge=0.0, description="Lower truncation of the TIS weight.")
     value_clip: float = Field(0.2, gt=0.0, description="PPO value-loss clip range.")
     use_opd: bool = Field(
         False, description="On-policy distillation: advantages -= opd_kl_coef * (student - teacher)."
@@ -82,8 +160,13 @@ class AlgorithmConfig(Section):
             raise ValueError("algorithm.custom_loss_function_path is required by custom_loss")
         if self.use_opd and not self.opd_teacher_path:
             raise ValueError("algorithm.opd_teacher_path is required when use_opd is true")
-        if self.use_tis and self.tis_clip_low > self.tis_clip:
-            raise ValueError("algorithm.tis_clip_low must be <= algorithm.tis_clip")
+        if self.rollout_correction.enabled and self.use_rollout_logprobs:
+            raise ValueError(
+                f"algorithm.rollout_correction.mode={self.rollout_correction.mode!r} compares "
+                "the trainer's old log-probs with the engine's, which "
+                "algorithm.use_rollout_logprobs replaces by the engine's own (every ratio "
+                "1): set one of them off"
+            )
         return self
 
     @property

@@ -147,7 +147,7 @@ class TrainConfig(Section):
         "or, under the plain PPO-clip loss (no entropy bonus, no KL loss), an advantage of 0 "
         "on every token, e.g. a GRPO group whose responses all got the same reward. Each step's "
         "loss still divides by all of its samples, so the update is the same up to float "
-        "rounding; approx_kl, entropy and the TIS/mismatch metrics then average over the "
+        "rounding; approx_kl, entropy and the mismatch metrics then average over the "
         "trained samples (train/zero_gradient_samples counts the skipped ones). Not with "
         "algorithm.kl_coef, use_opd or a custom advantage function (they score every sample).",
     )

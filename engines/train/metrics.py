@@ -12,7 +12,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
+from engines.algorithms.corrections import mismatch_metrics as batch_mismatch_metrics
+from engines.config.algorithm import RolloutCorrectionConfig
 from storage.sample import Sample
 
 SKIPPED: dict[str, float] = {"skipped": 1.0}
@@ -61,7 +64,8 @@ class TrainMetrics:
 
     extra: dict[str, float] = field(default_factory=dict)
     """Algorithm-specific step means that exist only when enabled: critic (`critic/...`),
-    TIS / mismatch (`tis`, `tis_clipfrac`, `tis_abs`, `ois`), `lr`, `opd_reverse_kl`."""
+    mismatch with the engine's log-probs (`ois`, `train_rollout_logprob_abs_diff`, and the
+    batch's `mismatch/...`, see `mismatch_metrics`), `lr`, `opd_reverse_kl`."""
 
     def to_dict(self) -> dict[str, float]:
         out = {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "extra"}
@@ -98,9 +102,10 @@ def summarise(
     steps: list[dict[str, float]],
     tokens_per_s: float,
     version: int,
+    correction: RolloutCorrectionConfig | None = None,
 ) -> TrainMetrics:
     """Step means of the loss terms (keys a step lacks count as absent, not 0), batch
-    statistics over all samples."""
+    statistics over all samples; with `correction`, the batch's mismatch metrics."""
 
     def step_mean(key: str) -> float:
         values = [s[key] for s in steps if key in s]
@@ -111,6 +116,8 @@ def summarise(
 
     extra_keys = sorted({k for s in steps for k in s} - {*_CORE_STEP_KEYS, "skipped_steps"})
     extra = {k: step_sum(k) if k in _COUNTED_STEP_KEYS else step_mean(k) for k in extra_keys}
+    if correction is not None:
+        extra.update(mismatch_metrics(samples, old_log_probs, correction))
     per_sample_adv = [float(a.mean()) if a.numel() else 0.0 for a in advantages]
     return TrainMetrics(
         **{k: step_mean(k) for k in _CORE_STEP_KEYS},
@@ -140,3 +147,26 @@ def rollout_logprob_abs_diff(
         total += float((old.detach().cpu() - engine).abs().sum())
         count += s.response_length
     return total / count if count else float("nan")
+
+
+def mismatch_metrics(
+    samples: list[Sample], old_log_probs: list[Tensor | None] | None,
+    correction: RolloutCorrectionConfig,
+) -> dict[str, float]:
+    """`mismatch/...` over the loss tokens of the samples that carry engine log-probs and
+    have old log-probs (`corrections.mismatch_metrics`): computed once on the whole batch,
+    since a minimum and a maximum do not sum over micro-batches like the loss terms."""
+    olds, rollouts, masks = [], [], []
+    for s, old in zip(samples, old_log_probs or [], strict=False):
+        if old is None or not s.response_length or len(s.rollout_log_probs) != s.response_length:
+            continue
+        olds.append(old.detach().cpu().float())
+        rollouts.append(torch.tensor(s.rollout_log_probs, dtype=torch.float32))
+        masks.append(torch.tensor(s.loss_mask, dtype=torch.float32))
+    if not olds:
+        return {}
+    values = batch_mismatch_metrics(
+        correction, pad_sequence(olds, batch_first=True),
+        pad_sequence(rollouts, batch_first=True), pad_sequence(masks, batch_first=True),
+    )
+    return {f"mismatch/{k}": v for k, v in values.items()}

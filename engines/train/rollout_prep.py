@@ -77,7 +77,8 @@ def rollout_log_probs_of(samples: list[Sample], required: bool) -> list[Tensor] 
             if required:
                 raise ValueError(
                     f"sample {s.index}: needs {s.response_length} rollout_log_probs "
-                    f"(use_rollout_logprobs / use_tis), has {len(s.rollout_log_probs)}"
+                    "(algorithm.use_rollout_logprobs / algorithm.rollout_correction), has "
+                    f"{len(s.rollout_log_probs)}"
                 )
             return None
     return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
@@ -113,7 +114,9 @@ def prepare_batch(
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
     is_rl = algo.loss_type != "sft_loss"
     rewards = _rewards(samples, reward_key, is_rl)
-    rollout = rollout_log_probs_of(samples, algo.use_rollout_logprobs or algo.use_tis)
+    rollout = rollout_log_probs_of(
+        samples, algo.use_rollout_logprobs or algo.rollout_correction.enabled
+    )
     ref = scorers.ref(samples) if scorers.ref is not None else None
     if not is_rl:
         zeros = [torch.zeros(r) for r in lengths]

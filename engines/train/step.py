@@ -12,7 +12,7 @@
           micro-batches of at most max_tokens_per_micro_batch padded tokens
           (real tokens with pack_sequences)
           critic (ppo): clipped value loss          -> backend.optimizer_step("critic", ...)
-          actor (after num_critic_only_steps): actor_loss or the custom loss, TIS, OPD
+          actor (after num_critic_only_steps): actor_loss or the custom loss, corrections, OPD
                                                     -> backend.optimizer_step("actor", ...)
       weights finite? -> version = rollout_id + 1 -> metrics (step means, missing keys
       skipped; batch statistics over all samples)
@@ -49,7 +49,7 @@ CustomLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 ZERO_GRADIENT_SAMPLES = "zero_gradient_samples"
 # Actor-loss terms to which a zero-gradient sample adds exactly 0 (see
 # losses.zero_gradient_samples): with such samples skipped they keep the whole step's value;
-# the others (approx_kl, entropy, TIS and mismatch terms) become means over trained samples.
+# the others (approx_kl, entropy and the mismatch terms) become means over trained samples.
 EXACT_WITHOUT_SKIPPED = frozenset({"loss", "pg_loss", "clipfrac", "kl_loss"})
 MOE_AUX_LOSS = "moe_aux_loss"  # what an MoE model's load-balancing loss adds to the step's loss
 
@@ -176,7 +176,7 @@ class TrainStep:
         tokens = sum(len(samples[i].tokens) for step_rows in rows for i in step_rows)
         metrics = summarise(
             samples, prep.rewards, prep.advantages, prep.old_log_probs, steps,
-            tokens / elapsed, self.model.version,
+            tokens / elapsed, self.model.version, self.algo_cfg.rollout_correction,
         ).to_dict()
         metrics["trained_tokens"] = float(tokens)
         if self.train_cfg.skip_zero_gradient_samples:

@@ -1,7 +1,8 @@
 """What a train backend supplies to the shared train step (`step.py`), and the records they
 exchange. Everything model-specific sits behind `StepModel`; everything algorithmic
 (partitioning, advantages, losses, metrics) stays in `step.py`, so a backend that implements
-this Protocol runs every estimator, loss, critic, TIS, OPD and KL option by construction.
+this Protocol runs every estimator, loss, critic, rollout correction, OPD and KL option by
+construction.
 
     step.py                                  backend (StepModel)
     ───────                                  ───────────────────

@@ -29,7 +29,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name: (algorithm,
     "rloo": ({"advantage_estimator": "rloo", "normalize_advantages": True}, {}),
     "ppo+critic, kl reward": ({"advantage_estimator": "ppo", "kl_coef": 0.05}, {}),
     "opd": ({"use_opd": True, "opd_kl_coef": 0.5}, {}),
-    "tis": ({"use_tis": True, "tis_clip": 1.5}, {}),
+    "tis": ({"rollout_correction": {"mode": "token_tis", "high": 1.5}}, {}),
     "rollout logprobs": ({"use_rollout_logprobs": True}, {}),
     "lr warmup+cosine, 3 steps": ({}, {"lr_warmup_steps": 2, "lr_decay_style": "cosine",
                                        "lr_decay_steps": 5, "min_lr": 1e-4,
@@ -44,7 +44,7 @@ KEYS = ("loss", "pg_loss", "kl_loss", "entropy", "approx_kl", "clipfrac")
 
 
 def parity_samples(seed: int = 0) -> list[Sample]:
-    """GRPO samples with engine log-probs near the policy's (TIS / rollout-logprob cases)."""
+    """GRPO samples with engine log-probs near the policy's (correction / rollout-logprob cases)."""
     rng = random.Random(seed)
     samples = grpo_samples(seed=seed)
     for s in samples:

@@ -223,7 +223,6 @@ from engines.algorithms.losses import (  # noqa: E402
     critic_loss,
     gspo_kl,
     policy_loss_from_kl,
-    tis_weights,
     value_loss,
 )
 from engines.algorithms.registry import (  # noqa: E402
@@ -409,30 +408,6 @@ def test_gspo_uses_one_sequence_ratio() -> None:
     _, terms = actor_loss(algo, inputs, 1)
     # both tokens: -exp(0.1) * 1 = -1.10517 (within [0.5, 1.5]); per-sample mean -1.10517
     assert terms["pg_loss"].item() == pytest.approx(-math.exp(0.1), rel=1e-6)
-
-
-def test_tis_weights_and_mismatch_metrics_by_hand() -> None:
-    old = torch.zeros(1, 3)
-    rollout = torch.tensor([[math.log(0.25), math.log(2.0), 0.0]])
-    # ratio exp(old - rollout) = (4, 0.5, 1); clamp to [0.6, 2] -> (2, 0.6, 1)
-    w, m = tis_weights(old, rollout, tis_clip=2.0, tis_clip_low=0.6)
-    torch.testing.assert_close(w, torch.tensor([[2.0, 0.6, 1.0]]))
-    torch.testing.assert_close(m["tis"], torch.tensor([[4.0, 0.5, 1.0]]))
-    assert m["tis_clipfrac"].tolist() == [[1.0, 1.0, 0.0]]
-    torch.testing.assert_close(m["tis_abs"], torch.tensor([[3.0, 0.5, 0.0]]))
-    # in the loss: on-policy ratio 1, A = 1 -> pg per token -1 * w = (-2, -0.6, -1), mean -1.2
-    algo = AlgorithmConfig(use_tis=True, tis_clip=2.0, tis_clip_low=0.6)
-    inputs = LossInputs(
-        log_probs=old, loss_mask=torch.ones(1, 3), entropy=torch.zeros(1, 3),
-        old_log_probs=old, advantages=torch.ones(1, 1), rollout_log_probs=rollout,
-    )
-    _, terms = actor_loss(algo, inputs, 1)
-    assert terms["pg_loss"].item() == pytest.approx(-1.2)
-    assert terms["tis"].item() == pytest.approx(5.5 / 3)
-    # |old - rollout| = (ln 4, ln 2, 0) -> mean ln 8 / 3
-    assert terms["train_rollout_logprob_abs_diff"].item() == pytest.approx(math.log(8) / 3)
-    off = actor_loss(AlgorithmConfig(), inputs, 1)[1]  # metrics without reweighting
-    assert off["pg_loss"].item() == pytest.approx(-1.0) and "tis" in off
 
 
 def test_value_loss_clips_by_hand() -> None:

@@ -85,7 +85,8 @@ def test_megatron_takes_every_algorithm():
             "train": {"backend": "megatron", "model_path": "m", "lr_warmup_steps": 10,
                       "lr_decay_style": "cosine", "lr_decay_steps": 20}}
     cfg = config_from_dict({**base, "algorithm": {
-        "advantage_estimator": "ppo", "use_tis": True, "kl_coef": 0.1, "use_opd": True,
+        "advantage_estimator": "ppo", "rollout_correction": {"mode": "token_tis"},
+        "kl_coef": 0.1, "use_opd": True,
         "opd_teacher_path": "t", "normalize_advantages": True}})
     assert cfg.train.backend == "megatron" and cfg.algorithm.use_opd
 

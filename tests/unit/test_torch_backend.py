@@ -243,18 +243,24 @@ def test_lr_warmup_is_applied_per_optimizer_step(tiny_model_dir: str) -> None:
 
 
 def test_tis_and_mismatch_metrics_through_backend(tiny_model_dir: str) -> None:
-    backend = make_backend(tiny_model_dir, algo={"use_tis": True, "tis_clip": 1.2})
+    tis = {"rollout_correction": {"mode": "token_tis", "high": 1.2}}
+    backend = make_backend(tiny_model_dir, algo=tis)
     samples = make_samples(8)
     for s, lps in zip(samples, backend.compute_log_probs(samples), strict=True):
         s.rollout_log_probs = [x - 0.5 for x in lps]  # engine 0.5 lower: ratio e^0.5 = 1.65
     m = backend.train(samples, 0)
-    assert m["tis"] == pytest.approx(math.exp(0.5), rel=1e-4)
-    assert m["tis_clipfrac"] == pytest.approx(1.0)
+    assert m["mismatch/ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert m["mismatch/ratio_min"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert m["mismatch/ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert m["mismatch/truncated_frac"] == pytest.approx(1.0)  # every ratio 1.65 > 1.2
+    assert m["mismatch/masked_frac"] == 0.0
+    # k3 = r - 1 - log r with r = e^0.5: 1.6487 - 1 - 0.5 = 0.1487
+    assert m["mismatch/k3_kl"] == pytest.approx(math.exp(0.5) - 1.5, rel=1e-3)
     assert m["train_rollout_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-4)
     assert m["rollout_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-4)
     bare = make_samples(2)
     with pytest.raises(ValueError, match="rollout_log_probs"):
-        make_backend(tiny_model_dir, algo={"use_tis": True}).train(bare, 0)
+        make_backend(tiny_model_dir, algo=tis).train(bare, 0)
 
 
 def test_distillation_from_itself_has_zero_reverse_kl(tiny_model_dir: str) -> None:
