@@ -13,15 +13,15 @@ loss mask: no mode may let it through.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from engines.algorithms.corrections import CORRECTIONS, mismatch_metrics, rollout_correction
 from engines.algorithms.losses import LossInputs, actor_loss
 from engines.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
-from flows.config.loader import config_from_dict
-from flows.config.run import ConfigError
 
 RATIOS = [[1.25, 0.4, 16.0], [1.2, 0.3, 100.0]]
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
@@ -156,46 +156,41 @@ def test_mismatch_metrics_by_hand() -> None:
 
 
 # -- the config ---------------------------------------------------------------------------
-def _load(algorithm: dict) -> AlgorithmConfig:
-    raw = {
-        "data": {"prompt_data": "/d/train.jsonl"},
-        "rollout": {"num_rollout": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 2},
-        "train": {"model_path": "/m"},
-        "algorithm": algorithm,
-    }
-    return config_from_dict(raw).algorithm
-
-
 def test_unset_bounds_take_the_mode_defaults() -> None:
-    assert _load({"rollout_correction": {"mode": "token_tis"}}).rollout_correction.bounds == (
-        0.0, 2.0)
-    assert _load({"rollout_correction": {"mode": "icepop"}}).rollout_correction.bounds == (
-        0.5, 5.0)
-    set_high = {"rollout_correction": {"mode": "token_mis", "high": 3.0}}
-    assert _load(set_high).rollout_correction.bounds == (0.5, 3.0)
+    def bounds(**kw: object) -> tuple[float, float]:
+        return RolloutCorrectionConfig.model_validate(kw).bounds
+
+    assert bounds(mode="token_tis") == (0.0, 2.0)
+    assert bounds(mode="icepop") == (0.5, 5.0)
+    assert bounds(mode="token_mis", high=3.0) == (0.5, 3.0)
 
 
-@pytest.mark.parametrize("algorithm, message", [
-    ({"rollout_correction": {"mode": "seq_geo"}},
-     r"algorithm.rollout_correction.mode: Input should be 'none', 'token_tis'"),
-    ({"rollout_correction": {"mode": "token_mis", "low": -1}},
-     r"algorithm.rollout_correction.low: Input should be greater than or equal to 0"),
-    ({"rollout_correction": {"mode": "token_tis", "low": 1.2}},
+@pytest.mark.parametrize("algorithm, loc, message", [
+    ({"rollout_correction": {"mode": "seq_geo"}}, ("rollout_correction", "mode"),
+     r"Input should be 'none', 'token_tis'"),
+    ({"rollout_correction": {"mode": "token_mis", "low": -1}}, ("rollout_correction", "low"),
+     r"Input should be greater than or equal to 0"),
+    ({"rollout_correction": {"mode": "token_tis", "low": 1.2}}, ("rollout_correction",),
      r"algorithm.rollout_correction.low \(1.2\) and algorithm.rollout_correction.high "
      r"\(2.0\) must satisfy low <= 1 <= high"),
-    ({"rollout_correction": {"mode": "icepop", "high": 0.9}},
+    ({"rollout_correction": {"mode": "icepop", "high": 0.9}}, ("rollout_correction",),
      r"algorithm.rollout_correction.high \(0.9\) must satisfy"),
-    ({"rollout_correction": {"mode": "decoupled", "low": 0.5}},
+    ({"rollout_correction": {"mode": "decoupled", "low": 0.5}}, ("rollout_correction",),
      r"algorithm.rollout_correction.low: decoupled has no lower bound"),
-    ({"rollout_correction": {"high": 3.0}},
+    ({"rollout_correction": {"high": 3.0}}, ("rollout_correction",),
      r"algorithm.rollout_correction.high are set but algorithm.rollout_correction.mode is "
      r"none"),
-    ({"rollout_correction": {"mode": "token_tis"}, "use_rollout_logprobs": True},
+    ({"rollout_correction": {"mode": "token_tis"}, "use_rollout_logprobs": True}, (),
      r"algorithm.rollout_correction.mode='token_tis'.*algorithm.use_rollout_logprobs"),
     ({"rollout_correction": {"mode": "token_tis", "clip": 2.0}},
-     r"algorithm.rollout_correction.clip: Extra inputs are not permitted"),
-    ({"use_tis": True}, r"algorithm.use_tis: Extra inputs are not permitted"),
+     ("rollout_correction", "clip"), r"Extra inputs are not permitted"),
+    ({"use_tis": True}, ("use_tis",), r"Extra inputs are not permitted"),
 ])
-def test_bad_settings_name_the_field(algorithm: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        _load(algorithm)
+def test_bad_settings_name_the_field(algorithm: dict, loc: tuple, message: str) -> None:
+    """The error's location (what the config loader prints as `algorithm.<loc>`) or, for a
+    check across fields, its message names the fields at fault."""
+    with pytest.raises(ValidationError) as raised:
+        AlgorithmConfig.model_validate(algorithm)
+    [error] = raised.value.errors()
+    assert error["loc"] == loc
+    assert re.search(message, error["msg"]), error["msg"]
