@@ -6,7 +6,7 @@ prompts. Each phase runs here in a fresh Python process (so its peak RSS is its 
 1M-row (by default) jsonl and parquet file shaped like the arithmetic example's rows, with the
 example's tokenizer:
 
-  preflight  - the driver's dataset check (flows/preflight.py)
+  preflight  - the driver's dataset check (flows/bookkeeping/preflight.py)
   actor      - the rollout actor's dataset + data source, then one step's draw
   per step   - restoring the data source from the previous step's saved state and drawing
                (what every later step pays)

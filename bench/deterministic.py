@@ -21,7 +21,7 @@ from bench.train_step import make_samples
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.gen_types import GenRequest, SamplingParams
 from engines.train.torch_backend import TorchTrainBackend
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 
 PROMPTS = ["12+34=", "7+58=", "90+9=", "41+41=", "3+66=", "25+70=", "8+8=", "60+17="]
 

@@ -19,7 +19,7 @@ from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.engine_actor import EngineActor
 from engines.inference.gen_types import GenRequest, SamplingParams
 from examples.arithmetic.build_model import save_tiny_model
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:

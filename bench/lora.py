@@ -65,7 +65,7 @@ def _rss_mb() -> float:
 def run_one(mode: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
     """One mode in this process: 'full' or a LoRA rank."""
     from engines.train.torch_backend import TorchTrainBackend
-    from flows.config import AlgorithmConfig, TrainConfig
+    from flows.config.run import AlgorithmConfig, TrainConfig
 
     base_rss = _rss_mb()
     lora = {} if mode == "full" else {"rank": int(mode), "alpha": 2 * int(mode)}

@@ -46,7 +46,7 @@ import torch
 
 from bench.grpo_batch import VOCAB, add_batch_arguments, make_samples
 from bench.packing import layout_slots
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 QWEN2_05B = dict(

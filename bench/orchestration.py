@@ -31,7 +31,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from typing import Any
 
-from flows.prefect_env import prefect_env_defaults
+from flows.servers.prefect_env import prefect_env_defaults
 
 prefect_env_defaults()  # the CLI's Prefect settings (logs to the API, the server's batching)
 if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
@@ -45,7 +45,7 @@ def make_config(
 ) -> Any:
     from examples.arithmetic.build_model import save_tiny_model
     from examples.arithmetic.make_data import write_datasets
-    from flows.config_loader import config_from_dict
+    from flows.config.loader import config_from_dict
 
     data = write_datasets(os.path.join(root, "data"), n_train=400, n_test=20, n_sft=10)
     model = save_tiny_model(os.path.join(root, "model"), num_layers=1, hidden_size=32)
@@ -156,7 +156,7 @@ def prefect_servers(stack: ExitStack, databases: list[str]) -> dict[str, str]:
     """A local Prefect server per database, all running until `stack` closes; their API
     URLs by database name."""
     from bench.local_postgres import local_postgres
-    from flows.server import start_local_server
+    from flows.servers.prefect_server import start_local_server
 
     urls = {}
     for name in databases:
@@ -179,7 +179,7 @@ def main() -> None:
                         help="sqlite, postgresql or a database URL; repeat to compare")
     args = parser.parse_args()
     from bench.local_head import stopping_a_new_head
-    from flows.server import reporting_to
+    from flows.servers.prefect_server import reporting_to
 
     databases = args.database or ["sqlite"]
     per_round = max(2, args.steps // args.rounds)

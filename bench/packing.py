@@ -79,7 +79,7 @@ def _model(path: str, vocab: int, hidden: int) -> str:
 def time_torch(path: str, samples: list[Sample], layout: str, args: argparse.Namespace) -> float:
     """CPU seconds per train() step of the torch backend in `layout` (one thread)."""
     from engines.train.torch_backend import TorchTrainBackend
-    from flows.config import AlgorithmConfig, TrainConfig
+    from flows.config.run import AlgorithmConfig, TrainConfig
 
     share, pack = TRAIN[layout]
     cfg = TrainConfig(model_path=path, lr=1e-5, device="cpu", seed=1, share_prompts=share,

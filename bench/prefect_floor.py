@@ -69,7 +69,7 @@ def floor_times(steps: int, n_tasks: int = STEP_TASKS, step_flow_runs: bool = Fa
 
 
 def main() -> None:
-    from flows.server import local_prefect_api
+    from flows.servers.prefect_server import local_prefect_api
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from engines.train.torch_backend import TorchTrainBackend
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 # Dense peak FLOP/s (no sparsity) by GPU name substring, (bf16, fp32-via-TF32).

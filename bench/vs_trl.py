@@ -51,8 +51,8 @@ from bench.local_head import stopping_a_new_head
 from bench.trl_baseline import TrlRun, evaluate_states, read_rows, run_trl
 from engines.cluster.head import connect
 from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft
-from flows.prefect_env import prefect_env_defaults
-from flows.server import local_prefect_api
+from flows.servers.prefect_env import prefect_env_defaults
+from flows.servers.prefect_server import local_prefect_api
 
 RUN_NAME = "vs-trl-rollflow"
 

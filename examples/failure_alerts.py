@@ -6,7 +6,7 @@ was started (CLI, deployment, schedule):
     python -m examples.failure_alerts --webhook https://example.com/rollflow-alerts
 
 Trigger: the event `rollflow.training.failed`, which the train flow's on_failure hook
-(flows/failure_notice.py) emits with its summary: which run, step and task failed, the cause
+(flows/bookkeeping/failure_notice.py) emits with its summary: which run, step and task failed, the cause
 in one line, and how to resume (the same text is logged to the flow run and kept as its
 artifact `<run>-failure`). Action: a notification through a block saved as
 `rollflow-failure-alerts` (Slack, or a webhook that receives JSON `{"subject", "body"}`)

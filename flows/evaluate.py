@@ -17,11 +17,11 @@ from prefect import flow
 
 from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
-from flows.config import ConfigError, RollflowConfig
-from flows.config_history import warn_if_replayed_under_changed_config
-from flows.config_paths import resolve_paths
+from flows.config.history import warn_if_replayed_under_changed_config
+from flows.config.paths import resolve_paths
+from flows.config.run import ConfigError, RollflowConfig
+from flows.config.storage_credentials import with_storage_credentials
 from flows.rollout_step import open_layout
-from flows.storage_credentials import with_storage_credentials
 from tasks.step_context import StepContext
 from tasks.step_tasks import evaluate_version, sync_engine_weights
 

@@ -28,13 +28,13 @@ from prefect.cache_policies import NO_CACHE
 from engines.cluster.actors import get_or_create_trainer, kill_run_actors
 from engines.cluster.head import connect
 from engines.train.step_settings import StepSettings, settings_differences, settings_digest
-from flows.config import ConfigError, RollflowConfig
-from flows.config_history import warn_if_replayed_under_changed_config
-from flows.config_loader import dump_config
-from flows.logging_sinks import open_sinks
-from flows.reporting import publish_run_report, publish_step_table
+from flows.bookkeeping.metric_sinks import open_sinks
+from flows.bookkeeping.reporting import publish_run_report, publish_step_table
+from flows.config.history import warn_if_replayed_under_changed_config
+from flows.config.loader import dump_config
+from flows.config.run import ConfigError, RollflowConfig
+from flows.config.storage_credentials import with_storage_credentials
 from flows.rollout_step import open_layout
-from flows.storage_credentials import with_storage_credentials
 from storage.batch_io import read_table
 from storage.integrity import MANIFEST_FILE
 from storage.object_store import ObjectStore
@@ -63,8 +63,8 @@ def replay_config(
     `root`, then the user's `--set` overrides (which may rename it or change the loss)."""
     import yaml
 
-    from flows.config import drop_redacted
-    from flows.config_loader import apply_overrides, config_from_dict
+    from flows.config.loader import apply_overrides, config_from_dict
+    from flows.config.run import drop_redacted
 
     data = yaml.safe_load(source_text) or {}
     storage = data.setdefault("storage", {})

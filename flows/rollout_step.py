@@ -27,9 +27,9 @@ from prefect.utilities.annotations import quote
 from engines.cluster.actors import attached_actors
 from engines.cluster.head import connect
 from engines.weights.schedule import evaluates_after
-from flows.config import RollflowConfig
+from flows.bookkeeping.reporting import publish_step_report
+from flows.config.run import RollflowConfig
 from flows.prefect_workarounds import results_linked_within_step, untagged_tasks
-from flows.reporting import publish_step_report
 from flows.step_flow_runs import DRIVER, CommitHook, step_flow_runs
 from storage.object_store import StorageError
 from storage.run_layout import RunLayout
@@ -89,7 +89,7 @@ def run_step_tasks(
         return metrics
     layout.clear_failure(rollout_id)
     try:
-        # the flow run keeps its tags (flows/run_labels.py); links stay within the step
+        # the flow run keeps its tags (flows/bookkeeping/labels.py); links stay within the step
         with untagged_tasks(), results_linked_within_step():
             metrics = run_stages(ctx, rollout_id)
     except BaseException as e:

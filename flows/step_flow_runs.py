@@ -35,7 +35,7 @@ from prefect.context import FlowRunContext, TagsContext
 from prefect.flow_engine import run_flow
 from prefect.states import Pending
 
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 from flows.prefect_workarounds import child_flow_heartbeats_off
 from tasks.step_context import StepContext
 

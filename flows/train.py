@@ -19,18 +19,18 @@ from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import cluster_address, connect
 from engines.process import long_lived_frozen
 from engines.weights.schedule import evaluates_after
-from flows.config import RollflowConfig
-from flows.config_history import warn_if_replayed_under_changed_config
-from flows.config_loader import dump_config
-from flows.config_paths import resolve_paths
-from flows.driver_record import RunInUseError, current_flow_run_id, take_over
-from flows.failure_notice import notify_failure
-from flows.logging_sinks import open_sinks
-from flows.preflight import PreflightReport, preflight_once
-from flows.reporting import artifact_key, publish_run_report
+from flows.bookkeeping.driver_record import RunInUseError, current_flow_run_id, take_over
+from flows.bookkeeping.failure_notice import notify_failure
+from flows.bookkeeping.labels import labelled
+from flows.bookkeeping.metric_sinks import open_sinks
+from flows.bookkeeping.preflight import PreflightReport, preflight_once
+from flows.bookkeeping.reporting import artifact_key, publish_run_report
+from flows.config.history import warn_if_replayed_under_changed_config
+from flows.config.loader import dump_config
+from flows.config.paths import resolve_paths
+from flows.config.run import RollflowConfig
+from flows.config.storage_credentials import with_storage_credentials
 from flows.rollout_step import StepRunner, open_layout, step_runner
-from flows.run_labels import labelled
-from flows.storage_credentials import with_storage_credentials
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from storage.secrets import register
 from tasks.artifact_sender import artifacts_in_background

@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 from engines.cluster.head import cluster_address, stop_local_head  # noqa: E402
 from engines.config.cluster import ClusterConfig  # noqa: E402
 from engines.process import free_port  # noqa: E402
-from flows.config_loader import dump_config  # noqa: E402
-from flows.server import start_server  # noqa: E402
+from flows.config.loader import dump_config  # noqa: E402
+from flows.servers.prefect_server import start_server  # noqa: E402
 from storage.run_layout import RunLayout  # noqa: E402
 from tests.support.configs import arithmetic_config  # noqa: E402
 from tests.support.server_faults import head_processes_of, kill_processes, trained_samples  # noqa: E402

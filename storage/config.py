@@ -2,7 +2,7 @@
 
 Each component owns its config class, with a description per field and its checks beside it
 (torchtitan's configurable style): the engines' sections in `engines/config/` (one module per
-section), the storage section in this module; `flows/config.py` only composes them into the
+section), the storage section in this module; `flows/config/run.py` only composes them into the
 run config and checks what spans sections. They sit at the bottom of the layer they belong
 to, so no layer imports the one above it, not even for a type.
 """

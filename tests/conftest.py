@@ -141,7 +141,7 @@ def make_config(
 def mock_engines() -> Iterator[list[str]]:
     """The URLs of two mock engines (SGLang's HTTP protocol, in this process)."""
     from engines.inference.engine_actor import EngineActor
-    from flows.config import EngineConfig
+    from flows.config.run import EngineConfig
 
     engines = [EngineActor(EngineConfig(backend="mock"), i) for i in range(2)]
     yield [e.url() for e in engines]

@@ -1,6 +1,6 @@
 """The run config as engines see it: a read-only view of the component sections.
 
-`flows/config.py` composes the sections into `RollflowConfig`, and nothing below `flows/`
+`flows/config/run.py` composes the sections into `RollflowConfig`, and nothing below `flows/`
 may import it (imports run flows -> tasks -> engines -> storage). Code handed the whole run
 config types it with this Protocol instead: actor creation and naming (`engines/cluster/`),
 the rollout manager, the train actor, the weight schedule, and the `args` of user hooks

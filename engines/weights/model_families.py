@@ -4,7 +4,7 @@ Every path that touches a model's weights or forward (the embedded engine's deco
 routing capture, the torch trainer's routing replay, the megatron converter, weight sync)
 is written and tested per family. A model of another family may load and even run, then
 train on wrong numbers or fail mid-run, so the driver refuses it before any actor starts
-(`flows/preflight.py`) and each backend refuses it when it is built, naming the
+(`flows/bookkeeping/preflight.py`) and each backend refuses it when it is built, naming the
 `model_type` and the families it supports.
 """
 

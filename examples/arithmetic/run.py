@@ -14,9 +14,9 @@ from typing import Any
 
 from examples.arithmetic.build_model import save_tiny_model
 from examples.arithmetic.make_data import write_datasets
-from flows.config import RollflowConfig
-from flows.config_loader import load_config
-from flows.prefect_env import prefect_env_defaults
+from flows.config.loader import load_config
+from flows.config.run import RollflowConfig
+from flows.servers.prefect_env import prefect_env_defaults
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,10 +78,11 @@ def main() -> None:
         for run in ("arithmetic-sft", "arithmetic-grpo"):
             shutil.rmtree(os.path.join(args.runs, run), ignore_errors=True)
 
-    from flows.server import local_prefect_api
+    from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
 
-    with local_prefect_api():  # one Prefect server for both phases (see flows/server.py)
+    # one Prefect server for both phases (flows/servers/prefect_server.py)
+    with local_prefect_api():
         t_sft = time.perf_counter()
         sft_result, sft_ckpt = run_sft(args.runs, data, model)
         t_sft = time.perf_counter() - t_sft

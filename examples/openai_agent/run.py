@@ -18,8 +18,8 @@ from typing import Any
 
 from examples.openai_agent.agent import CALCULATOR
 from examples.openai_agent.model import Lesson, save_agent_model, teach
-from flows.config_loader import load_config
-from flows.prefect_env import prefect_env_defaults
+from flows.config.loader import load_config
+from flows.servers.prefect_env import prefect_env_defaults
 
 HERE = Path(__file__).resolve().parent
 WORKED = [(2, 3), (4, 1), (3, 3)]
@@ -66,7 +66,7 @@ def main() -> None:
         f"storage.uri={args.runs}", f"data.prompt_data={questions}",
         f"train.model_path={model}", f"engine.model_path={model}", *args.set])
 
-    from flows.server import local_prefect_api
+    from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
     from storage.run_layout import RunLayout
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from examples.arithmetic.build_model import save_tiny_model
-from flows.config_loader import load_config
-from flows.prefect_env import prefect_env_defaults
+from flows.config.loader import load_config
+from flows.servers.prefect_env import prefect_env_defaults
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE.parent / "arithmetic" / "artifacts" / "tiny-llama"
@@ -44,7 +44,7 @@ def main() -> None:
         for run in ("reasoning-gym-sft", "reasoning-gym-grpo"):
             shutil.rmtree(os.path.join(args.runs, run), ignore_errors=True)
 
-    from flows.server import local_prefect_api
+    from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
 
     sft = load_config(HERE / "sft.yaml", [f"storage.uri={args.runs}", f"train.model_path={model}"])

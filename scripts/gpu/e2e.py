@@ -152,7 +152,7 @@ def print_push(rows: list[dict[str, Any]]) -> None:
 
 
 def load(name: str, overrides: list[str]) -> Any:
-    from flows.config_loader import load_config
+    from flows.config.loader import load_config
 
     return load_config(ARITH / f"{name}.yaml", overrides)
 

@@ -12,7 +12,7 @@ import ray
 
 from engines.cluster.actors import attached_actors, get_or_create_actors, kill_run_actors
 from engines.cluster.head import connect
-from flows.run_labels import labelled
+from flows.bookkeeping.labels import labelled
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from flows.config import EvalDataset
+from flows.config.run import EvalDataset
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.config_loader import dump_config
+from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.procs import start_driver

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from engines.process import free_port
-from flows.server import PrefectServer, start_server
+from flows.servers.prefect_server import PrefectServer, start_server
 from tests.support import REPO_ROOT
 from tests.support.prefect_ui import artifacts, chain_edges, flow_runs, graph_edges
 

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from engines.cluster.actors import kill_run_actors
-from flows.config_loader import dump_config
+from flows.config.loader import dump_config
 from tests.support import REPO_ROOT
 from tests.support.configs import arithmetic_config
 

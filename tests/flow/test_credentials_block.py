@@ -10,9 +10,9 @@ import uuid
 import pytest
 
 from flows.cli import main
-from flows.config import ConfigError
-from flows.config_loader import dump_config
-from flows.storage_credentials import with_storage_credentials
+from flows.config.loader import dump_config
+from flows.config.run import ConfigError
+from flows.config.storage_credentials import with_storage_credentials
 from storage.object_store import open_store
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config

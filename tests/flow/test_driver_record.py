@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.states import Running
 
-from flows.driver_record import DRIVER_FILE, DriverRecord, RunInUseError, take_over
+from flows.bookkeeping.driver_record import DRIVER_FILE, DriverRecord, RunInUseError, take_over
 from storage.run_layout import RunLayout
 
 

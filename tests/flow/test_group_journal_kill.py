@@ -15,7 +15,7 @@ import ray
 
 from engines.cluster.actors import kill_run_actors
 from engines.cluster.registry import get_run_actor
-from flows.config_loader import dump_config
+from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.group_journal import GroupJournal
 from storage.run_layout import RunLayout, step_dir

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from engines.cluster.registry import get_run_actor
-from flows.config_loader import dump_config
+from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.compare import compare_runs

@@ -1,5 +1,5 @@
 """A driver without PREFECT_API_URL (the README's main job, `rollflow train` on a laptop) runs
-against a local server of rollflow's (flows.server.local_prefect_api), not Prefect's
+against a local server of rollflow's (flows.servers.prefect_server.local_prefect_api), not Prefect's
 ephemeral one: its flow runs are recorded there, the server stops with the driver, and a
 driver killed with -9 leaves no server behind."""
 
@@ -20,11 +20,11 @@ from tests.support import REPO_ROOT
 
 DRIVER = """
 import json, sys, time
-from flows.prefect_env import prefect_env_defaults
+from flows.servers.prefect_env import prefect_env_defaults
 prefect_env_defaults()
 from prefect import flow, task
 from prefect.client.orchestration import get_client
-from flows.server import local_prefect_api
+from flows.servers.prefect_server import local_prefect_api
 
 @task
 def add_one(x): return x + 1
@@ -81,7 +81,7 @@ def test_a_killed_driver_leaves_no_server_behind(driver_env, tmp_path):
     assert driver.stdout is not None
     started = json.loads(driver.stdout.readline())
     server = psutil.Process(started["pid"])
-    assert server.cmdline()[1:4] == ["-m", "flows.prefect_app", "local"]
+    assert server.cmdline()[1:4] == ["-m", "flows.servers.prefect_app", "local"]
     assert server.is_running()
     driver.send_signal(signal.SIGKILL)
     driver.wait(30)

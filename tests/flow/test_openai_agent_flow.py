@@ -21,8 +21,8 @@ import pytest
 
 from engines.inference.engine_actor import EngineActor
 from engines.rollout.agent_gateway import SEED_STRIDE
-from flows.config import EngineConfig
-from flows.config_loader import dump_config
+from flows.config.loader import dump_config
+from flows.config.run import EngineConfig
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample

@@ -19,7 +19,7 @@ import pytest
 from engines.inference.engine_actor import EngineActor
 from engines.records import GenerateRecord
 from engines.rollout.rollout_manager import RolloutManager
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 from storage.batch_io import read_samples, write_samples
 from storage.run_layout import step_dir
 from storage.sample import Group, Status, regroup

@@ -16,7 +16,7 @@ import ray
 from engines.cluster.actors import get_or_create_actors, kill_run_actors, run_placement
 from engines.cluster.placement import actor_bundle, create_placement
 from engines.cluster.registry import actor_name, get_run_actor
-from flows.config import ClusterConfig
+from flows.config.run import ClusterConfig
 from storage.config import ConfigError
 from storage.run_layout import RunLayout
 

@@ -16,8 +16,8 @@ import pytest
 
 from bench.local_postgres import local_postgres, postgres_installed
 from engines.process import free_port
-from flows.config_loader import dump_config
-from flows.server import PrefectServer
+from flows.config.loader import dump_config
+from flows.servers.prefect_server import PrefectServer
 from tests.support.configs import arithmetic_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

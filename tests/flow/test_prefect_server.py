@@ -1,6 +1,6 @@
-"""A real Prefect server on loopback (`flows.server.start_server`), a two-step train driver
-reporting to it through PREFECT_API_URL, and the flow run, task runs and artifacts read back
-through its REST API."""
+"""A real Prefect server on loopback (`flows.servers.prefect_server.start_server`), a two-step
+train driver reporting to it through PREFECT_API_URL, and the flow run, task runs and
+artifacts read back through its REST API."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from engines.process import free_port
-from flows.config_loader import dump_config
-from flows.server import PrefectServer, start_server
+from flows.config.loader import dump_config
+from flows.servers.prefect_server import PrefectServer, start_server
 from tests.support import REPO_ROOT
 from tests.support.configs import arithmetic_config
 
@@ -45,7 +45,7 @@ def api(server: PrefectServer, path: str, body: dict[str, Any]) -> Any:
 
 def completed_task_runs(server: PrefectServer, flow_run_id: str, count: int) -> Any:
     """The flow run's task runs once `count` or more are there and all are COMPLETED: the
-    server records task states from events in batches (flows.prefect_env.SERVER_SETTINGS),
+    server records task states from events in batches (flows.servers.prefect_env.SERVER_SETTINGS),
     up to a flush interval late."""
     deadline = time.monotonic() + 30
     while True:

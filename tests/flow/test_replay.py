@@ -13,7 +13,7 @@ import ray
 
 from engines.cluster.registry import get_run_actor
 from flows.cli import main
-from flows.config import ConfigError
+from flows.config.run import ConfigError
 from flows.replay import parse_steps, plan_replay, replay, replay_config
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from engines.cluster.registry import get_run_actor
-from flows.reporting import artifact_key
+from flows.bookkeeping.reporting import artifact_key
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config

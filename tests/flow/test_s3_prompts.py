@@ -13,7 +13,7 @@ import pytest
 
 from engines.data.data_source import RolloutDataSourceWithBuffer
 from engines.data.prompt_dataset import DatasetError, DatasetSpec, open_prompt_dataset
-from flows.config import EvalDataset
+from flows.config.run import EvalDataset
 from storage.batch_io import read_samples
 from storage.object_store import open_store
 from storage.run_layout import RunLayout

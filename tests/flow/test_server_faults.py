@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from engines.process import free_port
-from flows.config_loader import dump_config
-from flows.server import start_server
+from flows.config.loader import dump_config
+from flows.servers.prefect_server import start_server
 from storage.run_layout import RunLayout
 from tests.support.procs import rollflow_env
 from tests.support.server_faults import (
@@ -119,7 +119,7 @@ def test_drivers_local_prefect_server_killed_mid_step(make_config, prefect_api, 
         driver.kill()
     assert layout_of(cfg).committed_steps() == [0, 1, 2, 3]
     same = trained_samples(layout_of(cfg)) == trained_samples(layout_of(reference))
-    if outcome.startswith("survived"):  # (flows/server.py, KeepAlive)
+    if outcome.startswith("survived"):  # (flows/servers/prefect_server.py, KeepAlive)
         assert "Prefect server (pid" in out and "starting it again on port" in out, out[-3000:]
         outcome += ", its server started again on the same port"
     fault_matrix.add("the driver's own Prefect server killed -9 mid-step",

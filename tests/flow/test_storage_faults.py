@@ -174,7 +174,7 @@ def test_store_down_for_seconds_mid_step_is_ridden_out(s3_run, proxy, fault_matr
 
 
 def test_store_down_for_good_fails_the_step_and_the_rerun_resumes(s3_run, proxy, fault_matrix):
-    from flows.errors import summarize
+    from flows.bookkeeping.root_cause import summarize
     from flows.train import train
 
     reference = s3_run("ref")
@@ -237,7 +237,7 @@ def fill(path) -> None:
 
 def test_full_disk_mid_step_fails_the_step_and_the_rerun_resumes(prefect_api, make_config,
                                                                   small_disk, fault_matrix):
-    from flows.errors import summarize
+    from flows.bookkeeping.root_cause import summarize
     from flows.train import train
 
     reference = make_config("ref", *STEPS)

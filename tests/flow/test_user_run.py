@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engines.cluster.registry import run_actors
+from flows.bookkeeping.driver_record import DriverRecord
 from flows.cli import main
-from flows.driver_record import DriverRecord
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from tests.support import REPO_ROOT
 

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from engines.inference.engine_actor import EngineActor
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from tests.support.gpu import grpo_samples
 
 # KL to a reference and an entropy bonus: exercises the ref model and vocab-parallel entropy.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from tests.support.gpu import grpo_samples
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, needs_two]
 ENGINE_SCRIPT = """
 import sys
 from engines.inference.engine_actor import EngineActor
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 cfg = EngineConfig(backend="embedded", model_path=sys.argv[1], device="cpu")
 actor = EngineActor(cfg, 0, num_threads=2)
 print("URL", actor.url(), flush=True)

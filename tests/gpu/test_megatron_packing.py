@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 from tests.support.gpu import grpo_samples
 

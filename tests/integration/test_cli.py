@@ -27,7 +27,7 @@ def test_the_main_job_starts_prefect_with_the_cli_settings(tmp_path):
     import subprocess
     import sys
 
-    from flows.prefect_env import PREFECT_ENV_DEFAULTS
+    from flows.servers.prefect_env import PREFECT_ENV_DEFAULTS
     from tests.support import REPO_ROOT
 
     env = {k: v for k, v in os.environ.items() if k not in PREFECT_ENV_DEFAULTS}

@@ -8,11 +8,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from engines.data.prompt_dataset import DatasetError
 from engines.hooks.loader import HookError
-from flows.errors import (
-    exit_code,
-    root_cause,
-    summarize,
-)
+from flows.bookkeeping.root_cause import exit_code, root_cause, summarize
 
 BAD_ROW = DatasetError("/data/train.jsonl", 3, "prompt", "empty prompt")
 

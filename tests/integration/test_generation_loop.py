@@ -10,7 +10,7 @@ import httpx
 from engines.inference.engine_actor import EngineActor
 from engines.rollout.router import RouterProcess, sticky_headers
 from engines.rollout.sglang_client import SGLangClient
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 
 
 def test_router_supervision_restarts_a_dead_router(mock_engines):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import glob
 import os
 
-from flows.config import LoggingConfig
-from flows.logging_sinks import FanOut, open_sinks
+from flows.bookkeeping.metric_sinks import FanOut, open_sinks
+from flows.config.run import LoggingConfig
 from storage.run_layout import RunLayout
 
 STEPS = [{"rollout_id": 0, "train/loss": 0.5, "reward/mean": 0.25, "checkpoint": "s3://x"},

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from engines.cluster.placement import create_placement
-from flows.config import ClusterConfig
+from flows.config.run import ClusterConfig
 from tests.support import REPO_ROOT
 
 

@@ -15,7 +15,7 @@ from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.rewards import RewardHub
 from engines.rollout.rewards.deadline import TIMEOUT_FLAG, GradingPool
 from engines.rollout.rewards.reasoning_gym import reasoning_gym_reward
-from flows.config import RolloutConfig
+from flows.config.run import RolloutConfig
 from storage.sample import Sample
 
 URI = "reasoning_gym://chain_sum?seed=7&size=4&min_terms=2&max_terms=2&max_digits=2"

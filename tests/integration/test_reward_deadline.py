@@ -23,7 +23,7 @@ from engines.rollout.rewards import (
     rule_reward,
 )
 from engines.rollout.rewards.deadline import TIMEOUT_FLAG, GradingPool
-from flows.config import RolloutConfig
+from flows.config.run import RolloutConfig
 from storage.sample import Group, Sample, Status
 
 T = TypeVar("T")

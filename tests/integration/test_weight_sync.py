@@ -28,7 +28,7 @@ from engines.weights.sender import (
 )
 from engines.weights.sync import buckets, decode_named_tensors, encode_named_tensors
 from examples.arithmetic.build_model import save_tiny_model
-from flows.config import TrainConfig
+from flows.config.run import TrainConfig
 from tests.support.engines import embedded_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -36,7 +36,7 @@ ENGINE_SCRIPT = """
 import sys, torch
 from engines.inference.engine_actor import EngineActor
 from engines.weights.hf_export import engine_state_dict
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 actor = EngineActor(EngineConfig(backend="embedded", model_path=sys.argv[1]), 0, num_threads=1)
 print(actor.url(), flush=True)
 sys.stdin.read()

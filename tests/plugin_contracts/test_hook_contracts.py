@@ -17,7 +17,7 @@ from engines.rollout.filters import DYNAMIC_FILTERS, OVER_SAMPLING_FILTERS
 from engines.rollout.rewards import REWARD_FUNCTIONS, RemoteRewardModel, builtin_reward
 from engines.rollout.sft_rollout import sft_rollout
 from examples.tool_agent.agent import generate as tool_agent_generate
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 
 BUILTINS: list[tuple[str, Any, type]] = [
     ("sft_rollout", sft_rollout, protocols.RolloutFn),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.config import RollflowConfig
-from flows.config_loader import apply_overrides, config_from_dict
+from flows.config.loader import apply_overrides, config_from_dict
+from flows.config.run import RollflowConfig
 
 
 def arithmetic_config(

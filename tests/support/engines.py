@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from engines.inference.engine_actor import EngineActor
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 
 
 @contextmanager

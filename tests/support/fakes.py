@@ -56,7 +56,7 @@ from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePr
 from engines.train.batching import build_padded_batch
 from engines.train.step import TrainStep
 from engines.train.step_model import PREFIX, Forward, MicroBatch, MicroBatchLoss, Part, Role
-from flows.config_loader import apply_overrides, config_from_dict
+from flows.config.loader import apply_overrides, config_from_dict
 from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout
 from storage.sample import Sample

@@ -78,7 +78,7 @@ needs_two = pytest.mark.skipif(
 
 def group_config(runs_root: str, model_dir: str, run_name: str, weight_sync: str) -> Any:
     """A run config for a TP=2 megatron trainer of the tiny Qwen2 model (2 ranks)."""
-    from flows.config_loader import config_from_dict
+    from flows.config.loader import config_from_dict
 
     return config_from_dict({
         "data": {"prompt_data": "unused.jsonl"},

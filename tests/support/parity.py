@@ -70,7 +70,7 @@ def with_random_routing(samples: list[Sample], model_dir: str, seed: int = 0) ->
 
 
 def configs(name: str, model_dir: str, teacher_dir: str) -> tuple[Any, Any]:
-    from flows.config import AlgorithmConfig, TrainConfig
+    from flows.config.run import AlgorithmConfig, TrainConfig
 
     algo, train = {**CASES, **MOE_CASES}[name]
     if algo.get("use_opd"):

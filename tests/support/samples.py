@@ -12,7 +12,7 @@ from torch import Tensor
 from engines.algorithms.losses import entropy_from_logits
 from engines.train.batching import log_probs_from_logits
 from engines.train.torch_backend import TorchTrainBackend
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 
 VOCAB_LOW, VOCAB_HIGH = 4, 70  # real characters of the char tokenizer

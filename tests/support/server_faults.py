@@ -69,10 +69,11 @@ def head_processes_of(home: Path) -> Callable[[psutil.Process], bool]:
 
 
 def prefect_servers_under(pid: int) -> Callable[[psutil.Process], bool]:
-    """The driver `pid`'s own Prefect server (flows/server.py, `start_local_server`)."""
+    """The driver `pid`'s own Prefect server (`start_local_server` in
+    flows/servers/prefect_server.py)."""
 
     def match(proc: psutil.Process) -> bool:
         cmd = " ".join(proc.info["cmdline"] or [])
-        return "flows.prefect_app" in cmd and any(p.pid == pid for p in proc.parents())
+        return "flows.servers.prefect_app" in cmd and any(p.pid == pid for p in proc.parents())
 
     return match

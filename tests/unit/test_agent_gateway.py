@@ -24,7 +24,7 @@ from engines.chat.template import encode_text, normalise_messages, render_text
 from engines.inference.engine_actor import EngineActor
 from engines.rollout.agent_gateway import SEED_STRIDE, AgentGateway
 from examples.openai_agent.agent import CALCULATOR, run_agent
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 from storage.sample import Sample, Status
 from tests.support.agent_model import taught_agent_model
 

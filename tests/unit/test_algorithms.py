@@ -18,7 +18,7 @@ from engines.algorithms.losses import (
     policy_loss,
     sft_loss,
 )
-from flows.config import AlgorithmConfig
+from flows.config.run import AlgorithmConfig
 
 SQRT_1_3 = math.sqrt(1.0 / 3.0)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines.train.torch_backend import TorchTrainBackend
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from tests.support.samples import make_backend, make_samples
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {

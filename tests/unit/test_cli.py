@@ -70,7 +70,7 @@ def test_replay_of_a_missing_run_says_so_before_starting_a_prefect_server(
     def no_server():
         raise AssertionError("a Prefect server was started")
 
-    monkeypatch.setattr("flows.server.local_prefect_api", no_server)
+    monkeypatch.setattr("flows.servers.prefect_server.local_prefect_api", no_server)
     assert main(["replay", "nope", "--steps", "0:1", "--root", str(tmp_path)]) == 1
     assert "no run 'nope'" in capsys.readouterr().err
 
@@ -89,8 +89,8 @@ def test_the_prefect_server_gets_the_server_settings_under_the_users_own(monkeyp
     logging levels are left out, and no PREFECT_API_URL points it at another server."""
     import os
 
-    from flows.prefect_env import PREFECT_ENV_DEFAULTS, SERVER_SETTINGS
-    from flows.server import server_env
+    from flows.servers.prefect_env import PREFECT_ENV_DEFAULTS, SERVER_SETTINGS
+    from flows.servers.prefect_server import server_env
 
     batch = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
     for key in PREFECT_ENV_DEFAULTS:
@@ -109,7 +109,7 @@ def test_the_prefect_server_gets_the_server_settings_under_the_users_own(monkeyp
 
 def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch, capsys, tmp_path):
     """Ctrl-C ends the command in one line, not in an 85-line KeyboardInterrupt traceback."""
-    import flows.cli as cli
+    import flows.cli.commands as cli
 
     def interrupted(args):
         raise KeyboardInterrupt

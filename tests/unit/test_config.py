@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from flows.config import ConfigError
-from flows.config_loader import config_from_dict, load_config
+from flows.config.loader import config_from_dict, load_config
+from flows.config.run import ConfigError
 
 BASE = """
 data: {prompt_data: p.jsonl}
@@ -57,8 +57,8 @@ def test_storage_secrets_never_reach_config_yaml_but_survive_pickling():
 
     import yaml
 
-    from flows.config import REDACTED, StorageConfig, drop_redacted
-    from flows.config_loader import dump_config
+    from flows.config.loader import dump_config
+    from flows.config.run import REDACTED, StorageConfig, drop_redacted
 
     options = {"key": "AKIA123", "secret": "s3cr3t", "anon": False,
                "client_kwargs": {"region_name": "us-east-1", "aws_session_token": "tok"}}

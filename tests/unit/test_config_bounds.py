@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.config import ConfigError
-from flows.config_loader import config_from_dict
+from flows.config.loader import config_from_dict
+from flows.config.run import ConfigError
 
 
 def _cfg(**sections):

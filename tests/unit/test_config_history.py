@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from flows.config_history import changed_training_keys, warn_if_replayed_under_changed_config
-from flows.config_loader import dump_config
+from flows.config.history import changed_training_keys, warn_if_replayed_under_changed_config
+from flows.config.loader import dump_config
 from storage.run_layout import RunLayout
 from tests.support.configs import small_config
 
@@ -25,7 +25,7 @@ def test_a_replay_under_a_longer_run_or_new_lr_is_warned_about(tmp_path, caplog)
     now = cfg(num_rollout=6, lr=2e-4, plot=False)
     assert changed_training_keys(layout, now) == [
         "train.lr: 0.0001 -> 0.0002", "rollout.num_rollout: 4 -> 6"]
-    with caplog.at_level(logging.WARNING, logger="flows.config_history"):
+    with caplog.at_level(logging.WARNING, logger="flows.config.history"):
         replayed_as_recorded = {"replayed": [0, 1], "unrecorded": [], "inexact": []}
         assert warn_if_replayed_under_changed_config(replayed_as_recorded, layout, now) == []
         assert not caplog.records  # each step replayed under its own settings
@@ -37,7 +37,7 @@ def test_a_replay_under_a_longer_run_or_new_lr_is_warned_about(tmp_path, caplog)
 def test_settings_the_trainer_could_not_switch_to_are_warned_about(tmp_path, caplog):
     layout = RunLayout.open(str(tmp_path), "run")
     restored = {"replayed": [2], "unrecorded": [], "inexact": ["step 2: train.seed: 1 -> 2"]}
-    with caplog.at_level(logging.WARNING, logger="flows.config_history"):
+    with caplog.at_level(logging.WARNING, logger="flows.config.history"):
         assert warn_if_replayed_under_changed_config(restored, layout, cfg()) == [
             "step 2: train.seed: 1 -> 2"]
     assert "train.seed: 1 -> 2" in caplog.text

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from flows.config import ConfigError
-from flows.config_loader import config_from_dict, load_config
-from flows.config_paths import resolve_paths
+from flows.config.loader import config_from_dict, load_config
+from flows.config.paths import resolve_paths
+from flows.config.run import ConfigError
 
 
 def _raw(**sections):

@@ -13,8 +13,8 @@ from typing import Any
 import psutil
 import pytest
 
-import flows.driver_record as driver_record
-from flows.driver_record import DRIVER_FILE, DriverRecord, RunInUseError, take_over
+import flows.bookkeeping.driver_record as driver_record
+from flows.bookkeeping.driver_record import DRIVER_FILE, DriverRecord, RunInUseError, take_over
 from storage.run_layout import RunLayout
 
 

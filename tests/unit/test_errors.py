@@ -10,16 +10,10 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError, UnserializableException
 
 from engines.data.prompt_dataset import DatasetError
+from flows.bookkeeping.root_cause import exit_code, root_cause, summarize
 from flows.cli import main
-from flows.config import ConfigError
-from flows.errors import (
-    HeldBack,
-    exit_code,
-    local_run_dir,
-    report_failure,
-    root_cause,
-    summarize,
-)
+from flows.cli.errors import HeldBack, local_run_dir, report_failure
+from flows.config.run import ConfigError
 
 BAD_ROW = DatasetError("/data/train.jsonl", 3, "prompt", "empty prompt")
 
@@ -146,7 +140,7 @@ def test_held_back_keeps_failed_run_records_off_the_console():
 
 
 def test_a_note_on_the_cause_reaches_the_first_line():
-    from flows.errors import summarize
+    from flows.bookkeeping.root_cause import summarize
 
     err = AttributeError("'list' object has no attribute 'response'")
     err.add_note("rollout.group_rm=true calls rollout.custom_rm_path once per group")

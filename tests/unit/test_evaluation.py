@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from engines.inference.engine_actor import EngineActor
 from engines.rollout.evaluation import eval_rollout_config, evaluate_datasets
 from engines.rollout.sglang_client import SGLangClient
-from flows.config import EngineConfig, EvalDataset, RolloutConfig
+from flows.config.run import EngineConfig, EvalDataset, RolloutConfig
 from storage.sample import Sample
 
 

@@ -16,7 +16,7 @@ from engines.rollout.filters import (
 )
 from engines.rollout.generation import GenerationLoop, build_generation_loop, reset_to_prompt
 from engines.rollout.sglang_client import SGLangClient
-from flows.config import EngineConfig, RolloutConfig
+from flows.config.run import EngineConfig, RolloutConfig
 from storage.sample import Sample, Status
 
 

@@ -3,8 +3,8 @@ wandb run hold the logged step metrics."""
 
 from __future__ import annotations
 
-from flows.config import LoggingConfig
-from flows.logging_sinks import NullSink, open_sinks, scalars
+from flows.bookkeeping.metric_sinks import NullSink, open_sinks, scalars
+from flows.config.run import LoggingConfig
 from storage.run_layout import RunLayout
 
 STEPS = [{"rollout_id": 0, "train/loss": 0.5, "reward/mean": 0.25, "checkpoint": "s3://x"},

@@ -26,8 +26,8 @@ from engines.weights.sender import (
     check_weight_update_equal,
 )
 from engines.weights.sync import weights_checksum
-from flows.config import AlgorithmConfig, ConfigError, EngineConfig, TrainConfig
-from flows.config_loader import apply_overrides, config_from_dict
+from flows.config.loader import apply_overrides, config_from_dict
+from flows.config.run import AlgorithmConfig, ConfigError, EngineConfig, TrainConfig
 from tasks.retries import retry_transient
 from tests.support.samples import make_backend, make_samples
 
@@ -258,7 +258,7 @@ def test_engines_receive_merged_weights_under_base_names(
 
 
 def test_example_lora_config_is_grpo_yaml_with_adapters(tiny_model_dir: str) -> None:
-    from flows.config_loader import load_config
+    from flows.config.loader import load_config
     from tests.support import REPO_ROOT
 
     model = [f"train.model_path={tiny_model_dir}"]

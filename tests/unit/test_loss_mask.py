@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.rollout.loss_mask import LossMaskError, chat_loss_mask
 from engines.rollout.sft_rollout import sft_rollout
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 from storage.sample import Group, Status
 
 CONVERSATION = [

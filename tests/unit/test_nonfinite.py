@@ -15,7 +15,7 @@ from engines.train.distributed import DataParallel
 from engines.train.finite import STALE_VERSION, NonFiniteError
 from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.step_model import MicroBatch
-from flows.config import AlgorithmConfig
+from flows.config.run import AlgorithmConfig
 from storage.batch_io import write_samples
 from storage.object_store import ObjectStore
 from storage.sample import RewardError, Sample

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engines.cluster.placement import BundleInfo, order_bundles, plan_resources
-from flows.config import ClusterConfig, ConfigError
+from flows.config.run import ClusterConfig, ConfigError
 
 
 def test_plan_disaggregated_and_colocated():

@@ -1,7 +1,7 @@
-"""The Prefect server rollflow starts (flows/prefect_app.py) begins SQLite write transactions
-IMMEDIATE: a transaction that reads, then writes after another connection wanted to write,
-waits its turn instead of failing with SQLITE_BUSY_SNAPSHOT (which the server answers with
-503, and Prefect's client with a 2 s sleep)."""
+"""The Prefect server rollflow starts (flows/servers/prefect_app.py) begins SQLite write
+transactions IMMEDIATE: a transaction that reads, then writes after another connection wanted
+to write, waits its turn instead of failing with SQLITE_BUSY_SNAPSHOT (which the server
+answers with 503, and Prefect's client with a 2 s sleep)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from prefect.server.database.configurations import AioSqliteConfiguration
 from sqlalchemy.exc import OperationalError
 
-from flows.prefect_app import ImmediateWritesSqlite
+from flows.servers.prefect_app import ImmediateWritesSqlite
 
 
 async def read_then_write_while_another_writes(config: AioSqliteConfiguration) -> list[str]:
@@ -55,7 +55,7 @@ def test_a_write_after_a_read_waits_for_the_other_writer(tmp_path: Path) -> None
 
 def test_prefects_own_configuration_fails_there(tmp_path: Path) -> None:
     """The race the test above runs is real: with Prefect's DEFERRED transactions `first`
-    fails. (Should Prefect change this, flows/prefect_app.py can go.)"""
+    fails. (Should Prefect change this, flows/servers/prefect_app.py can go.)"""
     config = AioSqliteConfiguration(connection_url=f"sqlite+aiosqlite:///{tmp_path}/db.sqlite")
     with pytest.raises(OperationalError, match="database is locked"):
         asyncio.run(read_then_write_while_another_writes(config))

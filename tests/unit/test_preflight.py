@@ -9,9 +9,9 @@ import pytest
 from engines.data.prompt_dataset import DatasetError
 from engines.hooks.loader import HookError
 from engines.rollout.rewards.hub import RewardConfigError
-from flows.config import ConfigError
-from flows.config_loader import config_from_dict
-from flows.preflight import preflight
+from flows.bookkeeping.preflight import preflight
+from flows.config.loader import config_from_dict
+from flows.config.run import ConfigError
 
 
 @pytest.fixture

@@ -24,9 +24,9 @@ from engines.data.reasoning_gym import (
 )
 from engines.rollout.rewards.hub import RewardConfigError, builtin_reward
 from engines.rollout.rewards.reasoning_gym import final_answer, score_entry, stored_entry
-from flows.config import ConfigError
-from flows.config_loader import config_from_dict
-from flows.preflight import preflight
+from flows.bookkeeping.preflight import preflight
+from flows.config.loader import config_from_dict
+from flows.config.run import ConfigError
 from storage.arrow_schema import samples_to_table, table_to_samples
 from storage.sample import RewardError, Sample
 from tests.support.fakes import CharTokenizer
@@ -226,7 +226,7 @@ def test_preflight_refuses_an_eval_set_of_training_entries_and_warns_of_shared_q
     with pytest.raises(ConfigError, match=r"eval.datasets\[0\].path: reasoning_gym://chain_sum"
                        r".* is not held out: 20 of its 20 entries are training entries"):
         preflight(config(small.format(20, 150)))
-    with caplog.at_level(logging.WARNING, logger="flows.preflight"):
+    with caplog.at_level(logging.WARNING, logger="flows.bookkeeping.preflight"):
         report = preflight(config(small.format(20, 999)))
     assert report.eval_prompts == {"heldout": 20}
     assert "of its 20 questions also occur in the training set" in caplog.text

@@ -14,7 +14,7 @@ import torch
 
 from engines.train.step_settings import StepSettings, settings_for_replay
 from engines.train.train_actor import TrainActor
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 from flows.replay import ReplayPlan, warn_of_other_settings  # (imports Prefect: before caplog)
 from storage.batch_io import write_samples
 from storage.run_layout import RunLayout, step_dir

@@ -21,7 +21,7 @@ from engines.rollout.rewards import (
     last_boxed,
     math_score,
 )
-from flows.config import RolloutConfig
+from flows.config.run import RolloutConfig
 from storage.sample import Sample
 from tests.support.fakes import RewardServer
 

@@ -15,7 +15,7 @@ from engines.cluster.registry import (
     run_key,
     section_digests,
 )
-from flows.config_loader import config_from_dict
+from flows.config.loader import config_from_dict
 
 
 def _cfg(*overrides: tuple[str, str, object]):
@@ -100,7 +100,7 @@ def test_every_section_but_the_drivers_shapes_the_actors():
     """The digests cover each section of the run config except the driver-only ones."""
     from engines.cluster.registry import DRIVER_ONLY
     from engines.config.run import ACTOR_SECTIONS
-    from flows.config import RollflowConfig
+    from flows.config.run import RollflowConfig
 
     driver_only = {name for name, fields in DRIVER_ONLY.items() if fields is None}
     assert set(ACTOR_SECTIONS) == set(RollflowConfig.model_fields) - driver_only

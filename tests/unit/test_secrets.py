@@ -6,8 +6,8 @@ import logging
 
 import yaml
 
-from flows.config_loader import config_from_dict, dump_config
-from flows.errors import report_failure
+from flows.cli.errors import report_failure
+from flows.config.loader import config_from_dict, dump_config
 from storage.secrets import REDACTED, redact_options, redact_url, scrub
 
 

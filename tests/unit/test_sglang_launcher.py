@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engines.inference.sglang_launcher import launch_command, wait_healthy
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 
 
 def test_launch_command_uses_sglang_flags():

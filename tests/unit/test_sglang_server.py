@@ -19,7 +19,7 @@ from engines.inference.mock_generator import MockGenerator
 from engines.inference.scheduler import ContinuousScheduler
 from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output, tls_verify
 from examples.arithmetic.build_model import save_tiny_model
-from flows.config import EngineConfig
+from flows.config.run import EngineConfig
 from tests.support.engines import embedded_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

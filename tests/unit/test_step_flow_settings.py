@@ -7,7 +7,7 @@ from __future__ import annotations
 from prefect.settings import get_current_settings
 
 import flows.rollout_step as rs
-from flows.config_loader import config_from_dict
+from flows.config.loader import config_from_dict
 from tasks.step_context import StepContext
 
 

@@ -20,7 +20,7 @@ from engines.rollout.generation import HookArgs
 from engines.rollout.sglang_client import GenerateOutput, SGLangClient
 from examples.tool_agent import agent
 from examples.tool_agent.calculator import evaluate, find_call, observe
-from flows.config import EngineConfig, RollflowConfig
+from flows.config.run import EngineConfig, RollflowConfig
 from storage.sample import Sample, Status
 
 

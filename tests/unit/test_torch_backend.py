@@ -21,7 +21,7 @@ from engines.train.batching import (
 from engines.train.metrics import TrainBackend
 from engines.train.mock_backend import MockTrainBackend, index_checksum
 from engines.train.torch_backend import TorchTrainBackend
-from flows.config import AlgorithmConfig, TrainConfig
+from flows.config.run import AlgorithmConfig, TrainConfig
 from storage.sample import Sample
 from tests.support.samples import make_backend, make_samples
 

@@ -10,9 +10,9 @@ import re
 import pytest
 from PIL import Image
 
-from flows.config_loader import apply_overrides, config_from_dict
-from flows.failure_notice import failure_summary, where_it_stopped
-from flows.reporting import (
+from flows.bookkeeping.failure_notice import failure_summary, where_it_stopped
+from flows.bookkeeping.labels import run_tags
+from flows.bookkeeping.reporting import (
     UI_PLOT_SCALE,
     curves_markdown,
     eval_history,
@@ -20,7 +20,7 @@ from flows.reporting import (
     plot_curves,
     small_png,
 )
-from flows.run_labels import run_tags
+from flows.config.loader import apply_overrides, config_from_dict
 from storage.run_layout import RunLayout
 from tasks.artifacts import artifact_key, eval_rows, for_people
 from tasks.retries import failure_line

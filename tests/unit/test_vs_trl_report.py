@@ -50,7 +50,7 @@ def test_the_cpu_meter_follows_the_runs_actors(tmp_path) -> None:
     looking for `ray::run:` and counted none of the actors' CPU (0.11x "CPU ratio")."""
     from bench.vs_trl import actor_title_prefix
     from engines.cluster.registry import actor_name
-    from flows.config_loader import config_from_dict
+    from flows.config.loader import config_from_dict
 
     def config(root: str) -> object:
         return config_from_dict({

@@ -9,7 +9,7 @@ from engines.weights.schedule import (
     pushes_weights,
     required_weight_version,
 )
-from flows.config import ConfigError
+from flows.config.run import ConfigError
 from tests.support.configs import small_config
 
 

@@ -1,4 +1,4 @@
-"""Prefect servers rollflow starts, each running flows/prefect_app.py (Prefect's app, with
+"""Prefect servers rollflow starts, each running flows/servers/prefect_app.py (Prefect's app, with
 SQLite writes that wait their turn instead of failing into a 2 s client retry):
 
 * `rollflow server`: the UI on loopback, for watching and retrying rollout steps. Flow runs
@@ -23,8 +23,8 @@ from typing import TextIO
 
 import httpx
 
-from flows.config import ConfigError
-from flows.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
+from flows.config.run import ConfigError
+from flows.servers.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PrefectServer:
 
 
 def _prefect_app() -> list[str]:
-    return [sys.executable, "-m", "flows.prefect_app"]
+    return [sys.executable, "-m", "flows.servers.prefect_app"]
 
 
 def server_env(home: str | None = None, database: str | None = None) -> dict[str, str]:

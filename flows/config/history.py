@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 from storage.run_layout import RunLayout
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from engines.hooks.protocols import RewardFn
 from engines.rollout.evaluation import eval_spec
 from engines.rollout.rewards.hub import RewardHub, builtin_reward, compares_with_label
 from engines.weights.model_families import UnsupportedModelError, check_model_family
-from flows.config import ConfigError, EvalDataset, RollflowConfig
-from flows.config_paths import MODEL_FIELDS, is_uri
+from flows.config.paths import MODEL_FIELDS, is_uri
+from flows.config.run import ConfigError, EvalDataset, RollflowConfig
 from storage.run_layout import RunLayout
 
 log = logging.getLogger(__name__)

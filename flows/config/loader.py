@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flows.config import ConfigError, RollflowConfig, format_validation_error
-from flows.config_paths import resolve_paths
+from flows.config.paths import resolve_paths
+from flows.config.run import ConfigError, RollflowConfig, format_validation_error
 from storage.config import StorageConfig
 from storage.secrets import register
 

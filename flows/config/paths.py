@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 
 # section -> fields that always name a local file or directory (unless a URI)
 FILE_FIELDS: dict[str, tuple[str, ...]] = {

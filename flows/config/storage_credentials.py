@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any, cast
 
-from flows.config import ConfigError, RollflowConfig
+from flows.config.run import ConfigError, RollflowConfig
 from storage.config import StorageConfig
 from storage.secrets import register
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from prefect import tags
 from prefect.context import FlowRunContext
 
-from flows.config import RollflowConfig
+from flows.config.run import RollflowConfig
 
 
 def run_tags(cfg: RollflowConfig) -> list[str]:

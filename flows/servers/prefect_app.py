@@ -1,8 +1,8 @@
 """The process of a Prefect server rollflow starts: Prefect's own app, with SQLite write
 transactions begun IMMEDIATE.
 
-    python -m flows.prefect_app local PORT        a driver's local server (flows.server)
-    python -m flows.prefect_app server start ...  `rollflow server` (Prefect's CLI)
+    python -m flows.servers.prefect_app local PORT        a driver's own server (prefect_server)
+    python -m flows.servers.prefect_app server start ...  `rollflow server` (Prefect's CLI)
 
 Why: Prefect begins a write transaction DEFERRED. `POST /task_runs` (which every subflow
 run, so every rollout step, makes first) reads the flow run, then inserts; when the task

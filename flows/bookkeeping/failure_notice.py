@@ -15,8 +15,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.logging.loggers import flow_run_logger
 
-from flows.driver_record import RunInUseError
-from flows.errors import summarize
+from flows.bookkeeping.driver_record import RunInUseError
+from flows.bookkeeping.root_cause import summarize
 from storage.config import StorageConfig
 from storage.run_layout import RunLayout
 from tasks.artifacts import artifact_key

@@ -3,7 +3,7 @@ resolved.
 
 Each section is its component's class, with field docs and checks beside it: `cluster`,
 `data`, `rollout`, `eval`, `engine`, `algorithm` and `train` in engines/config/ (a module
-per section); `storage` in storage/config.py; `logging` in flows/logging_sinks.py.
+per section); `storage` in storage/config.py; `logging` in flows/bookkeeping/metric_sinks.py.
 Engines read the run config through `engines.config.run.RunConfig`, never this module.
 The whole `RollflowConfig` is the `train` flow's parameter, so the Prefect UI shows it for
 every run; field descriptions double as the reference (`rollflow config --help`).
@@ -21,7 +21,7 @@ from engines.config.data import DataConfig
 from engines.config.engine import EngineConfig
 from engines.config.rollout import EvalConfig, EvalDataset, RolloutConfig
 from engines.config.train import TrainConfig, check_parallel_sizes
-from flows.logging_sinks import LoggingConfig
+from flows.config.logging import LoggingConfig
 from storage.config import ConfigError, Section, StorageConfig
 from storage.secrets import REDACTED, drop_redacted, option_secrets, url_secrets
 

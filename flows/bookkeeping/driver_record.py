@@ -25,7 +25,7 @@ from uuid import UUID
 
 import psutil
 
-from flows.config import ConfigError
+from flows.config.run import ConfigError
 from storage.run_layout import RunLayout
 
 log = logging.getLogger(__name__)

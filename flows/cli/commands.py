@@ -11,8 +11,8 @@ from contextlib import nullcontext, redirect_stdout
 from typing import Any, TextIO
 
 from engines.inference.standalone import add_engine_arguments
-from flows.errors import quiet_prefect_failures, report_failure, run_dir_of
-from flows.prefect_env import prefect_env_defaults
+from flows.cli.errors import quiet_prefect_failures, report_failure, run_dir_of
+from flows.servers.prefect_env import prefect_env_defaults
 
 
 def _user_code_importable() -> None:
@@ -23,15 +23,15 @@ def _user_code_importable() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flows.config_loader import load_config
+    from flows.config.loader import load_config
 
     prefect_env_defaults()
     _user_code_importable()
     cfg = load_config(args.config, args.set)
-    from flows.preflight import preflight_once
+    from flows.bookkeeping.preflight import preflight_once
 
     preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
-    from flows.server import local_prefect_api
+    from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
 
     with local_prefect_api():
@@ -43,8 +43,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _runs_root(args: argparse.Namespace) -> Any:
     """The store at `--root`, with the credentials of `--set storage.*` (options or a
     credentials block) or else the shell's `AWS_*`."""
-    from flows.config_loader import cli_storage
-    from flows.storage_credentials import storage_options
+    from flows.config.loader import cli_storage
+    from flows.config.storage_credentials import storage_options
     from storage.object_store import open_store
 
     options = storage_options(cli_storage(args.root, args.endpoint_url, args.set))
@@ -60,7 +60,7 @@ def _no_such_run(args: argparse.Namespace) -> bool:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from flows.config_loader import cli_storage
+    from flows.config.loader import cli_storage
 
     # a mistyped run is named at once: before the replay flow's imports (seconds) and a
     # Prefect server start (unless the root's credentials are in a block, read from it)
@@ -68,7 +68,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if block is None and _no_such_run(args):
         return 1
     from flows.replay import parse_steps, replay, replay_config
-    from flows.server import local_prefect_api
+    from flows.servers.prefect_server import local_prefect_api
 
     prefect_env_defaults()
     _user_code_importable()
@@ -92,7 +92,7 @@ def _print_result(result: dict[str, Any], out: TextIO) -> None:
 
 def cmd_server(args: argparse.Namespace) -> int:
     from engines.cluster.head import warn_if_public
-    from flows.server import serve_forever
+    from flows.servers.prefect_server import serve_forever
 
     warn_if_public("rollflow server --host", args.host)
 
@@ -107,7 +107,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     from engines.cluster import head as cluster
-    from flows.config import ClusterConfig
+    from flows.config.run import ClusterConfig
 
     cfg, out = ClusterConfig(address=args.address, namespace=args.namespace), args.result_out
     if args.action == "up":
@@ -157,8 +157,8 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
     run directory's ACTORS_KEPT marker goes too: nothing is left for a rerun to free."""
     from engines.cluster import head as cluster
     from engines.cluster.registry import run_key, stop_run
-    from flows.config import ClusterConfig
-    from flows.driver_record import read_record
+    from flows.bookkeeping.driver_record import read_record
+    from flows.config.run import ClusterConfig
     from storage.run_layout import ACTORS_KEPT, RunLayout
 
     run_dir = _runs_root(args).child(args.run)
@@ -369,7 +369,3 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             return report_failure(e, run_dir=run_dir_of(args), verbose=args.verbose, held=held,
                                   command=argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
