@@ -25,6 +25,7 @@ import ray
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.cadence import every_n_steps_or_last
 from engines.cluster.actors import get_or_create_trainer, kill_run_actors
 from engines.cluster.head import connect
 from engines.train.step_settings import StepSettings, settings_differences, settings_digest
@@ -232,7 +233,7 @@ def replay(config: RollflowConfig, source_run: str, start: int, end: int) -> dic
     warn_of_other_settings(source, plan, settings)
     rows = []
     for k in plan.steps:
-        save = k == end - 1 or (interval is not None and (k + 1) % interval == 0)
+        save = every_n_steps_or_last(k, interval, end)
         rows.append(replay_train(layout, trainer, k, save, digest))
         sinks.log(rows[-1], step=k)
     sinks.close()

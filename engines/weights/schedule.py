@@ -15,6 +15,7 @@ a restarted engine is brought to, and which buffered samples are too old to trai
 
 from __future__ import annotations
 
+from engines.cadence import every_n_steps_or_last
 from engines.config.run import RunConfig
 
 
@@ -28,17 +29,15 @@ def required_weight_version(cfg: RunConfig, rollout_id: int) -> int:
 
 def pushes_weights(cfg: RunConfig, rollout_id: int) -> bool:
     """Whether step `rollout_id` ends by pushing its new weights to the engines."""
-    after = rollout_id + 1
-    if after % cfg.train.update_weights_interval == 0 or after >= cfg.rollout.num_rollout:
-        return True
-    return evaluates_after(cfg, rollout_id)
+    interval, total = cfg.train.update_weights_interval, cfg.rollout.num_rollout
+    return every_n_steps_or_last(rollout_id, interval, total) or evaluates_after(cfg, rollout_id)
 
 
 def evaluates_after(cfg: RunConfig, rollout_id: int) -> bool:
     """Whether the weights step `rollout_id` trains (version rollout_id + 1) are evaluated:
     every `eval.eval_interval` steps, when the run evaluates at all."""
-    interval = cfg.eval.eval_interval
-    return bool(cfg.eval.enabled and interval and (rollout_id + 1) % interval == 0)
+    # (no "or the last" here: the train flow evaluates the final weights after its loop)
+    return cfg.eval.enabled and every_n_steps_or_last(rollout_id, cfg.eval.eval_interval, None)
 
 
 def oldest_trainable_version(cfg: RunConfig, rollout_id: int) -> int | None:
