@@ -34,7 +34,7 @@ def no_op(k: int) -> int:
 
 
 def chain(rollout_id: int, n_tasks: int) -> None:
-    """`n_tasks` no-op tasks, each waiting for the one before, as `_run_stages` chains them."""
+    """`n_tasks` no-op tasks, each waiting for the one before, as `flows.rollout_step.run_step` chains them."""
     before: list[Any] = []
     with untagged_tasks():
         for _ in range(n_tasks):

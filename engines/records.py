@@ -1,5 +1,6 @@
-"""Typed records of a rollout step's stages: what the rollout actor's stage methods return,
-what the step tasks store as `steps/{k}/tasks/{stage}.json`, and which fields become metrics.
+"""Typed records of a rollout step's stages: what the rollout actor's stage methods and the
+engine pool (engines/cluster/engine_pool.py) return, what the step tasks store as
+`steps/{k}/tasks/{stage}.json`, and which fields become metrics.
 
 ```
  RolloutManager.sample_prompts(k)          -> SamplePromptsRecord ─┐ the task times it, stores
@@ -7,7 +8,7 @@ what the step tasks store as `steps/{k}/tasks/{stage}.json`, and which fields be
  RolloutManager.filter(k)                  -> FilterRecord        ─┤ .json and on a rerun reads
  RolloutManager.reward(k, kept_groups)     -> RewardRecord        ─┤ it back with from_json()
  TrainActor.train_step(k) -> dict, wrapped -> TrainRecord         ─┤ (tasks/records.py)
- sync_engine_weights                       -> BroadcastRecord     ─┘ (tasks/records.py)
+ EnginePool.push_after_step(k)             -> BroadcastRecord     ─┘
                 commit: StepMetrics(every record's to_metrics()) -> metrics.json
 ```
 The stored JSON is flat and keeps the key names these records had when they were plain
@@ -229,3 +230,38 @@ class RewardRecord(StageRecord):
 
     def _removed(self) -> dict[str, int]:
         return {} if self.removed is None else {"reward/removed_samples": self.removed}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BroadcastRecord(StageRecord):
+    """A weight push to the engines. Never stored (the stage always runs, it is cheap), so
+    only its `seconds` is set."""
+
+    STAGE: ClassVar[str] = "broadcast_weights"
+
+    engines_updated: int
+    weight_version: int | None = None
+    """The engines' version afterwards (None when the schedule pushed nothing this step)."""
+    push: Mapping[str, float] = field(default_factory=dict)
+    """Where the trainer's push over HTTP spent its seconds (`WeightSender.timings`:
+    `connect_s` at the push that set the group up, `export_s`, `broadcast_s`, `engines_s`,
+    ...; `total_s`), stored as `broadcast_weights/push/<key>`; empty for other paths."""
+
+    def to_json(self) -> dict[str, Any]:
+        version = {} if self.weight_version is None else {"weight_version": self.weight_version}
+        push = {"push": dict(self.push)} if self.push else {}
+        return {**version, "engines_updated": self.engines_updated, **push,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        return cls(engines_updated=data["engines_updated"],
+                   weight_version=data.get("weight_version"), push=dict(data.get("push", {})),
+                   **timing_of(data))
+
+    def to_metrics(self) -> Metrics:
+        version = ({} if self.weight_version is None
+                   else {"broadcast_weights/weight_version": self.weight_version})
+        push = {f"broadcast_weights/push/{k}": float(v) for k, v in self.push.items()}
+        return {**version, "broadcast_weights/engines_updated": self.engines_updated, **push,
+                **self.timing_metrics()}

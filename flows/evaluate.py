@@ -23,7 +23,7 @@ from flows.config.run import ConfigError, RollflowConfig
 from flows.config.storage_credentials import with_storage_credentials
 from flows.rollout_step import open_layout
 from tasks.step_context import StepContext
-from tasks.step_tasks import evaluate_version, sync_engine_weights
+from tasks.step_tasks import evaluate_version
 
 
 def eval_config(config: RollflowConfig) -> RollflowConfig:
@@ -47,11 +47,11 @@ def evaluate(config: RollflowConfig, weight_version: int | None = None) -> dict[
             f"weight_version {version}: run {config.storage.run_name!r} has versions 0..{newest}"
         )
     config = eval_config(config)
-    actors = get_or_create_actors(config)
-    restored = ray.get(actors.trainer.ensure_version.remote(version))
+    ctx = StepContext(config, layout, get_or_create_actors(config))
+    restored = ray.get(ctx.actors.trainer.ensure_version.remote(version))
     warn_if_replayed_under_changed_config(restored, layout, config)
-    sync_engine_weights(actors, weight_sync=config.train.weight_sync)
-    metrics = evaluate_version(StepContext(config, layout, actors), version)
+    ctx.pool.sync_weights()
+    metrics = evaluate_version(ctx, version)
     if not config.cluster.keep_actors:
         kill_run_actors(config)
     return {"run_dir": layout.uri, "weight_version": version, "restored": restored,

@@ -15,6 +15,9 @@ on behind, while the next step starts. The step's tasks reuse the driver's `Step
 
 A flow run created ahead for a step that never runs (the run failed or was stopped) is
 deleted with its tracking task run when the driver leaves the block.
+
+With `logging.step_flow_runs: false` the steps make no flow runs: the step flow's function
+runs in the train flow run (`StepsInThisFlowRun`), its tasks named `rollout-{k}/<task>`.
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ class StepFlowRuns:
     """
 
     def __init__(self, step_flow: Flow[..., dict[str, Any]], total_steps: int) -> None:
-        self.step_flow = step_flow
+        # Its flow runs are created named (`_create`): run without the name template, the
+        # engine does not rename each one (an API call per step).
+        self.step_flow = step_flow.with_options()
+        self.step_flow.flow_run_name = None
         self.total_steps = total_steps
         parent = FlowRunContext.get()
         self.parent_flow_run_id = parent.flow_run.id if parent and parent.flow_run else None
@@ -160,9 +166,33 @@ class StepFlowRuns:
         )
 
 
+class StepsInThisFlowRun:
+    """`run(ctx, k)` runs step k's flow function in the current flow run, with the driver's
+    context, as `StepFlowRuns.run` does in a flow run of its own."""
+
+    def __init__(self, step_flow: Flow[..., dict[str, Any]]) -> None:
+        self.step_flow = step_flow
+
+    def run(self, ctx: StepContext, rollout_id: int) -> dict[str, Any]:
+        token = DRIVER.set(DriverHandoff(ctx, on_commit=lambda metrics: None))
+        try:
+            return self.step_flow.fn(ctx.cfg, rollout_id)
+        finally:
+            DRIVER.reset(token)
+
+
 @contextmanager
-def step_flow_runs(step_flow: Flow[..., dict[str, Any]], total_steps: int) -> Iterator[StepFlowRuns]:
-    runs = StepFlowRuns(step_flow, total_steps)
+def step_flow_runs(
+    step_flow: Flow[..., dict[str, Any]], config: RollflowConfig, total_steps: int | None = None
+) -> Iterator[StepFlowRuns | StepsInThisFlowRun]:
+    """How the train flow runs each step of a run, `.run(ctx, k)`: in a flow run of its own,
+    created one step ahead (the default; none past `total_steps`, the run's length unless
+    given), or in the train flow run (`logging.step_flow_runs: false`)."""
+    if not config.logging.step_flow_runs:
+        yield StepsInThisFlowRun(step_flow)
+        return
+    total = config.rollout.num_rollout if total_steps is None else total_steps
+    runs = StepFlowRuns(step_flow, total)
     try:
         yield runs
     except BaseException:

@@ -30,13 +30,14 @@ from flows.config.loader import dump_config
 from flows.config.paths import resolve_paths
 from flows.config.run import RollflowConfig
 from flows.config.storage_credentials import with_storage_credentials
-from flows.rollout_step import StepRunner, open_layout, step_runner
+from flows.rollout_step import open_layout, rollout_step
+from flows.step_flow_runs import step_flow_runs
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from storage.secrets import register
 from tasks.artifact_sender import artifacts_in_background
 from tasks.artifacts import ProgressArtifact
 from tasks.step_context import StepContext
-from tasks.step_tasks import evaluate_version, sync_engine_weights
+from tasks.step_tasks import evaluate_version
 
 
 @flow(name="train", flow_run_name="train-{config.storage.run_name}", persist_result=False,
@@ -83,8 +84,8 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
 
     try:
         # no full GC pause of Prefect's, Ray's, torch's heap in a step
-        with long_lived_frozen(), step_runner(config) as run_step:
-            (run_pipelined if pipelined else run_sequential)(ctx, start, run_step, step_done)
+        with long_lived_frozen(), step_flow_runs(rollout_step, config) as steps:
+            (run_pipelined if pipelined else run_sequential)(ctx, start, steps.run, step_done)
     finally:
         reporter.close()  # a failure's first line must not run on from the progress bar
     if config.eval.enabled:
@@ -95,15 +96,16 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
 
 
 StepDone = Callable[[int, dict[str, Any]], None]
+RunStep = Callable[[StepContext, int], dict[str, Any]]
 
 
-def run_sequential(ctx: StepContext, start: int, run_step: StepRunner, done: StepDone) -> None:
+def run_sequential(ctx: StepContext, start: int, run_step: RunStep, done: StepDone) -> None:
     """Synchronous: one step after the other."""
     for rollout_id in range(start, ctx.cfg.rollout.num_rollout):
         done(rollout_id, run_step(ctx, rollout_id))
 
 
-def run_pipelined(ctx: StepContext, start: int, run_step: StepRunner, done: StepDone) -> None:
+def run_pipelined(ctx: StepContext, start: int, run_step: RunStep, done: StepDone) -> None:
     """One-step off-policy: step k+1 starts once step k's generation is committed (the data
     source state it draws from), so its generation overlaps step k's training; gates in
     tasks/step_gates.py keep the order of weights. Each step runs in its own thread, in
@@ -138,7 +140,7 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[StepContext, i
         ctx.save_settings()
         start = layout.next_rollout_id()
         restored = ray.get(ctx.actors.trainer.ensure_version.remote(start))
-        sync_engine_weights(ctx.actors, weight_sync=config.train.weight_sync)
+        ctx.pool.sync_weights()
     except BaseException:
         kill_run_actors(config)
         raise

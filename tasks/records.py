@@ -1,6 +1,7 @@
-"""Records only the driver builds: the train stage's (wrapping what the trainer reports), the
-weight push's, and a step's metrics. The rollout stages' records, which the rollout actor
-returns, are in engines/records.py (with the picture of which stage makes which)."""
+"""Records only the driver builds: the train stage's (wrapping what the trainer reports) and a
+step's metrics. The rollout stages' records, which the rollout actor returns, and the weight
+push's, which the engine pool returns, are in engines/records.py (with the picture of which
+stage makes which)."""
 
 from __future__ import annotations
 
@@ -41,41 +42,6 @@ class TrainRecord(StageRecord):
         reported = {(k if "/" in k else f"train/{k}"): v for k, v in self.metrics.items()
                     if isinstance(v, int | float) and not isinstance(v, bool)}
         return {**reported, **self.timing_metrics()}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BroadcastRecord(StageRecord):
-    """A weight push to the engines. Never stored (the stage always runs, it is cheap), so
-    only its `seconds` is set."""
-
-    STAGE: ClassVar[str] = "broadcast_weights"
-
-    engines_updated: int
-    weight_version: int | None = None
-    """The engines' version afterwards (None when the schedule pushed nothing this step)."""
-    push: Mapping[str, float] = field(default_factory=dict)
-    """Where the trainer's push over HTTP spent its seconds (`WeightSender.timings`:
-    `connect_s` at the push that set the group up, `export_s`, `broadcast_s`, `engines_s`,
-    ...; `total_s`), stored as `broadcast_weights/push/<key>`; empty for other paths."""
-
-    def to_json(self) -> dict[str, Any]:
-        version = {} if self.weight_version is None else {"weight_version": self.weight_version}
-        push = {"push": dict(self.push)} if self.push else {}
-        return {**version, "engines_updated": self.engines_updated, **push,
-                "seconds": self.seconds}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Self:
-        return cls(engines_updated=data["engines_updated"],
-                   weight_version=data.get("weight_version"), push=dict(data.get("push", {})),
-                   **timing_of(data))
-
-    def to_metrics(self) -> Metrics:
-        version = ({} if self.weight_version is None
-                   else {"broadcast_weights/weight_version": self.weight_version})
-        push = {f"broadcast_weights/push/{k}": float(v) for k, v in self.push.items()}
-        return {**version, "broadcast_weights/engines_updated": self.engines_updated, **push,
-                **self.timing_metrics()}
 
 
 @dataclass(frozen=True, slots=True)

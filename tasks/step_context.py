@@ -1,9 +1,10 @@
-"""What every task of a rollout step is handed (`StepContext`), how it calls into actors
-(`resolve`), and how it runs at most once per (run, rollout_id, stage) (`run_once`).
+"""What every task of a rollout step is handed (`StepContext`), how it collects what actor
+calls return (`ctx.get`), and how it runs at most once per (run, rollout_id, stage)
+(`run_once`).
 
-Actors are called as `resolve(actor.method.remote(...))`: `resolve` is `ray.get` for object
-refs and hands anything else back as it is, so the tasks' logic runs in unit tests with the
-fake actors of tests/support/fakes.py, whose `.remote()` returns the value itself.
+Actors are called as `ctx.get(actor.method.remote(...))`: `ctx.get` is the context's
+`Replies` (engines/cluster/engine_pool.py), `ray.get` unless the context was made with
+actors that answer otherwise.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import ray
 from prefect.context import TaskRunContext
 
 from engines.cluster.actors import RunActors, get_or_create_actors
+from engines.cluster.engine_pool import RAY_REPLIES, EnginePool, Replies
 from engines.config.run import RunConfig
 from engines.records import StageRecord
 from engines.train.step_settings import StepSettings
@@ -23,19 +24,33 @@ from storage.run_layout import RunLayout
 
 
 class StepContext:
-    """What every task of a step needs: the config, where the run lives, the actors.
+    """What every task of a step needs: the config, where the run lives, the actors (in the
+    engine pool that keeps their engines answering and up to date).
 
     A plain class, not a dataclass: Prefect walks a dataclass (or pydantic) task argument
     field by field, the whole config included, looking for futures to resolve and upstream
     runs to draw, twice per task (bench/RESULTS.md, "Orchestration")."""
 
-    __slots__ = ("actors", "cfg", "layout", "settings")
+    __slots__ = ("cfg", "layout", "pool", "replies", "settings")
 
-    def __init__(self, cfg: RunConfig, layout: RunLayout, actors: RunActors) -> None:
+    def __init__(
+        self, cfg: RunConfig, layout: RunLayout, actors: RunActors,
+        replies: Replies = RAY_REPLIES,
+    ) -> None:
         self.cfg = cfg
         self.layout = layout
-        self.actors = actors
+        self.replies = replies
+        self.pool = EnginePool(cfg, actors, replies)
         self.settings = StepSettings.of(cfg).digest()  # what each step's train record names
+
+    @property
+    def actors(self) -> RunActors:
+        """The run's actors as the engine pool last found them."""
+        return self.pool.actors
+
+    def get(self, refs: Any) -> Any:
+        """What one actor call, or a list of them, returned (waiting for them)."""
+        return self.replies.get(refs)
 
     def save_settings(self) -> None:
         """Store the settings this run's steps train under (once per distinct settings)."""
@@ -50,17 +65,8 @@ class StepContext:
         if task_run is None or task_run.task_run.run_count <= 1:  # None: called as .fn()
             return self.actors
         # the pool this step started with: `rollflow engines` resizes it only at a weight push
-        self.actors = get_or_create_actors(self.cfg, pool=len(self.actors.engines))
+        self.pool.actors = get_or_create_actors(self.cfg, pool=len(self.actors.engines))
         return self.actors
-
-
-def resolve(value: Any) -> Any:
-    """`ray.get` of an object ref or a list of them; any other value is already resolved."""
-    if isinstance(value, ray.ObjectRef):
-        return ray.get(value)
-    if isinstance(value, list) and any(isinstance(v, ray.ObjectRef) for v in value):
-        return ray.get(value)
-    return value
 
 
 R = TypeVar("R", bound=StageRecord)

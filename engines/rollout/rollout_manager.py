@@ -365,8 +365,10 @@ class RolloutManager:
                               debug_train_only=True)
 
     def filter(self, rollout_id: int) -> FilterRecord:
-        """Over-sampling filter and trim to rollout_batch_size. Reads only rollout.arrow and
-        writes nothing but its record, so re-running it is always safe."""
+        """Only trims the over-sampling: the over-sampling filter orders the generated groups,
+        failed ones are dropped, and the first rollout_batch_size are kept (the dynamic filter
+        ran during generation). Reads only rollout.arrow and writes nothing but its record,
+        so re-running it is always safe."""
         groups = groups_in_order(
             read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow")
         )
@@ -388,7 +390,10 @@ class RolloutManager:
         )
 
     def reward(self, rollout_id: int, kept_groups: Sequence[int]) -> RewardRecord:
-        """Final scalar rewards for training; a dict reward is kept in metadata."""
+        """Computes no reward: generation did, as each group finished (the dynamic filter
+        needs them then). This turns the kept groups' rewards into scalars
+        (`rollout.reward_key`; a dict reward is kept in metadata), zeroes the loss mask of
+        the samples `rollout.sample_filter_path` rejects, and writes them as train.arrow."""
         samples = read_samples(self.layout.store, step_dir(rollout_id), "rollout.arrow")
         keep = set(kept_groups)
         train = sorted((s for s in samples if s.group_index in keep), key=lambda s: s.index)

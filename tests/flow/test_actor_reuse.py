@@ -36,8 +36,14 @@ def step_run_tags(name: str) -> tuple[list[str], list[list[str]]]:
 def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
     prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
 ):
-    from flows.rollout_step import open_layout, run_rollout_step
+    from flows.rollout_step import open_layout, rollout_step
+    from flows.step_flow_runs import step_flow_runs
     from tasks.step_context import StepContext
+
+    def run_one_step(ctx: StepContext, rollout_id: int) -> None:
+        """Step `rollout_id` alone, in a flow run of its own, as the train flow runs it."""
+        with step_flow_runs(rollout_step, ctx.cfg, total_steps=rollout_id + 1) as steps:
+            steps.run(ctx, rollout_id)
 
     cfg = arithmetic_config(
         run_name=f"reuse-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
@@ -50,13 +56,13 @@ def test_steps_reuse_handles_and_a_dead_actor_is_replaced_by_a_retry(
         assert attached_actors(cfg) is actors
         ctx = StepContext(cfg, open_layout(cfg), actors)
         with labelled(cfg) as labels:
-            run_rollout_step(ctx, 0)
+            run_one_step(ctx, 0)
         assert attached_actors(cfg) is actors  # the step looked nothing up
         flow_tags, task_tags = step_run_tags(f"{cfg.storage.run_name}/rollout-0")
         assert set(labels) <= set(flow_tags) and len(task_tags) == 7 and not any(task_tags)
 
         ray.kill(actors.rollout)  # dies between steps: step 1's first task finds it dead
-        run_rollout_step(ctx, 1)
+        run_one_step(ctx, 1)
         layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
         assert layout.committed_steps() == [0, 1]
         replaced = attached_actors(cfg)

@@ -1,22 +1,25 @@
 """Every fake of the tests, in one place. Stand-ins for the Ray actors a rollout step talks
 to, so the step tasks' logic runs through `task.fn(...)` without Ray or Prefect.
 
-The step tasks call actors as `resolve(actor.method.remote(...))` (tasks/step_tasks.py);
-`resolve` is `ray.get` for object refs and hands anything else back unchanged, so a fake
-whose `.remote()` returns the value itself needs no Ray at all. Storage stays real (a
-`RunLayout` in a temporary directory), as does the config.
+The step tasks and the engine pool collect what actor calls return through a `Replies`
+(engines/cluster/engine_pool.py): `ray.get` / `ray.wait` in a run. A fake's `.remote()`
+returns the value itself, and `InProcessReplies` collects it as it is, so no Ray is needed
+at all. Storage stays real (a `RunLayout` in a temporary directory), as does the config.
 
 - `remote`: decorator that makes a fake's method callable as `fake.method.remote(...)`
   (returning the result at once) as well as directly.
+- `InProcessReplies`: the `Replies` of actors called in this process: every call is done,
+  its reply is its value.
 - `FakeRollout`: the rollout actor (`RolloutManager`): `sample_prompts`, `generate`, `filter`,
   `reward`, `evaluate` return fixed records of a step of `groups` groups x `n` samples.
 - `FakeTrainer`: the trainer (`TrainActor` / `TrainGroup`): a weight version that
   `train_step(k)` moves to k + 1 (`{"skipped": 1.0}` when already past k), `version`,
-  `ensure_version`, `save_checkpoint`, `weights`, `push_weights`, `offload`, `onload`.
+  `ensure_version`, `save_checkpoint`, `weights`, `push_weights` (`push_timings`: its
+  `timings`), `offload`, `onload`.
 - `FakeEngine`: an engine actor: `weight_version`, `url`, `update_weights_from_tensor`.
 - `fake_actors(...)`: a `RunActors` of one FakeRollout, one FakeTrainer and FakeEngines.
-- `step_context(root, *overrides)`: a `StepContext` over fake actors, a real config (mock
-  backends; `--set`-style overrides) and a real run directory under `root`.
+- `step_context(root, *overrides)`: a `StepContext` over fake actors (`InProcessReplies`), a
+  real config (mock backends; `--set`-style overrides) and a real run directory under `root`.
 
 - `FakeModel`, `fake_train_step(model, algo, **train)`: a model-free `StepModel` for the
   shared train step (engines/train/step.py), recording every call.
@@ -40,7 +43,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.cluster.actors import RunActors
+from engines.cluster.engine_pool import Replies
 from engines.config.algorithm import AlgorithmConfig
 from engines.config.train import TrainConfig
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
@@ -87,6 +91,20 @@ class _Method:
 
     def __call__(self, *args: Any) -> Any:
         return self.remote(*args)
+
+
+class InProcessReplies:
+    """Replies of actors called in this process (the fakes, `InProcess`): a call's reply is its
+    value, and every call is done by the time it returns."""
+
+    def get(self, refs: Any) -> Any:
+        return refs
+
+    def answered(self, refs: Sequence[Any], timeout_s: float) -> list[bool]:
+        return [True] * len(refs)
+
+
+IN_PROCESS: Replies = InProcessReplies()
 
 
 class InProcess:
@@ -150,6 +168,7 @@ class FakeTrainer:
     def __init__(self, version: int = 0) -> None:
         self._version = version
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.timings: dict[str, float] = {}  # what push_timings reports
 
     @remote
     def version(self) -> int:
@@ -181,6 +200,10 @@ class FakeTrainer:
         return [self._version] * len(engine_urls)
 
     @remote
+    def push_timings(self) -> dict[str, float]:
+        return dict(self.timings)
+
+    @remote
     def sends_cuda_ipc(self) -> bool:
         return False
 
@@ -196,6 +219,7 @@ class FakeTrainer:
 class FakeEngine:
     def __init__(self, index: int = 0, version: int = 0, exports: bool = True) -> None:
         self.index, self._version, self._exports = index, version, exports
+        self.address = f"http://127.0.0.1:{30000 + index}"
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.weights_from: dict[str, Any] | None = None  # the last state dict it loaded
 
@@ -213,7 +237,7 @@ class FakeEngine:
 
     @remote
     def url(self) -> str:
-        return f"http://127.0.0.1:{30000 + self.index}"
+        return self.address
 
     @remote
     def update_weights_from_tensor(self, weights: dict[str, Any], version: int) -> int:
@@ -222,10 +246,9 @@ class FakeEngine:
 
 
 def fake_actors(engine_versions: tuple[int, ...] = (0,), trainer_version: int = 0) -> RunActors:
-    return RunActors(
-        rollout=FakeRollout(), trainer=FakeTrainer(trainer_version),
-        engines=[FakeEngine(i, v) for i, v in enumerate(engine_versions)],
-    )
+    engines = [FakeEngine(i, v) for i, v in enumerate(engine_versions)]
+    return RunActors(rollout=FakeRollout(), trainer=FakeTrainer(trainer_version),
+                     engines=engines, urls=[e.address for e in engines])
 
 
 def step_context(root: Path, *overrides: str, actors: RunActors | None = None) -> StepContext:
@@ -238,7 +261,7 @@ def step_context(root: Path, *overrides: str, actors: RunActors | None = None) -
     }
     cfg = config_from_dict(apply_overrides(raw, list(overrides)))
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
-    return StepContext(cfg, layout, actors or fake_actors())
+    return StepContext(cfg, layout, actors or fake_actors(), replies=IN_PROCESS)
 
 
 class FakeModel:

@@ -8,6 +8,7 @@ from prefect.settings import get_current_settings
 
 import flows.rollout_step as rs
 from flows.config.loader import config_from_dict
+from flows.step_flow_runs import StepsInThisFlowRun, step_flow_runs
 from tasks.step_context import StepContext
 
 
@@ -19,18 +20,17 @@ def cfg(**logging):
     })
 
 
-def test_steps_are_flow_runs_unless_folded_into_the_train_run():
-    assert rs.steps_are_flow_runs(cfg())
-    assert not rs.steps_are_flow_runs(cfg(step_flow_runs=False))
-
-
 def test_folded_steps_run_their_tasks_in_the_current_flow_run(monkeypatch):
-    seen: list[int] = []
-    monkeypatch.setattr(rs, "run_step_tasks", lambda ctx, rollout_id: seen.append(rollout_id) or {})
-    rs.run_rollout_step(StepContext(cfg(step_flow_runs=False), None, None), 3)
-    with rs.step_runner(cfg(step_flow_runs=False)) as run_step:
-        run_step(StepContext(cfg(step_flow_runs=False), None, None), 4)
-    assert seen == [3, 4]
+    seen: list[tuple[StepContext, int]] = []
+    monkeypatch.setattr(rs, "run_step", lambda ctx, rollout_id, on_commit: seen.append(
+        (ctx, rollout_id)) or {})
+    folded = cfg(step_flow_runs=False)
+    ctx = StepContext(folded, None, None)
+    with step_flow_runs(rs.rollout_step, folded) as steps:
+        assert isinstance(steps, StepsInThisFlowRun)  # no flow run, no Prefect client
+        steps.run(ctx, 3)
+        steps.run(ctx, 4)
+    assert seen == [(ctx, 3), (ctx, 4)]  # the driver's context: no actors looked up
 
 
 def test_a_step_flow_run_runs_without_a_heartbeat_thread():

@@ -20,7 +20,7 @@ from storage.run_layout import RunLayout
 from tasks import step_tasks as t
 from tasks.records import TrainRecord
 from tasks.step_context import StepContext
-from tests.support.fakes import FakeProgressArtifact, InProcess
+from tests.support.fakes import IN_PROCESS, FakeProgressArtifact, InProcess
 
 ROLLOUT_KEYS = {
     "rollout/abort_seconds", "rollout/aborted", "rollout/engines", "rollout/generated_tokens",
@@ -65,9 +65,10 @@ def step_ctx(make_config: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Step
     rollout = RolloutManager(cfg)
     rollout.set_engines([engine.url()])
     actors = RunActors(rollout=InProcess(rollout), trainer=InProcess(TrainActor(cfg)),
-                       engines=[InProcess(engine)])
+                       engines=[InProcess(engine)], urls=[engine.url()])
     try:
-        yield StepContext(cfg, RunLayout.open(cfg.storage.uri, cfg.storage.run_name), actors)
+        yield StepContext(cfg, RunLayout.open(cfg.storage.uri, cfg.storage.run_name), actors,
+                          replies=IN_PROCESS)
     finally:
         engine.shutdown()
 

@@ -1,15 +1,17 @@
-"""The step tasks' logic through `task.fn(...)` with the fake actors of tests/support/fakes.py: no Ray,
-no Prefect server. Storage and config are real."""
+"""The step tasks' logic through `task.fn(...)`, and the engine pool's, with the fake actors of
+tests/support/fakes.py: no Ray, no Prefect server. Storage and config are real."""
 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from engines.cluster.actors import RunActors
+from engines.cluster.engine_pool import EnginePool
 from engines.records import (
+    BroadcastRecord,
     FilterRecord,
     GenerateRecord,
     RewardRecord,
@@ -17,8 +19,15 @@ from engines.records import (
     StageRecord,
 )
 from tasks import step_tasks as t
-from tasks.records import BroadcastRecord, StepMetrics, TrainRecord
-from tests.support.fakes import FakeRollout, FakeTrainer, fake_actors, step_context
+from tasks.records import StepMetrics, TrainRecord
+from tests.support.fakes import (
+    FakeEngine,
+    FakeRollout,
+    FakeTrainer,
+    InProcessReplies,
+    fake_actors,
+    step_context,
+)
 
 # Task records as flat dicts with no optional key (a mock run's, URIs shortened): the stored
 # format, which every record must read back and write unchanged.
@@ -201,56 +210,91 @@ def test_should_checkpoint_every_interval_and_at_the_last_step(tmp_path, save_in
     assert [k for k in range(5) if t.should_checkpoint(ctx.cfg, k)] == steps
 
 
-def test_sync_engine_weights_pushes_only_stale_engines():
-    actors = fake_actors(engine_versions=(2, 1, 0), trainer_version=2)
-    record = t.sync_engine_weights(actors)
+def test_sync_weights_pushes_only_stale_engines(tmp_path):
+    pool = step_context(tmp_path, actors=fake_actors(engine_versions=(2, 1, 0),
+                                                     trainer_version=2)).pool
+    record = pool.sync_weights()
     assert record == BroadcastRecord(weight_version=2, engines_updated=2)
-    assert [e._version for e in actors.engines] == [2, 2, 2]
-    assert actors.engines[0].calls == [("weight_version", ())]
-    assert t.sync_engine_weights(actors).engines_updated == 0
+    assert [e._version for e in pool.actors.engines] == [2, 2, 2]
+    assert pool.actors.engines[0].calls == [("weight_version", ())]
+    assert pool.sync_weights().engines_updated == 0
 
 
-def test_sync_engine_weights_leaves_fresh_engines_without_asking_the_trainer():
-    actors = fake_actors(engine_versions=(3, 4), trainer_version=5)
-    record = t.sync_engine_weights(actors, min_version=3)
+def test_sync_weights_leaves_fresh_engines_without_asking_the_trainer(tmp_path):
+    pool = step_context(tmp_path, actors=fake_actors(engine_versions=(3, 4),
+                                                     trainer_version=5)).pool
+    record = pool.sync_weights(min_version=3)
     assert record == BroadcastRecord(weight_version=3, engines_updated=0)
-    assert actors.trainer.calls == []  # it may be busy training (async mode)
-    assert t.sync_engine_weights(actors, min_version=4).engines_updated == 2
+    assert pool.actors.trainer.calls == []  # it may be busy training (async mode)
+    assert pool.sync_weights(min_version=4).engines_updated == 2
 
 
-def test_a_replacement_engine_takes_a_survivors_weights_not_the_trainers():
+def test_a_replacement_engine_takes_a_survivors_weights_not_the_trainers(tmp_path):
     """update_weights_interval > 1 (or async): the engines hold version 3, the trainer 5.
     The engine that replaced a lost one gets version 3's weights from a survivor; pushing
     the trainer's would have moved every engine to 5, ahead of the run's schedule."""
-    from tests.support.fakes import FakeEngine
-
-    actors = fake_actors(engine_versions=(3, 0, 3), trainer_version=5)
-    assert t.match_survivors(actors) == [3, 3, 3]
-    assert [e._version for e in actors.engines] == [3, 3, 3]
-    new = actors.engines[1]
+    pool = step_context(tmp_path, actors=fake_actors(engine_versions=(3, 0, 3),
+                                                     trainer_version=5)).pool
+    assert pool.match_survivors() == [3, 3, 3]
+    assert [e._version for e in pool.actors.engines] == [3, 3, 3]
+    new = pool.actors.engines[1]
     assert isinstance(new, FakeEngine) and new.weights_from == {"engine": 0, "version": 3}
-    assert actors.trainer.calls == []  # (in async mode it may be busy training)
-    assert t.match_survivors(actors) == [3, 3, 3]  # nothing behind: nothing moves
-    blind = fake_actors(engine_versions=(3, 0), trainer_version=5)
-    for engine in blind.engines:
+    assert pool.actors.trainer.calls == []  # (in async mode it may be busy training)
+    assert pool.match_survivors() == [3, 3, 3]  # nothing behind: nothing moves
+    blind = step_context(tmp_path / "blind", actors=fake_actors(engine_versions=(3, 0),
+                                                                trainer_version=5)).pool
+    for engine in blind.actors.engines:
         engine._exports = False  # an engine that cannot hand its weights over
-    assert t.match_survivors(blind) is None  # the caller pushes the trainer's
-    assert [e._version for e in blind.engines] == [3, 0]
+    assert blind.match_survivors() is None  # the caller pushes the trainer's
+    assert [e._version for e in blind.actors.engines] == [3, 0]
 
 
-def test_sync_engine_weights_over_http_hands_the_trainer_every_engine_url():
-    actors = fake_actors(engine_versions=(1, 0), trainer_version=1)
-    record = t.sync_engine_weights(actors, weight_sync="distributed")
+def test_an_engine_that_does_not_answer_is_replaced_and_takes_a_survivors_weights(
+    tmp_path, monkeypatch
+):
+    """The health check before generate: engine 1 gives no answer within
+    rollout.engine_hang_timeout_s, so it is replaced, and its successor gets the surviving
+    engine's weights (version 3), not the trainer's (5)."""
+    import engines.cluster.engine_pool as engine_pool
+
+    class SecondHangs(InProcessReplies):
+        def answered(self, refs, timeout_s):
+            return [i != 1 for i in range(len(refs))]
+
+    replaced: list[list[str]] = []
+
+    def replace_lost_engines(cfg, actors, lost_urls):
+        replaced.append(lost_urls)
+        fresh = FakeEngine(1, version=0)
+        return RunActors(rollout=actors.rollout, trainer=actors.trainer,
+                         engines=[actors.engines[0], fresh],
+                         urls=[actors.urls[0], fresh.address])
+
+    monkeypatch.setattr(engine_pool, "replace_lost_engines", replace_lost_engines)
+    ctx = step_context(tmp_path, "engine.num_engines=2")
+    pool = EnginePool(ctx.cfg, fake_actors(engine_versions=(3, 3), trainer_version=5),
+                      SecondHangs())
+    pool.prepare_generation(3)  # (required version 3)
+    assert replaced == [["http://127.0.0.1:30001"]]
+    assert [e._version for e in pool.actors.engines] == [3, 3]
+    assert pool.actors.trainer.calls == []
+
+
+def test_sync_weights_over_http_hands_the_trainer_every_engine_url(tmp_path):
+    pool = step_context(tmp_path, "train.weight_sync=distributed",
+                        actors=fake_actors(engine_versions=(1, 0), trainer_version=1)).pool
+    record = pool.sync_weights()
     assert record == BroadcastRecord(weight_version=1, engines_updated=1)
-    assert actors.trainer.calls[-1] == (
-        "push_weights", (["http://127.0.0.1:30000", "http://127.0.0.1:30001"],))
+    assert [c for c in pool.actors.trainer.calls if c[0] == "push_weights"] == [
+        ("push_weights", (["http://127.0.0.1:30000", "http://127.0.0.1:30001"],))]
 
 
-def test_sync_engine_weights_over_http_keeps_where_the_push_spent_its_seconds():
-    actors = fake_actors(engine_versions=(0, 0), trainer_version=1)
+def test_sync_weights_over_http_keeps_where_the_push_spent_its_seconds(tmp_path):
+    pool = step_context(tmp_path, "train.weight_sync=distributed",
+                        actors=fake_actors(engine_versions=(0, 0), trainer_version=1)).pool
     timings = {"connect_s": 0.5, "export_s": 0.25, "broadcast_s": 0.125, "total_s": 1.0}
-    actors.trainer.push_timings = SimpleNamespace(remote=lambda: dict(timings))
-    record = t.sync_engine_weights(actors, weight_sync="distributed")
+    pool.actors.trainer.timings = dict(timings)
+    record = pool.sync_weights()
     assert record.push == timings
     metrics = record.to_metrics()
     assert {k: metrics[f"broadcast_weights/push/{k}"] for k in timings} == timings
