@@ -57,7 +57,7 @@ def timed_run(repo: Path, command: list[str], burners: int, timeout: float) -> t
     for proc in spinning:
         proc.kill()
         proc.wait()
-    subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down"], cwd=repo, env=env,
+    subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down", "--force"], cwd=repo, env=env,
                    capture_output=True, timeout=120)
     return seconds, finished
 

@@ -21,6 +21,7 @@ from engines.process import long_lived_frozen
 from engines.weights.schedule import evaluates_after
 from flows.bookkeeping.driver_record import RunInUseError, current_flow_run_id, take_over
 from flows.bookkeeping.failure_notice import notify_failure
+from flows.bookkeeping.head_watch import exiting_if_head_is_lost
 from flows.bookkeeping.labels import labelled
 from flows.bookkeeping.metric_sinks import open_sinks
 from flows.bookkeeping.preflight import PreflightReport, preflight_once
@@ -65,7 +66,14 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
         save_config(layout, config)
         free_kept_actors(config, layout)
         return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
-    connect(config.cluster)
+    with exiting_if_head_is_lost(connect(config.cluster), config.storage.run_name):
+        return train_attached(config, layout, checked)
+
+
+def train_attached(config: RollflowConfig, layout: RunLayout,
+                   checked: PreflightReport) -> dict[str, Any]:
+    """The run on the cluster this process is attached to: its actors, its remaining steps
+    and evaluations, then the actors released."""
     ctx, start, restored = start_run(config, layout)
     save_config(layout, config)  # (once it started: a config that cannot start is no history)
     warn_if_replayed_under_changed_config(restored, layout, config)

@@ -203,7 +203,7 @@ def main() -> int:
         if args.logs and (ws.root / "logs").is_dir():
             shutil.copytree(ws.root / "logs", args.logs, dirs_exist_ok=True)
         if not args.keep:
-            ws.run(["cluster", "down"], 120)
+            ws.run(["cluster", "down", "--force"], 120)
             shutil.rmtree(ws.root, ignore_errors=True)
         report(outcomes, ws.notes, total, args.json)  # interrupted too: what ran so far
     return 0

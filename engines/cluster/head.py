@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -262,6 +262,51 @@ def connect(cfg: ClusterConfig) -> str:
                  logging_level=logging.WARNING)
         _stop_gracefully_on_sigterm()
     return address or ""
+
+
+def watch_head(address: str, on_lost: Callable[[str], None], interval_s: float = 2.0,
+               misses: int = 3) -> threading.Event:
+    """Call `on_lost(address)` once, from a daemon thread, when the head's GCS port stops
+    answering `misses` times in a row, unless the returned event is set first: a driver
+    whose head was stopped under it (another user's `rollflow cluster down --force`)
+    otherwise waits 60 s for Ray to give up and dies with Ray's own line, which says nothing
+    of the run or how to resume it."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        missed = 0
+        while missed < misses:
+            if stop.wait(interval_s):
+                return
+            missed = 0 if _alive(address) else missed + 1
+        if not stop.is_set():
+            on_lost(address)
+
+    threading.Thread(target=watch, name="rollflow-head-watch", daemon=True).start()
+    return stop
+
+
+def runs_with_actors(cfg: ClusterConfig) -> list[str]:
+    """The runs that have live actors on the local head, in any namespace (none when no head
+    is up): what a `rollflow cluster down` would take from under them. Dead detached actors
+    leave Ray's registry of names, so every name listed is alive."""
+    import ray
+
+    from engines.cluster.registry import RunActor
+
+    state = read_state()
+    if state is None or not _alive(state["address"]):
+        return []
+    _ray_env()
+    if not ray.is_initialized():
+        ray.init(address=state["address"], namespace=cfg.namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    runs = set()
+    for named in ray.util.list_named_actors(all_namespaces=True):  # every run, any namespace
+        parsed = RunActor.parse(named["name"])
+        if parsed is not None:
+            runs.add(parsed.run_name)
+    return sorted(runs)
 
 
 class Terminated(KeyboardInterrupt):

@@ -113,11 +113,31 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         print(cluster.cluster_address(cfg, start=True), file=out)
     elif args.action == "down":
-        print("stopped" if cluster.stop_local_head() else "no local cluster recorded", file=out)
+        return cluster_down(cfg, args.force, out)
     elif args.json:
         print(json.dumps(cluster.status(cfg), indent=1), file=out)
     else:
         print(format_status(cluster.status(cfg)), file=out)
+    return 0
+
+
+def cluster_down(cfg: Any, force: bool, out: Any) -> int:
+    """Stop the local head, unless runs have actors on it: every run on this machine shares
+    the head, and taking it down ends another shell's (or user's) training."""
+    import ray
+
+    from engines.cluster import head as cluster
+
+    runs = [] if force else cluster.runs_with_actors(cfg)
+    ray.shutdown()  # (runs_with_actors attached this process)
+    if runs:
+        print(f"rollflow cluster down: refused, run(s) {', '.join(runs)} have actors on the "
+              "local head (a training, or actors kept for the next one): stop each with "
+              "`rollflow runs stop RUN`, or stop the head anyway with "
+              "`rollflow cluster down --force` (those runs end and resume when rerun)",
+              file=sys.stderr)
+        return 1
+    print("stopped" if cluster.stop_local_head() else "no local cluster recorded", file=out)
     return 0
 
 
@@ -302,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None)
     p.add_argument("--namespace", default="rollflow", help="Ray namespace of the actors")
     p.add_argument("--json", action="store_true", help="status as JSON")
+    p.add_argument("--force", action="store_true",
+                   help="down: stop the head even while runs have actors on it")
     p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("runs", help="runs in a storage root; `stop RUN` frees its actors")

@@ -111,5 +111,5 @@ for part in $PARTS; do
   esac
 done
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1
-$PY -m flows.cli cluster down >> "$LOG/cluster.log" 2>&1
+$PY -m flows.cli cluster down --force >> "$LOG/cluster.log" 2>&1
 echo "e2e parts [$PARTS]: $(( $(date +%s) - T0 )) s" | tee -a "$LOG/summary.txt"

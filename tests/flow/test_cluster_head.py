@@ -72,7 +72,7 @@ def test_local_head_has_the_machines_gpus_and_a_dashboard_with_the_state_api():
         assert denied.returncode != 0 and "probe" not in denied_out
         assert "Authentication" in denied_err
     finally:
-        cli(env, "cluster", "down")
+        cli(env, "cluster", "down", "--force")
     assert head_processes(home) == []
 
 
@@ -116,5 +116,5 @@ def test_down_stops_the_heads_processes_but_no_driver():
     finally:
         waiter.kill()
         waiter.wait(timeout=30)
-        cli(env, "cluster", "down")
+        cli(env, "cluster", "down", "--force")
     assert head_processes(home) == []

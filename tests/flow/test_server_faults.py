@@ -1,7 +1,8 @@
 """The servers a run depends on, killed mid-step under a driver run as a user runs it
 (`rollflow train --config ...` in a subprocess): the Prefect server it reports to (killed
 with -9 and started again on the same port and database), the driver's own local Prefect
-server, and the Ray head (every actor with it). Each time the run either goes on by itself
+server, and the Ray head (stopped by another shell's `rollflow cluster down --force`, every
+actor with it). Each time the run either goes on by itself
 or the same command resumes it, and every step trains exactly the samples of an
 uninterrupted run."""
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,9 +21,11 @@ import httpx
 import pytest
 
 from engines.process import free_port
+from flows.bookkeeping.head_watch import HEAD_GONE_EXIT
 from flows.config.loader import dump_config
 from flows.servers.prefect_server import start_server
 from storage.run_layout import RunLayout
+from tests.support import REPO_ROOT
 from tests.support.procs import rollflow_env
 from tests.support.server_faults import (
     head_processes_of,
@@ -128,43 +134,57 @@ def test_drivers_local_prefect_server_killed_mid_step(make_config, prefect_api, 
 
 
 @pytest.mark.timeout(900)
-def test_ray_head_killed_mid_step(make_config, prefect_api, tmp_path, fault_matrix):
-    """On a local head of the test's own (ROLLFLOW_HOME in /tmp: Ray's socket paths are
-    short), started on demand by the driver as for a user, and stopped at the end."""
+def test_ray_head_stopped_under_a_training(make_config, prefect_api, tmp_path, fault_matrix):
+    """`rollflow cluster down` from another shell while the run trains, on a local head of the
+    test's own (ROLLFLOW_HOME in /tmp: Ray's socket paths are short) started on demand by the
+    driver as for a user: refused, naming the run; with `--force` the head goes (every actor
+    with it), the driver ends with one line that says so and names the command that resumes
+    the run (before Ray's own 60 s), and that command resumes it."""
     from flows.train import train
 
     reference = make_config("ref", *STEPS)
     train(reference)
-    cfg = make_config("head-kill", *STEPS, "cluster.num_cpus=4")
+    cfg = make_config("head-down", *STEPS, "cluster.num_cpus=4")
     cfg.cluster.address = None  # the local head, started on demand
     path = write_config(cfg, tmp_path)
     home = Path(tempfile.mkdtemp(prefix="rf-head-", dir="/tmp"))
-    # a driver whose head is gone gives up on it after 10 s, not Ray's 60
-    env = rollflow_env(home, PREFECT_API_URL=prefect_api,
-                       RAY_gcs_rpc_server_reconnect_timeout_s="10")
+    env = rollflow_env(home, PREFECT_API_URL=prefect_api)
     driver = train_command(str(path), env)
     try:
         wait_until("step 1 started", mid_step(layout_of(cfg)), driver, timeout_s=480)
         first_head = json.loads((home / "cluster.json").read_text())["address"]
-        killed = kill_processes(head_processes_of(home))
-        assert killed, "no head processes found"
-        outcome, out = finish(cfg, path, env, driver)
+        refused = cluster_down(env)
+        assert refused.returncode == 1 and cfg.storage.run_name in refused.stderr, refused
+        assert driver.poll() is None, "a refused `cluster down` stopped the run"
+        assert cluster_down(env, "--force").returncode == 0
+        stopped_at = time.monotonic()
+        out, _ = driver.communicate(timeout=120)
+        last = out.strip().splitlines()[-1]
+        assert driver.returncode == HEAD_GONE_EXIT, out[-3000:]
+        assert time.monotonic() - stopped_at < 60  # rollflow's line, not Ray's timeout
+        assert last.startswith(f"rollflow: the Ray head at {first_head} is gone"), out[-3000:]
+        command = shlex.split(last.split("Resume it with: ", 1)[1])
+        assert command[:3] == ["python", "-m", "flows.cli"], command
+        committed = layout_of(cfg).committed_steps()
+        rerun = subprocess.run([sys.executable, *command[1:]], cwd=REPO_ROOT, text=True,
+                               env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=600,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert rerun.returncode == 0, rerun.stdout[-3000:]
+        assert f'"resumed_at": {len(committed)}' in rerun.stdout, rerun.stdout[-3000:]
         second_head = json.loads((home / "cluster.json").read_text())["address"]
     finally:
         driver.kill()
-        train_command_down(env)
+        cluster_down(env, "--force")
     assert second_head != first_head  # the rerun started a new head
     assert layout_of(cfg).committed_steps() == [0, 1, 2, 3]
     same = trained_samples(layout_of(cfg)) == trained_samples(layout_of(reference))
-    fault_matrix.add("Ray head killed -9 mid-step (every actor gone)", "the driver loses "
-                     "the cluster", outcome + " on a new head with new actors", same)
+    fault_matrix.add("Ray head stopped mid-step (`cluster down --force`, every actor gone)",
+                     "the driver loses the cluster", "driver ended with the head-gone line; "
+                     "its resume command resumed on a new head with new actors", same)
     assert same
     assert kill_processes(head_processes_of(home)) == []
 
 
-def train_command_down(env: dict[str, str]) -> None:
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down"], env=env,
-                   capture_output=True, timeout=120)
+def cluster_down(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down", *flags],
+                          env=env, capture_output=True, text=True, timeout=120)
