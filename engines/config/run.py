@@ -28,19 +28,11 @@ ACTOR_SECTIONS = ("cluster", "data", "rollout", "engine", "algorithm", "train", 
 class RunConfig(Protocol):
     """Every section an actor may read; `logging` stays with the driver."""
 
-    @property
-    def cluster(self) -> ClusterConfig: ...
-    @property
-    def data(self) -> DataConfig: ...
-    @property
-    def rollout(self) -> RolloutConfig: ...
-    @property
-    def engine(self) -> EngineConfig: ...
-    @property
-    def algorithm(self) -> AlgorithmConfig: ...
-    @property
-    def train(self) -> TrainConfig: ...
-    @property
-    def storage(self) -> StorageConfig: ...
-    @property
-    def eval(self) -> EvalConfig: ...
+    cluster: ClusterConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    engine: EngineConfig
+    algorithm: AlgorithmConfig
+    train: TrainConfig
+    storage: StorageConfig
+    eval: EvalConfig
