@@ -31,6 +31,7 @@ from engines.cluster.actors import attached_actors
 from engines.cluster.head import connect
 from engines.weights.schedule import evaluates_after
 from flows.bookkeeping.reporting import publish_step_report
+from flows.bookkeeping.root_cause import summarize
 from flows.config.run import RollflowConfig
 from flows.prefect_workarounds import results_linked_within_step, untagged_tasks
 from flows.step_flow_runs import DRIVER, CommitHook
@@ -118,7 +119,8 @@ def _failure_marked(layout: RunLayout, rollout_id: int) -> Iterator[None]:
     except BaseException as e:
         # (a store that failed the step may still be down: then its own error is the cause)
         with suppress(StorageError):
-            layout.mark_failed(rollout_id, repr(e))
+            layout.mark_failed(rollout_id, repr(e), summarize(e),
+                               interrupted=not isinstance(e, Exception))
         raise
 
 

@@ -19,13 +19,19 @@ from engines.cluster.actors import get_or_create_actors, kill_run_actors
 from engines.cluster.head import cluster_address, connect
 from engines.process import long_lived_frozen
 from engines.weights.schedule import evaluates_after
-from flows.bookkeeping.driver_record import RunInUseError, current_flow_run_id, take_over
+from flows.bookkeeping.driver_record import (
+    RunInUseError,
+    current_flow_run_id,
+    mark_ended,
+    take_over,
+)
 from flows.bookkeeping.failure_notice import notify_failure
 from flows.bookkeeping.head_watch import exiting_if_head_is_lost
 from flows.bookkeeping.labels import labelled
 from flows.bookkeeping.metric_sinks import open_sinks
 from flows.bookkeeping.preflight import PreflightReport, preflight_once
 from flows.bookkeeping.reporting import artifact_key, publish_run_report
+from flows.bookkeeping.run_status import headline_metric
 from flows.config.history import warn_if_replayed_under_changed_config
 from flows.config.loader import dump_config
 from flows.config.paths import resolve_paths
@@ -62,12 +68,15 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
         # A second driver (a schedule firing while the last training still runs): this flow
         # run did nothing and ends Cancelled, saying why; calling it still raises `busy`.
         return Cancelled(message=str(busy), data=busy)  # type: ignore[return-value]
-    if finished(config, layout):
-        save_config(layout, config)
-        free_kept_actors(config, layout)
-        return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
-    with exiting_if_head_is_lost(connect(config.cluster), config.storage.run_name):
-        return train_attached(config, layout, checked)
+    try:
+        if finished(config, layout):
+            save_config(layout, config)
+            free_kept_actors(config, layout)
+            return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
+        with exiting_if_head_is_lost(connect(config.cluster), config.storage.run_name):
+            return train_attached(config, layout, checked)
+    finally:
+        mark_ended(layout)
 
 
 def train_attached(config: RollflowConfig, layout: RunLayout,
@@ -207,12 +216,13 @@ class StepReporter:
                                          "rollout steps committed")
         self.progress.set(100.0 * start / self.total)
         self.bar = _progress_bar(config, start)
+        self.headline = headline_metric(config.algorithm.loss_type)
         self.sinks = open_sinks(config.logging, layout, config.storage.run_name)
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         self.sinks.log(metrics, step=rollout_id)
         self.bar.update(1)
-        self.bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/mean",) if k in metrics})
+        self.bar.set_postfix({k: f"{metrics[k]:.3f}" for k in (self.headline,) if k in metrics})
         self.progress.set(100.0 * (rollout_id + 1) / self.total)
 
     def close(self) -> None:

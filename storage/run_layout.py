@@ -103,9 +103,14 @@ class RunLayout:
         record = {"committed_at": time.time(), "files": manifest_to_json(files)}
         self.store.write_json(record, d, SEAL_FILE)
 
-    def mark_failed(self, rollout_id: int, error: str) -> None:
-        """Tells other flow runs waiting on this step to stop waiting (async mode)."""
-        self.store.write_json({"failed_at": time.time(), "error": error}, step_dir(rollout_id), "FAILED")
+    def mark_failed(self, rollout_id: int, error: str, cause: str | None = None,
+                    interrupted: bool = False) -> None:
+        """Tells other flow runs waiting on this step to stop waiting (async mode), and
+        `rollflow runs list|show` why the run stopped: `cause` in one line, `interrupted`
+        for Ctrl-C or SIGTERM (a stopped run, not a failed one)."""
+        record = {"failed_at": time.time(), "error": error, "cause": cause or error,
+                  "interrupted": interrupted}
+        self.store.write_json(record, step_dir(rollout_id), "FAILED")
 
     def failure(self, rollout_id: int) -> dict[str, Any] | None:
         parts = (step_dir(rollout_id), "FAILED")

@@ -19,22 +19,27 @@ from engines.config.engine import EngineConfig
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """SGLang's `launch_server` flags, the subset this engine implements."""
     p.add_argument("--model-path", required=True, help="HF-format model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id /v1/models lists (default: the model path)")
     p.add_argument("--tool-call-parser", default="hermes",
                    help="tool-call format of /v1/chat/completions: hermes, qwen25 or qwen")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU, float32 on the CPU")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when a GPU is visible, else cpu")
     p.add_argument("--max-running-requests", type=int, default=1024,
                    help="requests decoded together")
-    p.add_argument("--num-continuous-decode-steps", type=int, default=8)
-    p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--ep-size", "--expert-parallel-size", type=int, default=1)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--num-continuous-decode-steps", type=int, default=8,
+                   help="decode steps run between two scheduling rounds (default 8)")
+    p.add_argument("--random-seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel degree (default 1)")
+    p.add_argument("--ep-size", "--expert-parallel-size", type=int, default=1,
+                   help="expert-parallel degree of an MoE model (default 1)")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 from uuid import UUID
 
@@ -45,6 +45,7 @@ class DriverRecord:
     flow_run_id: str | None
     written_at: float
     run_dir: str = ""  # where it was written: a copied run directory is another run
+    ended_at: float | None = None  # the driver finished or failed (its process may live on)
 
     @classmethod
     def of_this_process(cls, flow_run_id: str | None, run_dir: str = "") -> DriverRecord:
@@ -56,7 +57,9 @@ class DriverRecord:
         layout.store.write_text(json.dumps(asdict(self)), DRIVER_FILE)
 
     def running(self) -> bool | None:
-        """Whether the driver's process still runs; None when it ran on another machine."""
+        """Whether the driver still drives the run; None when it ran on another machine."""
+        if self.ended_at is not None:
+            return False
         if self.host != socket.gethostname():
             return None
         try:
@@ -98,10 +101,22 @@ def take_over(layout: RunLayout, run_dir: str, flow_run_id: str | None) -> list[
                 f"{last.pid}, flow run {last.flow_run_id}): stop it first (two drivers of one "
                 "run would write the same steps), or give this run another storage.run_name"
             )
-        if running is False and last.flow_run_id:
+        if running is False and last.flow_run_id and last.ended_at is None:
             crashed = crash_flow_runs(last.flow_run_id, last.pid)
     me.write_to(layout)
     return crashed
+
+
+def mark_ended(layout: RunLayout) -> None:
+    """This process is done driving the run (finished or failed): `rollflow runs list` must
+    not count the run running while the process lives on (a notebook, a test). Never raises:
+    the record must not hide how the training ended."""
+    try:
+        last = read_record(layout)
+        if last is not None and last.pid == os.getpid() and last.host == socket.gethostname():
+            replace(last, ended_at=time.time()).write_to(layout)
+    except Exception as e:  # storage down: the record then says running until the pid is gone
+        log.debug("driver record not marked ended: %r", e)
 
 
 def crash_flow_runs(flow_run_id: str, pid: int) -> list[str]:

@@ -1,5 +1,7 @@
-"""`rollflow` command line: train, replay, server, cluster up|down|status, runs list|show,
-engines add|remove|show."""
+"""`rollflow` command line: train (or resume) a run, replay its saved batches, a Prefect
+server, an inference engine on its own (`engine`), the local Ray cluster (`cluster
+up|down|status`), the runs in a storage root (`runs list|show|stop`) and a training's engine
+pool (`engines add|remove|show`). `rollflow COMMAND -h` tells more."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     prefect_env_defaults()
     _user_code_importable()
     cfg = load_config(args.config, args.set)
+    if args.fresh and not start_over(cfg):
+        return 1
     from flows.bookkeeping.preflight import preflight_once
 
     preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
@@ -38,6 +42,37 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = train(cfg)
     _print_result(result, args.result_out)
     return 0
+
+
+def start_over(cfg: Any) -> bool:
+    """`train --fresh`: delete the run directory (after a yes, on a terminal) and the run's
+    actors, which hold its weights; refused while a driver trains the run."""
+    from engines.cluster.actors import kill_run_actors
+    from engines.cluster.head import cluster_address, connect
+    from flows.bookkeeping.driver_record import read_record
+    from storage.run_layout import RunLayout
+
+    s = cfg.storage
+    layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options())
+    if not layout.store.exists():
+        return True
+    driver = read_record(layout)
+    if driver is not None and driver.running():
+        print(f"--fresh: run {s.run_name} is being trained by pid {driver.pid}; stop it first",
+              file=sys.stderr)
+        return False
+    if sys.stdin.isatty():
+        answer = input(f"delete {layout.uri} (every step, checkpoint and eval) and start run "
+                       f"{s.run_name} over? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("--fresh: nothing deleted", file=sys.stderr)
+            return False
+    if cluster_address(cfg.cluster, start=False) is not None:
+        connect(cfg.cluster)
+        kill_run_actors(cfg)
+    layout.store.delete()
+    print(f"--fresh: deleted {layout.uri}", file=sys.stderr)
+    return True
 
 
 def _runs_root(args: argparse.Namespace) -> Any:
@@ -143,6 +178,8 @@ def cluster_down(cfg: Any, force: bool, out: Any) -> int:
 
 def format_status(status: dict[str, Any]) -> str:
     """`cluster status` for people: the head, then each run's actors with their age."""
+    if status["address"] is None:
+        return "no local Ray head running (`rollflow cluster up` starts one)"
     lines = [f"head {status['address']} ({'alive' if status['alive'] else 'not running'})"]
     if status["alive"]:
         res = status.get("resources", {})
@@ -185,15 +222,14 @@ def cmd_stop_run(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(address=args.address, namespace=args.namespace)
     address = cluster.cluster_address(cfg, start=False)
     stopped = 0
-    if address is None:
-        print("no cluster running: no actors to stop", file=args.result_out)
-    else:
+    if address is not None:
         cluster.connect(cfg)
         stopped = stop_run(cfg.namespace, run_key(args.root, args.run))  # RUN under --root
-        print(f"run {args.run}: stopped {stopped} actor(s)", file=args.result_out)
     if not stopped and not run_dir.exists("config.yaml"):
         print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
         return 1
+    print(f"run {args.run}: stopped {stopped} actor(s)" if address is not None else
+          "no cluster running: no actors to stop", file=args.result_out)
     run_dir.delete(ACTORS_KEPT)  # if there
     driver = read_record(RunLayout(run_dir))
     if driver is not None and driver.running():
@@ -210,38 +246,72 @@ def _fmt(value: Any) -> str:
 RUN_COLUMNS = ("rollout_id", "reward/mean", "train/loss", "time/generate", "time/train")
 
 
-def cmd_runs(args: argparse.Namespace) -> int:
+def run_columns(config: dict[str, Any] | None) -> tuple[str, ...]:
+    """`runs show`'s columns: an SFT run has no reward, its loss is the figure to follow."""
+    from flows.bookkeeping.run_status import headline_metric, loss_type_of
+
+    if headline_metric(loss_type_of(config)) == "reward/mean":
+        return RUN_COLUMNS
+    return tuple(c for c in RUN_COLUMNS if c != "reward/mean")
+
+
+def _list_runs(root: Any, args: argparse.Namespace) -> None:
+    """One line a run: name, status, steps committed (of the configured), then a failed or
+    stopped run's cause, else its latest eval."""
+    from flows.bookkeeping.run_status import is_run, run_status
     from storage.run_layout import RunLayout
 
-    if args.action == "stop":
-        return cmd_stop_run(args)
-    root, out = _runs_root(args), args.result_out
-    if args.action == "list":
-        names = root.list()
-        if not names:
-            print(f"no runs under {args.root}", file=sys.stderr)
-        for name in names:
-            layout = RunLayout(root.child(name))
-            if not layout.store.exists("config.yaml"):
-                continue
-            steps = layout.committed_steps()
-            evals = layout.evals()
-            last_eval = evals[max(evals)] if evals else {}
-            print(f"{name}\tsteps={len(steps)}\t" + " ".join(
-                f"{k}={_fmt(v)}" for k, v in last_eval.items() if k.count("/") == 1
-            ), file=out)
-        return 0
-    if _no_such_run(args):
+    names = root.list()
+    if not names:
+        print(f"no runs under {args.root}", file=sys.stderr)
+    for name in names:
+        layout = RunLayout(root.child(name))
+        if not is_run(layout):
+            continue
+        status = run_status(layout)
+        evals = layout.evals()
+        last_eval = evals[max(evals)] if evals else {}
+        detail = status.cause or " ".join(
+            f"{k}={_fmt(v)}" for k, v in last_eval.items() if k.count("/") == 1)
+        fields = [name, status.state, f"steps={status.steps()}", detail]
+        print("\t".join(f for f in fields if f), file=args.result_out)
+
+
+def _show_run(root: Any, args: argparse.Namespace) -> int:
+    """The run's status, cause and the command that resumes it, then its step metrics."""
+    from flows.bookkeeping.run_status import is_run, resume_command, run_status, saved_config
+    from storage.run_layout import RunLayout
+
+    layout, out = RunLayout(root.child(args.run)), args.result_out
+    if not is_run(layout):
+        print(f"no run {args.run!r} under {args.root}", file=sys.stderr)
         return 1
-    layout = RunLayout(root.child(args.run))
-    print("\t".join(RUN_COLUMNS), file=out)
-    for k in layout.committed_steps():
+    status = run_status(layout)
+    print(f"run {args.run}: {status.state}, {status.steps()} steps committed", file=out)
+    if status.cause:
+        print(f"cause: {status.cause}", file=out)
+    if (command := resume_command(layout, status)) is not None:
+        print(f"to resume: {command}", file=out)
+    columns = run_columns(saved_config(layout))
+    steps = layout.committed_steps()
+    if steps:
+        print("\t".join(columns), file=out)
+    for k in steps:
         m = layout.step_metrics(k)
-        print("\t".join(_fmt(m.get(c, "")) for c in RUN_COLUMNS), file=out)
+        print("\t".join(_fmt(m.get(c, "")) for c in columns), file=out)
     for version, ev in sorted(layout.evals().items()):
         print(f"eval@v{version}\t" + " ".join(f"{k}={_fmt(v)}" for k, v in ev.items()),
               file=out)
     return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    if args.action == "stop":
+        return cmd_stop_run(args)
+    if args.action == "list":
+        _list_runs(_runs_root(args), args)
+        return 0
+    return _show_run(_runs_root(args), args)
 
 
 def cmd_engines(args: argparse.Namespace) -> int:
@@ -288,10 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(runs_flows=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run (or resume) the train flow")
+    p = sub.add_parser("train", help="run (or resume) the train flow", description=(
+        "Train the run the config names (storage.uri/storage.run_name). Run the same command "
+        "again to resume it: committed steps are kept and the run goes on at the first "
+        "uncommitted step; add --fresh to delete the run and start it over. `rollflow runs "
+        "show RUN` tells where a run stopped and why."))
     p.add_argument("--config", required=True, help="YAML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. rollout.num_rollout=4 (repeatable)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start the run over: delete its directory (asks first on a terminal) "
+                        "and its actors")
     p.set_defaults(func=cmd_train, runs_flows=True)
 
     p = sub.add_parser("replay", help="train again on the saved batches of a run, no engines")
@@ -304,8 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_replay, runs_flows=True)
 
     p = sub.add_parser("server", help="a Prefect server with its UI on 127.0.0.1")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the server and its UI listen on (default 127.0.0.1: this "
+                        "machine only)")
+    p.add_argument("--port", type=int, default=4200, help="port (default 4200)")
     p.add_argument("--home", default=None, help="PREFECT_HOME of the server (its database)")
     p.add_argument("--database", default=None,
                    help="the server's database, e.g. postgresql://user@127.0.0.1:5432/prefect "
@@ -318,8 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("cluster", help="the persistent local Ray cluster")
-    p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--address", default=None)
+    p.add_argument("action", choices=["up", "down", "status"],
+                   help="up: start the local head (or name the running one); down: stop it; "
+                        "status: the head and each run's actors")
+    p.add_argument("--address", default=None,
+                   help="Ray address of the cluster (default: the local head rollflow "
+                        "started)")
     p.add_argument("--namespace", default="rollflow", help="Ray namespace of the actors")
     p.add_argument("--json", action="store_true", help="status as JSON")
     p.add_argument("--force", action="store_true",
@@ -328,8 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("runs", help="runs in a storage root; `stop RUN` frees its actors")
     common = argparse.ArgumentParser(add_help=False)  # (options before or after RUN)
-    common.add_argument("--root", default="./runs")
-    common.add_argument("--endpoint-url", default=None)
+    common.add_argument("--root", default="./runs",
+                        help="storage root of the runs: a directory or s3://bucket/prefix "
+                             "(default ./runs)")
+    common.add_argument("--endpoint-url", default=None,
+                        help="S3-compatible endpoint of --root (default: AWS S3)")
     common.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="storage credentials, e.g. storage.storage_options={key: K, "
                         "secret: S} or storage.credentials_block=NAME (default: AWS_* of the "
@@ -337,11 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
     actions = p.add_subparsers(dest="action", required=True, metavar="{list,show,stop}")
-    actions.add_parser("list", parents=[common], help="the runs, with their latest eval")
-    actions.add_parser("show", parents=[common], help="a run's step metrics and evals"
-                       ).add_argument("run")
+    actions.add_parser("list", parents=[common], help="the runs: status (running, failed, "
+                       "complete, stopped), steps committed, a failure's cause or the latest "
+                       "eval")
+    actions.add_parser("show", parents=[common], help="a run's status, cause and resume "
+                       "command, then its step metrics and evals"
+                       ).add_argument("run", help="run name under --root")
     stop = actions.add_parser("stop", parents=[common], help="free a run's actors")
-    stop.add_argument("run")
+    stop.add_argument("run", help="run name under --root")
     stop.add_argument("--address", default=None, help="Ray address (default: local head)")
     stop.add_argument("--namespace", default="rollflow", help="Ray namespace of the run")
     p.set_defaults(func=cmd_runs, run=None)
@@ -352,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action, what in (("add", "start N more engines"), ("remove", "drain and stop N"),
                          ("show", "the pool size the run is asked to have")):
         one = actions.add_parser(action, parents=[common], help=what)
-        one.add_argument("run")
+        one.add_argument("run", help="run name under --root")
         if action != "show":
             one.add_argument("--count", type=int, default=1, help="N (default 1)")
     p.set_defaults(func=cmd_engines)
@@ -361,11 +450,43 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():
         p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
+    _describe_by_help(sub)
     return parser
 
 
+def _describe_by_help(sub: Any) -> None:
+    """`rollflow X -h` opens with the line `rollflow -h` lists for X, unless X has its own."""
+    for choice in sub._choices_actions:
+        one = sub.choices[choice.dest]
+        one.description = one.description or choice.help
+        for inner in one._subparsers._group_actions if one._subparsers else ():
+            _describe_by_help(inner)
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace
+               ) -> argparse.ArgumentParser:
+    """The (sub)command parser `args` came through: its usage is the one to show."""
+    for name in ("command", "action"):
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                    and a.dest == name), None)
+        if sub is None or getattr(args, name, None) not in sub.choices:
+            break
+        parser = sub.choices[getattr(args, name)]
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """As `parse_args`, but an unknown option is refused with its subcommand's usage
+    (`rollflow train --nope` shows `train`'s options, not the top-level ones)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.runs_flows:
         prefect_env_defaults()  # before quiet_prefect_failures makes Prefect set up its logging
     # A command's stdout holds its own output only (a flow command's: its JSON result), written

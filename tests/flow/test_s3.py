@@ -88,7 +88,7 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
                  "--endpoint-url", s3_server.endpoint_url]) == 0
     # stdout holds the CLI's lines only (Ray's "(raylet)" warnings go to stderr).
     listed = capsys.readouterr().out.splitlines()
-    assert [ln.split("\t")[:2] for ln in listed] == [[run, "steps=2"]]
+    assert [ln.split("\t")[:3] for ln in listed] == [[run, "complete", "steps=2/2"]]
     assert main(["runs", "show", run, "--root", cfg.storage.uri,
                  "--endpoint-url", s3_server.endpoint_url]) == 0
     rows = capsys.readouterr().out.strip().splitlines()

@@ -8,9 +8,10 @@ from flows.cli import main
 from storage.run_layout import RunLayout
 
 
-def make_run(root, name, steps):
+def make_run(root, name, steps, num_rollout=None, loss_type="policy_loss"):
     layout = RunLayout.open(str(root), name)
-    layout.store.write_text("data: {}\n", "config.yaml")
+    layout.store.write_text(f"rollout: {{num_rollout: {num_rollout or steps}}}\n"
+                            f"algorithm: {{loss_type: {loss_type}}}\n", "config.yaml")
     for k in range(steps):
         layout.store.write_json({"rollout_id": k, "reward/mean": 0.25 * k, "train/loss": 1.5},
                                 f"steps/{k:06d}", "metrics.json")
@@ -25,14 +26,16 @@ def test_runs_list_and_show(tmp_path, capsys):
     (tmp_path / "not-a-run").mkdir()
     assert main(["runs", "list", "--root", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [ln.split("\t")[0] for ln in lines] == ["alpha", "beta"]
-    assert "steps=3" in lines[0] and "eval/test=0.75" in lines[0]
+    assert [ln.split("\t") for ln in lines] == [
+        ["alpha", "complete", "steps=3/3", "eval/test=0.75"],
+        ["beta", "complete", "steps=1/1", "eval/test=0.75"]]
 
     assert main(["runs", "show", "alpha", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].split("\t")[:3] == ["rollout_id", "reward/mean", "train/loss"]
-    assert [row.split("\t")[1] for row in out[1:4]] == ["0", "0.25", "0.5"]
-    assert out[4].startswith("eval@v3") and "eval/test=0.75" in out[4]
+    assert out[0] == "run alpha: complete, 3/3 steps committed"
+    assert out[1].split("\t")[:3] == ["rollout_id", "reward/mean", "train/loss"]
+    assert [row.split("\t")[1] for row in out[2:5]] == ["0", "0.25", "0.5"]
+    assert out[5].startswith("eval@v3") and "eval/test=0.75" in out[5]
 
 
 def test_every_commands_stdout_holds_only_its_own_output(tmp_path, capsys, monkeypatch):
@@ -50,8 +53,9 @@ def test_every_commands_stdout_holds_only_its_own_output(tmp_path, capsys, monke
     assert main(["runs", "show", "alpha", "--root", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert [ln.split("\t")[0] for ln in lines] == ["alpha", "rollout_id", "0", "1", "eval@v2"]
-    assert captured.err.count("(raylet)") == 2
+    assert [ln.split("\t")[0] for ln in lines] == [
+        "alpha", "run alpha: complete, 2/2 steps committed", "rollout_id", "0", "1", "eval@v2"]
+    assert captured.err.count("(raylet)") >= 2  # once or more per command
 
 
 def test_runs_show_unknown_run(tmp_path, capsys):
@@ -131,3 +135,119 @@ def test_a_server_on_a_port_in_use_is_refused_naming_the_port(capsys):
         port = taken.getsockname()[1]
         assert main(["server", "--port", str(port)]) == 2
     assert f"127.0.0.1:{port} is in use" in capsys.readouterr().err
+
+
+def test_runs_list_and_show_tell_failed_and_stopped_runs_apart(tmp_path, capsys):
+    """A step that raised, a run whose preflight failed (a log, no config.yaml), a Ctrl-C: each
+    listed with its status and cause, and `runs show` names the command that resumes it."""
+    make_run(tmp_path, "broken", 1, num_rollout=3).mark_failed(
+        1, "RayTaskError(...)\nlong", "HookError: rollout.custom_rm_path: it broke")
+    make_run(tmp_path, "halted", 1, num_rollout=3).mark_failed(
+        1, "KeyboardInterrupt()", "KeyboardInterrupt", interrupted=True)
+    logs = tmp_path / "early" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "error-20261128-020000-000001.log").write_text(
+        "rollflow train --config bad.yaml\nConfigError: data.prompt_data: no such file\n\nTb")
+    assert main(["runs", "list", "--root", str(tmp_path)]) == 0
+    assert [ln.split("\t") for ln in capsys.readouterr().out.splitlines()] == [
+        ["broken", "failed", "steps=1/3", "step 1: HookError: rollout.custom_rm_path: it broke"],
+        ["early", "failed", "steps=0", "ConfigError: data.prompt_data: no such file"],
+        ["halted", "stopped", "steps=1/3", "step 1: KeyboardInterrupt"]]
+
+    assert main(["runs", "show", "broken", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == [
+        "run broken: failed, 1/3 steps committed",
+        "cause: step 1: HookError: rollout.custom_rm_path: it broke",
+        f"to resume: rollflow train --config {tmp_path / 'broken' / 'config.yaml'}"]
+    assert main(["runs", "show", "early", "--root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "run early: failed, 0 steps committed",
+        "cause: ConfigError: data.prompt_data: no such file",
+        "to resume: rollflow train --config bad.yaml"]  # no empty table header
+
+
+def test_an_sft_run_shows_its_loss_not_a_reward(tmp_path, capsys):
+    from flows.bookkeeping.run_status import headline_metric
+
+    make_run(tmp_path, "sft", 2, loss_type="sft_loss")
+    assert main(["runs", "show", "sft", "--root", str(tmp_path)]) == 0
+    header = capsys.readouterr().out.splitlines()[1].split("\t")
+    assert "reward/mean" not in header and "train/loss" in header
+    # the progress bar's figure (flows/train.py StepReporter)
+    assert headline_metric("sft_loss") == "train/loss"
+    assert headline_metric("policy_loss") == "reward/mean"
+
+
+def _undocumented(parser, path="rollflow"):
+    """Each (sub)command without a description, each action without help, under `parser`."""
+    import argparse
+
+    missing = [] if parser.description else [f"{path}: no description"]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            listed = {c.dest: c.help for c in action._choices_actions}
+            for name, sub in action.choices.items():
+                missing += [] if listed.get(name) else [f"{path} {name}: no help"]
+                missing += _undocumented(sub, f"{path} {name}")
+        elif not (action.help or "").strip():
+            missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_command_and_option_has_help():
+    from flows.cli.commands import build_parser
+
+    parser = build_parser()
+    assert _undocumented(parser) == []
+    assert "runs list|show|stop" in parser.description and "`engine`" in parser.description
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    assert "resume" in train.description and "--fresh" in train.description
+
+
+def test_an_unknown_option_shows_its_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--config", "x.yaml", "--nope"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rollflow train ") and "unrecognized arguments: --nope" in err
+    with pytest.raises(SystemExit):
+        main(["runs", "list", "--nope"])
+    assert capsys.readouterr().err.startswith("usage: rollflow runs list ")
+
+
+def test_runs_stop_of_an_unknown_run_says_only_that(tmp_path, capsys, monkeypatch):
+    from engines.cluster import head
+
+    monkeypatch.setattr(head, "cluster_address", lambda cfg, start=True: None)
+    assert main(["runs", "stop", "nosuchrun", "--root", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"no run 'nosuchrun' under {tmp_path}"
+
+
+def test_cluster_status_without_a_head_says_so():
+    from flows.cli.commands import format_status
+
+    status = {"address": None, "alive": False, "actors": [], "placement_groups": []}
+    assert format_status(status) == "no local Ray head running (`rollflow cluster up` starts one)"
+
+
+def test_train_fresh_deletes_the_run_and_its_actors(tmp_path, monkeypatch):
+    """Not on a terminal, so no question; the run's actors go with its directory."""
+    from types import SimpleNamespace
+
+    from engines.cluster import actors, head
+    from flows.cli.commands import start_over
+    from storage.config import StorageConfig
+
+    make_run(tmp_path, "alpha", 2)
+    killed = []
+    monkeypatch.setattr(head, "cluster_address", lambda cfg, start=True: "127.0.0.1:6379")
+    monkeypatch.setattr(head, "connect", lambda cfg: "127.0.0.1:6379")
+    monkeypatch.setattr(actors, "kill_run_actors", killed.append)
+    monkeypatch.setattr("sys.stdin", SimpleNamespace(isatty=lambda: False))
+    cfg = SimpleNamespace(storage=StorageConfig(uri=str(tmp_path), run_name="alpha"),
+                          cluster=None)
+    assert start_over(cfg) and killed == [cfg]
+    assert not (tmp_path / "alpha").exists()
+    assert start_over(cfg)  # nothing to delete

@@ -73,3 +73,14 @@ def test_a_rerun_by_the_same_flow_run_or_process_takes_over_quietly(tmp_path, cr
     write_record(layout, DriverRecord.of_this_process("run-1", "runs/run"))
     assert take_over(layout, "runs/run", flow_run_id="run-2") == []  # this very process
     assert crashed == []
+
+
+def test_a_driver_that_ended_is_not_running_though_its_process_lives(tmp_path: Any) -> None:
+    """`rollflow runs list` reads a run trained in a notebook (or a test) as not running once
+    train() returned."""
+    layout = RunLayout.open(str(tmp_path), "run")
+    take_over(layout, layout.uri, "flow-run-1")
+    assert driver_record.read_record(layout).running()  # type: ignore[union-attr]
+    driver_record.mark_ended(layout)
+    ended = driver_record.read_record(layout)
+    assert ended is not None and ended.ended_at is not None and ended.running() is False
