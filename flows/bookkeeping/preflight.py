@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,13 +169,45 @@ def check_model_families(cfg: RollflowConfig) -> None:
         raise ConfigError("\n".join(errors))
 
 
+CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in this shell, or "
+    "storage.storage_options={key: ..., secret: ...}, or storage.credentials_block=NAME (a "
+    "Prefect Secret block); docs/security.md, \"Object storage\"")
+
+
+def _lacks_credentials(exc: BaseException) -> bool:
+    """botocore found no credentials, whether raised as is or inside a StorageError."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "NoCredentialsError" or "NoCredentialsError" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextmanager
+def credentials_named(key: str, uri: str) -> Iterator[None]:
+    """An S3 request made without credentials fails as a config error (exit code 2) naming
+    the URI, the config key and what to set, not as botocore's bare `NoCredentialsError`."""
+    try:
+        yield
+    except Exception as e:
+        if _lacks_credentials(e):
+            raise ConfigError(f"{key}: no S3 credentials to read or write {uri}: "
+                              f"{CREDENTIALS_FIX}") from None
+        raise
+
+
 def check_storage(cfg: RollflowConfig) -> RunLayout:
     """The run directory exists (or can be made) and takes a write."""
     s = cfg.storage
     try:
-        layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options())
-        layout.store.write_text("ok", ".preflight")
-        layout.store.delete(".preflight")
+        with credentials_named("storage.uri", s.uri):
+            layout = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options())
+            layout.store.write_text("ok", ".preflight")
+            layout.store.delete(".preflight")
     except OSError as e:
         raise ConfigError(f"storage.uri: cannot write the run directory under {s.uri!r}: "
                           f"{e}") from None
@@ -275,8 +309,9 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
     hub = RewardHub.from_config(cfg.rollout)
     tokenizer, context = load_tokenizer_and_context(cfg)
     limit = checked_prompt_limit(cfg, context)
-    train_set = data_spec(cfg.data, cfg.storage, limit)
-    checked = _check(cfg, train_set, tokenizer)  # logs drops
+    with credentials_named("data.prompt_data", str(cfg.data.prompt_data)):
+        train_set = data_spec(cfg.data, cfg.storage, limit)
+        checked = _check(cfg, train_set, tokenizer)  # logs drops
     check_rewards(cfg, hub, checked.fields)
     if not (cfg.rollout.function_path or cfg.rollout.debug_train_only):
         r = cfg.rollout
@@ -290,8 +325,9 @@ def preflight(cfg: RollflowConfig) -> PreflightReport:
     eval_prompts, labels = {}, []
     for i, ds in enumerate(cfg.eval.datasets):
         check_eval_reward(ds, i, hub)
-        spec = eval_spec(ds, i, limit, cfg.storage)
-        evals = _check(cfg, spec, tokenizer)
+        with credentials_named(f"eval.datasets[{i}].path", str(ds.path)):
+            spec = eval_spec(ds, i, limit, cfg.storage)
+            evals = _check(cfg, spec, tokenizer)
         if evals.dropped_too_long:
             log.warning("eval.datasets[%d] (%s): %d prompts longer than %d tokens will get no "
                         "room to answer", i, ds.path, evals.dropped_too_long, limit)

@@ -72,17 +72,23 @@ def local_run_dir(uri: str, run_name: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+KEPT_LOGS = 20
+
+
 def write_log(text: str, run_dir: Path | None) -> Path | None:
     """`<run dir>/logs/error-<time>.log`, else under ~/.rollflow/logs; None if neither is
-    writable (the caller then prints the text)."""
+    writable (the caller then prints the text). A folder keeps the last KEPT_LOGS: every
+    config typo writes one, and nobody reads the hundredth."""
     name = f"error-{datetime.now():%Y%m%d-%H%M%S-%f}.log"
     for folder in ([run_dir / "logs"] if run_dir else []) + [rollflow_home() / "logs"]:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(text, encoding="utf-8")
-            return folder / name
         except OSError:
             continue
+        for old in sorted(folder.glob("error-*.log"))[:-KEPT_LOGS]:  # names sort by time
+            old.unlink(missing_ok=True)
+        return folder / name
     return None
 
 

@@ -147,3 +147,15 @@ def test_a_note_on_the_cause_reaches_the_first_line():
     assert summarize(RuntimeError("wrapper")) == "RuntimeError: wrapper"
     assert summarize(err).endswith("(rollout.group_rm=true calls rollout.custom_rm_path once "
                                    "per group)")
+
+
+def test_only_the_last_20_tracebacks_are_kept(tmp_path, monkeypatch, capsys):
+    """Every config typo writes a log: a session of them must not pile up in ~/.rollflow."""
+    from flows.cli.errors import KEPT_LOGS
+
+    monkeypatch.setenv("ROLLFLOW_HOME", str(tmp_path / "home"))
+    for i in range(KEPT_LOGS + 5):
+        report_failure(ValueError(f"failure {i}"), run_dir=None)
+    logs = sorted((tmp_path / "home" / "logs").glob("error-*.log"))
+    assert KEPT_LOGS == 20 and len(logs) == KEPT_LOGS
+    assert "failure 5" in logs[0].read_text() and "failure 24" in logs[-1].read_text()
