@@ -92,7 +92,8 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
     assert main(["runs", "show", run, "--root", cfg.storage.uri,
                  "--endpoint-url", s3_server.endpoint_url]) == 0
     rows = capsys.readouterr().out.strip().splitlines()
-    assert [r.split("\t")[0] for r in rows] == ["rollout_id", "0", "1"]
+    assert rows[0] == f"run {run}: complete, 2/2 steps committed"
+    assert [r.split("\t")[0] for r in rows[1:]] == ["rollout_id", "0", "1"]
 
     # Resume from S3 alone: every actor is gone, so the data source state and the trainer's
     # weights must come back from the bucket.
