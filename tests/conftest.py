@@ -158,9 +158,12 @@ def _named_actors() -> set[tuple[str, str]]:
     return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-# Helpers that multiprocessing starts once and keeps for the session (the grading pool's
-# workers are the fork server's children): never a test's leftovers.
-_KEPT = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+# Helpers started once and kept for the session, never a test's leftovers: multiprocessing's
+# (the grading pool's workers are the fork server's children) and torch.compile's worker
+# pool. Killing the pool stalls this process's next compile for good: it keeps its own copy
+# of the pool's pipe ends, so it never sees the pool go and waits on the jobs it sends.
+_KEPT = ("multiprocessing.forkserver", "multiprocessing.resource_tracker",
+         "torch/_inductor/compile_worker")
 
 
 def _kept(proc: psutil.Process) -> bool:

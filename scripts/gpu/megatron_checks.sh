@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The megatron / NCCL GPU checks on a machine with 2 GPUs (logs to $OUT or ./gpu-logs):
 #
-#   bash scripts/gpu/megatron_checks.sh [backend] [parity] [group] [parallel] [nccl] [bench]
+#   bash scripts/gpu/megatron_checks.sh [suite] [backend] [parity] [group] [parallel] [nccl] [bench]
 #   (default: backend parity group parallel)
+#   suite     the whole GPU suite, `pytest tests/gpu`, as one invocation (each module in a
+#             pytest process of its own: tests/support/own_process.py), with every test's time
 #   backend   GPU 0 (beside parity on GPU 1): tests/gpu/test_megatron_{backend,packing}.py (HF logits, losses vs torch, step-0
 #             ppo_kl in bf16, fp32/bf16 checkpoint resume with critic and LR schedule, offload)
 #   parity    GPU 1: tests/gpu/test_megatron_parity.py, the torch-vs-megatron table per algorithm
@@ -36,6 +38,11 @@ MCORE=$(ls .gpu_wheels/*/megatron_core*.whl 2>/dev/null | head -n 1)
 if [ -n "$MCORE" ] && [ ! -d "$SITE/megatron" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$MCORE" || exit 1
 fi
+# bytecode once, as pip writes it at install: the pack carries none, so the timed tests'
+# first imports of Ray, Prefect and megatron would write it
+if [ -d "$SITE" ] && [ ! -f "$SITE/.compiled" ]; then
+  $PY -m compileall -q -j 0 "$SITE" > /dev/null 2>&1; touch "$SITE/.compiled"
+fi
 [ -d "$SITE" ] && export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH || export PYTHONPATH=$PWD
 nvidia-smi -L
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "mcore", m.__version__)'
@@ -50,6 +57,7 @@ part() {  # name, timeout (s), command...
   grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| |tokens_per_s" "$LOG/$name.log" | tail -n 40
 }
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
+part suite ${T_SUITE:-600} $PYTEST --durations=0 tests/gpu
 LAST=$(( NGPU > 1 ? 1 : 0 ))  # the "other" GPU; the same one on a one-GPU machine
 # one GPU each, side by side (one after the other on a one-GPU machine)
 CUDA_VISIBLE_DEVICES=0 part backend ${T_BACKEND:-300} $PYTEST tests/gpu/test_megatron_backend.py tests/gpu/test_megatron_packing.py &

@@ -1,11 +1,28 @@
 """GPU-only tests: skipped (not failed) wherever CUDA or megatron-core is missing, so CPU CI
-collects and skips them. Run on a GPU machine with `pytest -m gpu tests/gpu`."""
+collects and skips them. Run on a GPU machine with `pytest tests/gpu`: each module that runs
+there runs in a pytest process of its own (tests/support/own_process.py), with a clean CUDA
+context, no process group or megatron state and no environment left by another module."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+
+from tests.support import own_process
+
+
+def _runs_here(item: pytest.Item) -> bool:
+    """A GPU test not skipped before it starts (no GPU or megatron-core, or `needs_two`)."""
+    if "tests/gpu/" not in str(item.fspath).replace("\\", "/"):
+        return False
+    if item.get_closest_marker("skip"):
+        return False
+    return not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    own_process.register(config, _runs_here)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

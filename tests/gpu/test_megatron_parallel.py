@@ -1,8 +1,9 @@
 """TP=2, PP=2 and DP=2 against one GPU: same weights and batch, same numbers (>= 2 GPUs).
 
-Each layout runs as its own `torchrun` job (megatron's process groups are per process), on
-an untied and a tied-embedding model: PP=2 with tied embeddings keeps a copy of the word
-embeddings on the last stage and must all-reduce its gradient with the first stage's.
+Each layout runs as its own `torchrun` job (megatron's process groups are per process), the
+jobs side by side, on an untied and a tied-embedding model: PP=2 with tied embeddings keeps
+a copy of the word embeddings on the last stage and must all-reduce its gradient with the
+first stage's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +29,30 @@ MODEL_NAMES = ("untied", "tied")
 # reduction-order noise in near-zero gradients moves TP's LM head by ~10% of its update;
 # a missing or wrong gradient reduction gives ~100%.
 UPDATE_TOL = 0.3
+JOB_TIMEOUT_S = 300  # all the torchrun jobs, side by side
 
 
-def launch(out: Path, models: list[str], nproc: int, tp: int, pp: int) -> dict[str, Any]:
+def start(out: Path, models: list[str], nproc: int, tp: int, pp: int) -> subprocess.Popen[bytes]:
+    """One layout's torchrun job, its output to `out/log.txt`."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **NCCL_SAFE_ENV,
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "tests.gpu.megatron_parallel_worker",
            f"--tp={tp}", f"--pp={pp}", f"--out={out}", *models]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    with open(out / "log.txt", "wb") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen[bytes], out: Path, timeout_s: float) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     if proc.returncode:
-        pytest.fail(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        log = (out / "log.txt").read_text(errors="replace")
+        pytest.fail(f"{proc.args} failed ({proc.returncode}):\n{log[-8000:]}")
     return dict(json.loads((out / "result.json").read_text()))
 
 
@@ -46,21 +60,39 @@ Run = tuple[dict[str, Any], Path]
 
 
 @pytest.fixture(scope="module")
-def run_layout(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
-    """`run_layout(name)`: that layout's results, each torchrun job launched once, on demand
-    (so `-k tp2` launches only the one-GPU base and TP=2)."""
+def run_layout(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], Run]]:
+    """`run_layout(name)`: that layout's results. The torchrun jobs of the one-GPU base and
+    of every layout this session's tests ask for (`-k tp2`: base and TP=2 only) start
+    together at the first call, side by side on the same GPUs (one after another, each job's
+    start-up and first compile made the module several minutes long)."""
     root = tmp_path_factory.mktemp("mcore-parallel")
     models = [save_qwen2_tiny(str(root / name), tie_word_embeddings=name == "tied")
               for name in MODEL_NAMES]
+    wanted = ["base"] + sorted({item.callspec.params["layout"] for item in request.session.items
+                                if item.path == request.path and hasattr(item, "callspec")})
+    jobs: dict[str, subprocess.Popen[bytes]] = {}
     done: dict[str, Run] = {}
+    deadline = 0.0
 
     def get(name: str) -> Run:
+        nonlocal deadline
+        if not jobs:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            for job in wanted:
+                nproc, (tp, pp) = (1, (1, 1)) if job == "base" else (2, LAYOUTS[job])
+                jobs[job] = start(root / job, models, nproc, tp, pp)
         if name not in done:
-            nproc, (tp, pp) = (1, (1, 1)) if name == "base" else (2, LAYOUTS[name])
-            done[name] = (launch(root / name, models, nproc, tp, pp), root / name)
+            left = max(1.0, deadline - time.monotonic())
+            done[name] = (finish(jobs[name], root / name, left), root / name)
         return done[name]
 
-    return get
+    yield get
+    for proc in jobs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def update_errors(got_dir: Path, base_dir: Path, m: int, k: int) -> dict[str, float]:
