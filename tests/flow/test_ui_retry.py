@@ -90,7 +90,13 @@ def test_retry_from_the_ui_resumes_the_failed_flow_run(
         assert done["run_count"] == 2  # the same flow run, run again
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
-        out, _ = worker.communicate(timeout=60)
+        try:
+            out, _ = worker.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # Stopping the worker is clean-up, not what is tested: in CI, with the actors of
+            # three test workers busy beside it, it once outlived SIGTERM for over 60 s.
+            os.killpg(worker.pid, signal.SIGKILL)
+            out, _ = worker.communicate(timeout=60)
     assert layout.committed_steps() == [0, 1, 2], out[-3000:]
     # step 0 untouched, step 1 resumed after its finished task (sample_prompts kept)
     assert os.stat(os.path.join(layout.uri, "steps/000000/train.arrow")).st_mtime_ns == committed
