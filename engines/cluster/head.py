@@ -292,7 +292,7 @@ def runs_with_actors(cfg: ClusterConfig) -> list[str]:
     leave Ray's registry of names, so every name listed is alive."""
     import ray
 
-    from engines.cluster.registry import RunActor
+    from engines.cluster.registry import run_actors
 
     state = read_state()
     if state is None or not _alive(state["address"]):
@@ -301,12 +301,7 @@ def runs_with_actors(cfg: ClusterConfig) -> list[str]:
     if not ray.is_initialized():
         ray.init(address=state["address"], namespace=cfg.namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
-    runs = set()
-    for named in ray.util.list_named_actors(all_namespaces=True):  # every run, any namespace
-        parsed = RunActor.parse(named["name"])
-        if parsed is not None:
-            runs.add(parsed.run_name)
-    return sorted(runs)
+    return sorted({actor.run_name for actor in run_actors(namespace=None)})
 
 
 class Terminated(KeyboardInterrupt):

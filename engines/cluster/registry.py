@@ -169,12 +169,12 @@ class RunActor:
         return RunActor(run, role, suffix, name)
 
 
-def run_actors(namespace: str, run: str | None = None) -> list[RunActor]:
-    """The rollflow actors alive in `namespace` (of one run, if given: a run key, or a run
-    name for every run of that name)."""
+def run_actors(namespace: str | None, run: str | None = None) -> list[RunActor]:
+    """The rollflow actors alive in `namespace` (None: in any namespace; of one run, if
+    given: a run key, or a run name for every run of that name)."""
     found = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != namespace:
+        if namespace is not None and entry["namespace"] != namespace:
             continue
         actor = RunActor.parse(entry["name"])
         if actor is not None and (run is None or actor.of_run(run)):
