@@ -26,6 +26,7 @@ from flows.config.loader import dump_config
 from flows.servers.prefect_server import start_server
 from storage.run_layout import RunLayout
 from tests.support import REPO_ROOT
+from tests.support.hooks import RELEASE_FILE
 from tests.support.procs import rollflow_env
 from tests.support.server_faults import (
     head_processes_of,
@@ -144,7 +145,11 @@ def test_ray_head_stopped_under_a_training(make_config, prefect_api, tmp_path, f
 
     reference = make_config("ref", *STEPS)
     train(reference)
-    cfg = make_config("head-down", *STEPS, "cluster.num_cpus=4")
+    # step 1's rewards wait for the release file: the head goes down mid-step however fast
+    # the mock backends and however slow the machine (a free run once finished all 4 steps
+    # before `cluster down` came)
+    cfg = make_config("head-down", *STEPS, "cluster.num_cpus=4", "rollout.rm_type=null",
+                      "rollout.custom_rm_path=tests.support.hooks:reward_held_in_step_1")
     cfg.cluster.address = None  # the local head, started on demand
     path = write_config(cfg, tmp_path)
     home = Path(tempfile.mkdtemp(prefix="rf-head-", dir="/tmp"))
@@ -166,6 +171,8 @@ def test_ray_head_stopped_under_a_training(make_config, prefect_api, tmp_path, f
         command = shlex.split(last.split("Resume it with: ", 1)[1])
         assert command[:3] == ["python", "-m", "flows.cli"], command
         committed = layout_of(cfg).committed_steps()
+        assert committed == [0], committed  # held in step 1
+        (Path(cfg.storage.uri) / cfg.storage.run_name / RELEASE_FILE).touch()
         rerun = subprocess.run([sys.executable, *command[1:]], cwd=REPO_ROOT, text=True,
                                env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=600,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

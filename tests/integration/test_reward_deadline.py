@@ -145,3 +145,18 @@ def test_rule_timeout_is_configured_and_positive() -> None:
     assert RolloutConfig(num_rollout=1, rollout_batch_size=1).rm_rule_timeout_s == 10.0
     with pytest.raises(ValueError, match="rm_rule_timeout_s"):
         RolloutConfig(num_rollout=1, rollout_batch_size=1, rm_rule_timeout_s=0)
+
+
+def test_a_rules_module_is_imported_before_its_deadline_starts() -> None:
+    """The rule's module takes 2 s to import and the deadline is 1 s: a worker that imported it
+    inside the deadline would score a timeout, on a new pool as on the first."""
+    from tests.support.slow_import_rule import IMPORT_S, quick
+
+    fresh = GradingPool(workers=1)
+    try:
+        for _ in range(2):
+            assert off_main_thread(lambda: fresh.grade(quick, "", None, IMPORT_S / 2)) == 1.0
+            fresh._discard(fresh._pool)  # a kill, as after another rule's timeout
+        assert fresh.restarts == 2
+    finally:
+        fresh.shutdown()

@@ -53,6 +53,24 @@ async def reward_exact(args: Any, sample: Any) -> float:
     return await exact_match(args, sample)
 
 
+RELEASE_FILE = "release-step-1"
+"""The file in the run directory that lets `reward_held_in_step_1` score step 1."""
+
+
+async def reward_held_in_step_1(args: Any, sample: Any) -> float:
+    """exact_match, but step 1's samples wait until RELEASE_FILE exists in the run directory
+    (at most 300 s): a test that acts on a run mid-step then finds it there however slow the
+    machine, rather than racing a run that may have finished."""
+    per_step = args.rollout.rollout_batch_size * args.rollout.n_samples_per_prompt
+    if per_step <= sample.index < 2 * per_step:
+        release = os.path.join(args.storage.uri, args.storage.run_name, RELEASE_FILE)
+        for _ in range(1500):
+            if os.path.exists(release):
+                break
+            await asyncio.sleep(0.2)
+    return await exact_match(args, sample)
+
+
 async def reward_nan_after_step_0(args: Any, sample: Any) -> float:
     """A broken hook: NaN for every fifth sample after the first step's."""
     per_step = args.rollout.rollout_batch_size * args.rollout.n_samples_per_prompt

@@ -18,7 +18,9 @@ that can hang run in a few worker processes: there the rule is on the worker's m
    │ broken by another sample's kill ──► once more, on the new pool
 ```
 The pool starts on first use, with every worker up before any deadline runs (forkserver with
-the math rules preloaded, so a replacement worker costs a fork, not a sympy import). One pool
+the math rules preloaded, so a replacement worker costs a fork, not a sympy import; each worker
+imports the modules of the rules graded so far, so after a kill no deadline pays for importing
+a rule's module such as reasoning_gym's). One pool
 serves the whole process: every reward hub shares it (each eval dataset builds its own hub, and
 worker processes must not multiply with them).
 """
@@ -26,6 +28,8 @@ worker processes must not multiply with them).
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib
 import logging
 import multiprocessing
 import os
@@ -55,10 +59,20 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _init_worker(sys_path: list[str]) -> None:
+def _init_worker(sys_path: list[str], modules: list[str]) -> None:
     # Python 3.11's forkserver does not pass the parent's sys.path on; a rule defined in the
     # user's directory (or a test module) must import in the worker as it does in the parent.
     sys.path[:] = sys_path
+    for module in modules:  # before the startup check, so no deadline pays for an import
+        importlib.import_module(module)
+
+
+def rule_module(rule: Callable[..., Any]) -> str | None:
+    """The module a worker imports to unpickle `rule` (through `functools.partial`s)."""
+    while isinstance(rule, functools.partial):
+        rule = rule.func
+    module = getattr(rule, "__module__", None)
+    return module if isinstance(module, str) and module != "__main__" else None
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -76,6 +90,7 @@ class GradingPool:
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         self.restarts = 0  # pools replaced: a rule passed its deadline or a worker died
         self._pool: ProcessPoolExecutor | None = None
+        self._modules: list[str] = []  # the rules' modules: a new pool's workers import them
         self._lock = threading.Lock()  # the pool pointer and the slots
         self._start_lock = threading.Lock()  # one pool start at a time
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
@@ -97,7 +112,7 @@ class GradingPool:
                 return self._pool
             pool = ProcessPoolExecutor(
                 self.workers, mp_context=_context(), initializer=_init_worker,
-                initargs=(list(sys.path),),
+                initargs=(list(sys.path), list(self._modules)),
             )
             try:
                 for f in [pool.submit(_ready) for _ in range(self.workers)]:
@@ -123,6 +138,10 @@ class GradingPool:
         """`rule(response, label)` in a worker; None when it passed `timeout_s`. A rule's own
         exception is raised here, as it would be in process."""
         loop = asyncio.get_running_loop()
+        module = rule_module(rule)
+        with self._lock:
+            if module and module not in self._modules:
+                self._modules.append(module)
         async with self._slot():
             for _ in range(2):
                 pool = self._pool
