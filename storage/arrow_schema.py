@@ -4,7 +4,9 @@ Prompts that are chat messages and dict rewards do not fit a fixed column type, 
 in JSON side columns (`prompt_json`, `reward_json`) and the plain columns stay typed for the
 common case (string prompt, float reward) that tools like pandas/duckdb read directly.
 An MoE rollout's routed experts are a flat `list<int16>` per row (`RoutedExperts`), null for
-dense models; a table written before that column existed reads as none recorded.
+dense models; a table written before that column existed reads as none recorded. So does
+`token_versions` (each response token's weight version): a table without it reads as
+versions not recorded.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("weight_version", pa.int64(), nullable=False),
         pa.field("metadata", pa.string(), nullable=False),
         pa.field("routed_experts", pa.list_(pa.int16())),
+        pa.field("token_versions", pa.list_(pa.int32())),
     ],
     metadata={"rollflow.schema": "sample/1"},
 )
 _LIST_COLUMNS = ("tokens", "loss_mask", "rollout_log_probs")
-_OPTIONAL_COLUMNS = ("routed_experts",)
+_OPTIONAL_COLUMNS = ("routed_experts", "token_versions")
 
 
 def samples_to_table(samples: list[Sample]) -> pa.Table:
@@ -67,6 +70,7 @@ def samples_to_table(samples: list[Sample]) -> pa.Table:
         cols["status"].append(str(s.status))
         cols["weight_version"].append(s.weight_version)
         cols["metadata"].append(json.dumps(s.metadata, ensure_ascii=False, sort_keys=True))
+        cols["token_versions"].append(s.token_versions)
     arrays = [pa.array(cols[f.name], type=f.type) if f.name in cols
               else _routed_experts_array(samples) for f in SAMPLE_SCHEMA]
     return pa.Table.from_arrays(arrays, schema=SAMPLE_SCHEMA)
@@ -132,6 +136,8 @@ def table_to_samples(table: pa.Table) -> list[Sample]:
         col = {name: table.column(name).to_pylist() for name in SAMPLE_SCHEMA.names
                if name not in _LIST_COLUMNS and name not in _OPTIONAL_COLUMNS}  # fmt: skip
         routed = _routed_experts_rows(table)
+        versions = (_row_lists(table.column("token_versions"))
+                    if "token_versions" in table.schema.names else [[]] * table.num_rows)
         out = []
         for i in range(table.num_rows):
             prompt_json, reward_json = col["prompt_json"][i], col["reward_json"][i]
@@ -151,6 +157,7 @@ def table_to_samples(table: pa.Table) -> list[Sample]:
                     weight_version=col["weight_version"][i],
                     metadata=json.loads(col["metadata"][i]),
                     routed_experts=routed[i],
+                    token_versions=list(versions[i]),
                 )
             )
     return out

@@ -80,7 +80,9 @@ class Sample:
     response (`response_length` entries). `reward` is a float or, for reward models that
     return several scores, a dict from which `reward_key` picks the trained one.
     `routed_experts` (MoE models, when the rollout asks the engine for them) covers every
-    token but the last, prompt included.
+    token but the last, prompt included. `token_versions` holds the weight version that
+    generated each response token, read through `response_versions()` (a custom generate
+    function may not record them).
     """
 
     index: int
@@ -97,6 +99,7 @@ class Sample:
     weight_version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: RoutedExperts | None = None
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -151,13 +154,28 @@ class Sample:
             return float(self.reward[reward_key])
         return float(self.reward)
 
-    def append_response(self, token_ids: list[int], log_probs: list[float], text: str) -> None:
-        """Extend the response with freshly generated tokens (used by partial rollouts too)."""
+    def append_response(self, token_ids: list[int], log_probs: list[float], text: str,
+                        versions: list[int] | None = None) -> None:
+        """Extend the response with freshly generated tokens (used by partial rollouts too);
+        `versions`: the weight version of each (UNKNOWN_VERSION for each where not given)."""
         self.tokens.extend(token_ids)
         self.response += text
         self.response_length += len(token_ids)
         self.loss_mask.extend([1] * len(token_ids))
         self.rollout_log_probs.extend(log_probs)
+        self.token_versions.extend(versions if versions is not None
+                                   else [UNKNOWN_VERSION] * len(token_ids))
+
+    def response_versions(self) -> list[int]:
+        """The weight version of each response token. A token whose version was not recorded
+        (UNKNOWN_VERSION, or all of them where a custom generate function built the response
+        itself and the list does not line up) counts as coming from the oldest version the
+        sample knows: its staleness is never under-counted."""
+        oldest = int(self.metadata.get("start_weight_version", self.weight_version))
+        versions = self.token_versions
+        if len(versions) != self.response_length:
+            return [oldest] * self.response_length
+        return [oldest if v == UNKNOWN_VERSION else v for v in versions]
 
     def check(self) -> None:
         """Raise if the per-token fields disagree with `response_length`."""
@@ -195,10 +213,30 @@ class Sample:
             weight_version=self.weight_version,
             metadata=copy.deepcopy(self.metadata) if self.metadata else {},
             routed_experts=self.routed_experts,  # immutable
+            token_versions=list(self.token_versions),
         )
 
 
 Group = list[Sample]
+
+UNKNOWN_VERSION = -1
+"""A response token whose generating weight version was not recorded."""
+VERSION_SPANS = "weight_version_spans"
+"""The `/generate` answer's `meta_info` key (rollflow's, beside SGLang's `weight_version`) for
+a response whose tokens came from several weight versions: `[[first output index, version],
+...]`, present only where a weight update landed mid-request."""
+
+
+def versions_from_spans(spans: list[list[int]] | None, length: int, version: int) -> list[int]:
+    """Per-token versions of a response of `length` tokens from its version spans; without
+    spans every token is `version`'s (the one the answer reports)."""
+    if not spans:
+        return [version] * length
+    out: list[int] = []
+    ends = [int(start) for start, _ in spans[1:]] + [length]
+    for (_, v), end in zip(spans, ends, strict=True):
+        out.extend([int(v)] * (min(end, length) - len(out)))
+    return out + [version] * (length - len(out))
 
 
 def flatten(groups: list[Group]) -> list[Sample]:

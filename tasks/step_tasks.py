@@ -31,7 +31,7 @@ from engines.records import (
     StageRecord,
 )
 from tasks import colocate
-from tasks.artifacts import ProgressArtifact, artifact_key, publish_eval
+from tasks.artifacts import ProgressArtifact, artifact_key, publish_eval, publish_staleness
 from tasks.records import StepMetrics, TrainRecord
 from tasks.retries import TASK_OPTIONS, step_run_name
 from tasks.step_context import StepContext, run_once
@@ -60,6 +60,7 @@ def generate(ctx: StepContext, rollout_id: int) -> GenerateRecord:
         generating = ctx.actors.rollout.generate.remote(rollout_id)
         record = wait_showing_progress(ctx, rollout_id, generating)
         ctx.pool.replace_lost(record.lost_engines)  # the step went on without them
+        publish_staleness(ctx.cfg.storage.run_name, rollout_id, record.rollout_metrics)
         return record
 
     return run_once(ctx.layout, rollout_id, GenerateRecord, work)

@@ -186,6 +186,15 @@ class TrainConfig(Section):
         "handles, no bytes copied), distributed (pause, process-group broadcast in buckets, flush, continue), "
         "disk (save_pretrained + /update_weights_from_disk).",
     )
+    weight_update_pause: Literal["abort", "retract", "in_place"] = Field(
+        "abort",
+        description="How a weight update pauses the engines (SGLang's /pause_generation "
+        "modes): abort ends in-flight requests with their partial output, which the rollout "
+        "continues on the new weights; retract (drop the KV cache, re-prefill) and in_place "
+        "(keep it) let in-flight requests go on with the new weights without leaving the "
+        "engine. Nothing generated is thrown away in any mode; each token records the weight "
+        "version that produced it (the token_versions column).",
+    )
     update_weights_interval: int = Field(
         1, ge=1,
         description="Push new weights to the engines every N train steps (and after the last "

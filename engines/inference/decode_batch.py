@@ -46,6 +46,16 @@ class ReqState:
     # MoE models: int16 `[tokens, layers, topk]` routed experts of the tokens fed so far
     # (the prefill's prefix, then one per decode step); a re-prefill replaces them
     routed: list[torch.Tensor] = field(default_factory=list)
+    # (first output index, weight version) of each run of tokens: a weight update between two
+    # decode steps (an `in_place` or `retract` pause) starts a new run
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def note_version(self, version: int) -> None:
+        """The tokens from here on come from `version`."""
+        if not self.version_spans or self.version_spans[-1][1] != version:
+            if self.version_spans and self.version_spans[-1][0] == len(self.out_ids):
+                self.version_spans.pop()  # no token came from the previous version
+            self.version_spans.append((len(self.out_ids), version))
 
     @property
     def prefix(self) -> list[int]:
@@ -58,6 +68,7 @@ class DecodeBatch:
     def __init__(self, vocab: int = 0) -> None:
         self.waiting: deque[ReqState] = deque()
         self.vocab = vocab
+        self.weight_version: int | None = None  # the version its requests' spans last noted
         self.drop_rows()
 
     def drop_rows(self) -> None:

@@ -243,6 +243,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         with self._lock, torch.inference_mode():
             self._require_weights()
             batch.waiting.extend(self._state(r) for r in admit)
+            self._note_version(batch)
             ended = self._decode(batch) if batch.num_running else []
             room = self.max_batch_size - batch.num_running
             if room > 0 and batch.waiting:
@@ -256,6 +257,15 @@ class EmbeddedGenerator(GeneratorIdentity):
                     ended += self._prefill(batch, live)
             batch.maybe_compact()
             return [self._result(s) for s in ended]
+
+    def _note_version(self, batch: DecodeBatch) -> None:
+        """After a weight update between two steps, the requests' next tokens come from the
+        new version (every request: running, waiting and retracted alike)."""
+        if batch.weight_version == self._version:
+            return
+        for s in [*batch.waiting, *(batch.rows[j] for j in batch.live_rows())]:
+            s.note_version(self._version)
+        batch.weight_version = self._version
 
     def abort(self, batch: DecodeBatch, rids: Collection[str] | None) -> list[GenResult]:
         with self._lock, torch.inference_mode():
@@ -286,6 +296,7 @@ class EmbeddedGenerator(GeneratorIdentity):
             seed=seed,
             budget=max(0, min(p.max_new_tokens, self.context_len - len(r.input_ids))),
             stop_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids),
+            version_spans=[(0, self._version)],
         )
 
     def _invariant_decoder(self) -> LlamaDecoder | None:
@@ -414,4 +425,5 @@ class EmbeddedGenerator(GeneratorIdentity):
             prompt_tokens=len(s.request.input_ids),
             weight_version=self._version,
             routed_experts=routed,
+            version_spans=s.version_spans if len(s.version_spans) > 1 else None,
         )

@@ -71,6 +71,9 @@ class GenResult:
     prompt_tokens: int
     weight_version: int
     routed_experts: np.ndarray | None = None
+    version_spans: list[tuple[int, int]] | None = None
+    """`(first output index, weight version)` for each run of tokens one version generated,
+    where a weight update landed mid-request; None: every token is `weight_version`'s."""
 
 
 class RunningBatch(Protocol):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engines.inference.gen_types import Generator, GenRequest, GenResult, SamplingParams
 from engines.inference.routed_experts import encode_routed_experts
+from storage.sample import VERSION_SPANS
 
 _NEUTRAL_PARAMS: dict[str, Any] = {
     "frequency_penalty": 0.0,
@@ -152,6 +153,8 @@ def to_response(result: GenResult, return_logprob: bool, latency: float) -> dict
     }
     if result.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(result.routed_experts)
+    if result.version_spans is not None:  # rollflow's: a weight update landed mid-request
+        meta[VERSION_SPANS] = [list(span) for span in result.version_spans]
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tid, None]

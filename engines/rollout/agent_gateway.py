@@ -43,7 +43,7 @@ from engines.chat.template import encode_text, normalise_messages, render_text
 from engines.chat.tool_calls import ToolCall, offered_tool_names, parse_tool_calls
 from engines.hooks.protocols import AgentFn, GenerateFn, engine_url
 from engines.rollout.sglang_client import GenerateOutput, SGLangClient
-from storage.sample import Sample, Status
+from storage.sample import UNKNOWN_VERSION, Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Replay:
                          list(sample.rollout_log_probs), [RecordedTurn(*t) for t in record])
         del sample.tokens[sample.prompt_length:]
         sample.response, sample.response_length = "", 0
-        sample.loss_mask, sample.rollout_log_probs = [], []
+        sample.loss_mask, sample.rollout_log_probs, sample.token_versions = [], [], []
         return replay
 
     def turn(self, index: int, prompt: list[int]) -> RecordedTurn | None:
@@ -179,6 +179,7 @@ def _append(sample: Sample, ids: list[int], logprobs: list[float], text: str, ma
     sample.response_length += len(ids)
     sample.loss_mask.extend([mask] * len(ids))
     sample.rollout_log_probs.extend(logprobs)
+    sample.token_versions.extend([UNKNOWN_VERSION] * len(ids))  # not the model's tokens
 
 
 class AgentGateway:
@@ -332,7 +333,7 @@ class AgentGateway:
         s.replay = None
         sample.tokens[:] = self.renderer.full_ids(messages, tools)
         sample.response, sample.response_length = "", 0
-        sample.loss_mask, sample.rollout_log_probs = [], []
+        sample.loss_mask, sample.rollout_log_probs, sample.token_versions = [], [], []
 
     async def _generate(
         self, s: Session, prompt: list[int], body: dict[str, Any]
@@ -386,6 +387,8 @@ class AgentGateway:
         sample.response_length += len(out.output_ids)
         sample.loss_mask.extend(mask)
         sample.rollout_log_probs.extend(out.log_probs)
+        sample.token_versions.extend(out.token_versions
+                                     or [out.weight_version] * len(out.output_ids))
         s.record.append([start, len(sample.tokens), dict(out.finish_reason), out.text,
                          out.weight_version])
         sample.metadata[RECORD] = s.record

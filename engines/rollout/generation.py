@@ -155,7 +155,8 @@ def sampling_params_for(cfg: RolloutConfig, sample: Sample) -> dict[str, Any]:
 
 def apply_output(sample: Sample, out: GenerateOutput) -> None:
     sample.metadata.setdefault("start_weight_version", out.weight_version)
-    sample.append_response(list(out.output_ids), list(out.log_probs), out.text)
+    sample.append_response(list(out.output_ids), list(out.log_probs), out.text,
+                           out.token_versions or [out.weight_version] * len(out.output_ids))
     if out.routed_experts is not None:  # the whole stream's: supersedes an earlier turn's
         sample.routed_experts = out.routed_experts
     sample.status = FINISH_TO_STATUS.get(out.finish_reason.get("type", ""), Status.FAILED)

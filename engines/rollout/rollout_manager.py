@@ -49,6 +49,7 @@ from engines.rollout.restore import (
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
+from engines.rollout.staleness import staleness_metrics
 from engines.weights.schedule import oldest_trainable_version
 from storage.batch_io import read_samples, write_samples
 from storage.group_journal import GroupJournal
@@ -303,6 +304,7 @@ class RolloutManager:
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
             lost = sorted(result.lost_engines)
+        metrics.update(staleness_metrics(flatten(kept), trained_version=rollout_id))
         uri = write_samples(
             self.layout.store,
             flatten(kept),

@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 import orjson
 
-from storage.sample import RoutedExperts
+from storage.sample import VERSION_SPANS, RoutedExperts, versions_from_spans
 
 
 class SGLangError(RuntimeError):
@@ -57,6 +57,8 @@ class GenerateOutput:
     finish_reason: dict[str, Any]
     weight_version: int
     routed_experts: RoutedExperts | None = None
+    token_versions: list[int] | None = None
+    """The weight version of each output token (None: all `weight_version`'s)."""
 
     @property
     def aborted(self) -> bool:
@@ -83,13 +85,16 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
             f"/generate answer for rid {meta.get('id')!r}: meta_info.output_token_logprobs[{i}] "
             f"is null, i.e. the engine's log-prob of token {logprobs[i][1]} is NaN or infinite"
         )
+    output_ids = list(item.get("output_ids") or [t[1] for t in logprobs])
+    version = parse_weight_version(meta.get("weight_version"))
     return GenerateOutput(
-        output_ids=list(item.get("output_ids") or [t[1] for t in logprobs]),
+        output_ids=output_ids,
         text=item.get("text", ""),
         log_probs=[float(v) for v in values],
         finish_reason=dict(meta.get("finish_reason") or {}),
-        weight_version=parse_weight_version(meta.get("weight_version")),
+        weight_version=version,
         routed_experts=parse_routed_experts(meta),
+        token_versions=versions_from_spans(meta.get(VERSION_SPANS), len(output_ids), version),
     )
 
 

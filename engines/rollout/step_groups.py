@@ -23,7 +23,7 @@ def reset_to_prompt(sample: Sample) -> None:
     """Forget a sample's response (a recycled group without partial rollout)."""
     del sample.tokens[sample.prompt_length :]
     sample.response, sample.response_length = "", 0
-    sample.loss_mask, sample.rollout_log_probs = [], []
+    sample.loss_mask, sample.rollout_log_probs, sample.token_versions = [], [], []
     sample.routed_experts = None
     sample.status, sample.reward, sample.weight_version = Status.PENDING, None, 0
     sample.metadata.pop("start_weight_version", None)

@@ -471,11 +471,12 @@ class DiskWeightSender(_HTTPSender):
 SenderFactory = Callable[[TrainConfig, list[str], PushLayout], WeightSender]
 WEIGHT_SENDERS: dict[str, SenderFactory] = {
     "tensor": lambda cfg, urls, layout: TensorWeightSender(
-        urls, cfg.update_weight_buffer_size, layout),
+        urls, cfg.update_weight_buffer_size, layout, pause_mode=cfg.weight_update_pause),
     "distributed": lambda cfg, urls, layout: DistributedWeightSender(
-        urls, cfg.update_weight_buffer_size, cfg.weight_sync_backend, cfg.weight_sync_master_address
+        urls, cfg.update_weight_buffer_size, cfg.weight_sync_backend, cfg.weight_sync_master_address,
+        pause_mode=cfg.weight_update_pause,
     ),
-    "disk": lambda cfg, urls, layout: DiskWeightSender(urls),
+    "disk": lambda cfg, urls, layout: DiskWeightSender(urls, pause_mode=cfg.weight_update_pause),
 }
 
 

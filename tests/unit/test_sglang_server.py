@@ -317,7 +317,10 @@ def test_request_joins_a_running_batch_over_http(engine: EngineActor) -> None:
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_and_continue_keep_requests(engine: EngineActor, mode: str) -> None:
+def test_pause_a_weight_update_and_continue_keep_requests(engine: EngineActor, mode: str) -> None:
+    """Paused mid-request, the engine takes a new weight version (the same weights, so the
+    tokens can be compared with a solo run) and goes on: no token is lost or generated twice,
+    and each token reports the version that generated it."""
     prompt = prompt_ids(engine, "12*3=")
     params = {**SEEDED, "max_new_tokens": 120}
     solo = solo_outputs(engine, [prompt], params)[0]
@@ -345,12 +348,20 @@ def test_pause_and_continue_keep_requests(engine: EngineActor, mode: str) -> Non
             assert task is not None, "the request finished before every pause"
             # in_place keeps the KV cache (flush refused); retract dropped it.
             assert await client.flush_cache() == (mode == "retract")
+            before = engine.weight_version()
+            updated = httpx.post(f"{engine.url()}/update_weight_version",
+                                 json={"new_version": before + 7})
+            assert updated.status_code == 200, updated.text
             await asyncio.sleep(0.2)
             assert not task.done()
             httpx.post(f"{engine.url()}/continue_generation", json={})
             out = await task
         assert out.output_ids == solo.output_ids
         assert out.log_probs == pytest.approx(solo.output_logprobs, abs=1e-4)
+        old = out.token_versions.count(before)
+        assert 0 < old < len(out.output_ids), out.token_versions
+        assert out.token_versions == [before] * old + [before + 7] * (len(out.output_ids) - old)
+        assert out.weight_version == before + 7
 
     asyncio.run(main())
 

@@ -32,7 +32,9 @@ ROLLOUT_KEYS = {
     "rollout/journal_encode_seconds", "rollout/journal_entries", "rollout/journal_write_seconds",
     "rollout/response_len_max", "rollout/response_len_mean",
     "rollout/response_len_min", "rollout/response_len_std", "rollout/reward_timeouts",
-    "rollout/samples", "rollout/seconds", "rollout/tokens_per_s", "rollout/tokens_regenerated",
+    "rollout/samples", "rollout/seconds", "rollout/staleness_max", "rollout/staleness_mean",
+    "rollout/staleness_tokens_0", "rollout/token_version_max", "rollout/token_version_min",
+    "rollout/tokens_per_s", "rollout/tokens_regenerated",
     "rollout/tokens_restored", "rollout/truncated_ratio",
 }
 TRAIN_KEYS = {f"train/{k}" for k in (

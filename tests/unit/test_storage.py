@@ -186,13 +186,15 @@ def test_clone_copies_every_field_and_shares_nothing_mutable(prompt, reward) -> 
                response_length=2, label="46", reward=reward, loss_mask=[1, 0],
                rollout_log_probs=[-0.5, -0.25], status=Status.COMPLETED, weight_version=3,
                metadata={"a": [1, {"b": 2}], "source_line": 4},
-               routed_experts=RoutedExperts.of([1, 0, 2]))  # immutable: shared by the clone
+               routed_experts=RoutedExperts.of([1, 0, 2]),  # immutable: shared by the clone
+               token_versions=[2, 3])
     defaults = Sample(index=0, group_index=0)
     # every field is set away from its default, so equality covers a field clone forgot
     assert all(getattr(s, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(s))
     c = s.clone()
     assert c == s
-    for name in ("prompt", "tokens", "reward", "loss_mask", "rollout_log_probs", "metadata"):
+    for name in ("prompt", "tokens", "reward", "loss_mask", "rollout_log_probs", "metadata",
+                 "token_versions"):
         value = getattr(c, name)
         assert isinstance(value, str | float) or value is not getattr(s, name), name
     c.metadata["a"][1]["b"] = 9
@@ -234,3 +236,19 @@ def test_routed_experts_round_trip_exactly_and_stay_null_for_dense_rows(tmp_path
     with pytest.raises(ValueError, match=r"^sample 0: routed_experts has 12 ids, not 3 tokens x "
                                          r"4 layers x top-2 = 24"):
         samples[0].routed_experts.per_token(3, 4, 2, "sample 0")
+
+
+def test_token_versions_round_trip_and_an_older_batch_reads_as_not_recorded(tmp_path):
+    samples = make_samples()
+    for s in samples:
+        s.token_versions = [3] * s.response_length
+    samples[0].token_versions[-1] = 4  # a weight update landed before its last token
+    store = ObjectStore(str(tmp_path))
+    write_samples(store, samples, "rollout.arrow")
+    back = read_samples(store, "rollout.arrow")
+    assert back == samples and back[0].token_versions[-1] == 4
+    older = table_to_samples(read_table(store, "rollout.arrow").drop_columns(["token_versions"]))
+    assert [s.token_versions for s in older] == [[]] * len(samples)
+    # not recorded: every token counts as the oldest version the sample knows
+    older[0].metadata["start_weight_version"], older[0].weight_version = 1, 4
+    assert older[0].response_versions() == [1] * older[0].response_length

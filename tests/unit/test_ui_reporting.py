@@ -22,7 +22,7 @@ from flows.bookkeeping.reporting import (
 )
 from flows.config.loader import apply_overrides, config_from_dict
 from storage.run_layout import RunLayout
-from tasks.artifacts import artifact_key, eval_rows, for_people
+from tasks.artifacts import artifact_key, eval_rows, for_people, staleness_rows
 from tasks.retries import failure_line
 
 
@@ -43,6 +43,15 @@ def test_tables_round_but_keep_their_columns():
     history = eval_history({2: {"eval/test": 0.5}, 0: {"eval/test": 0.123456}})
     assert history == [{"weight_version": 0, "eval/test": 0.1235},
                        {"weight_version": 2, "eval/test": 0.5}]
+
+
+def test_the_staleness_table_has_a_row_per_weight_version_newest_first():
+    metrics = {"rollout/staleness_tokens_2": 5.0, "rollout/staleness_tokens_0": 40.0,
+               "rollout/staleness_max": 2.0}
+    assert staleness_rows(7, metrics) == [
+        {"weight_version": 7, "versions_behind": 0, "trained_tokens": 40},
+        {"weight_version": 5, "versions_behind": 2, "trained_tokens": 5}]
+    assert staleness_rows(7, {}) == []
 
 
 def test_artifact_keys_are_slugs_of_the_run_name():
