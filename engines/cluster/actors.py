@@ -199,7 +199,7 @@ def engine_pool_size(cfg: RunConfig, cap: int | None = None) -> int:
     if cfg.rollout.debug_train_only or cfg.engine.urls:
         return configured
     s = cfg.storage
-    store = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.storage_options).store
+    store = RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options()).store
     request = read_pool_request(store)
     wanted = configured if request is None else request.target(cfg.engine.num_engines)
     if cap is not None and wanted > cap:
@@ -299,14 +299,15 @@ def replace_lost_engines(
 
 def _kill_local_process(actor: Any) -> None:
     """SIGKILL an actor's process when it runs on this node: `ray.kill` asks the process to
-    exit, which a stopped (SIGSTOP) or wedged one never does, and it would hold its memory."""
+    exit, which a stopped (SIGSTOP) or wedged one never does, and it would hold its memory
+    and its name until Ray gives up on it. The pid comes from the GCS's actor table, which
+    every head has (`ray.util.state` asks the dashboard, which a head without `ray[default]`
+    lacks: there the kill waited for Ray)."""
     try:
-        from ray.util.state import get_actor
-
-        state = get_actor(actor._actor_id.hex())
-        if state is not None and state.node_id == ray.get_runtime_context().get_node_id() \
-                and state.pid:
-            os.kill(state.pid, signal.SIGKILL)
+        info = ray._private.state.actors(actor._actor_id.hex())  # pinned ray==2.60.0
+        pid, node = int(info.get("Pid") or 0), info.get("Address", {}).get("NodeID")
+        if pid and node == ray.get_runtime_context().get_node_id():
+            os.kill(pid, signal.SIGKILL)
     except Exception:  # best effort: ray.kill below still frees the name and resources
         pass
 

@@ -246,7 +246,7 @@ class RolloutManager:
     def _debug_source_layout(self) -> RunLayout:
         s = self.cfg.storage
         uri = self.cfg.rollout.debug_rollout_data or ""
-        return RunLayout(open_store(uri, s.endpoint_url, **s.storage_options))
+        return RunLayout(open_store(uri, s.endpoint_url, **s.options_for(uri)))
 
     # -- step stages ---------------------------------------------------------------------
     def sample_prompts(self, rollout_id: int) -> SamplePromptsRecord:

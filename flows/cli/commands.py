@@ -82,8 +82,9 @@ def _runs_root(args: argparse.Namespace) -> Any:
     from flows.config.storage_credentials import storage_options
     from storage.object_store import open_store
 
-    options = storage_options(cli_storage(args.root, args.endpoint_url, args.set))
-    return open_store(args.root, args.endpoint_url, **options)
+    storage = cli_storage(args.root, args.endpoint_url, args.set)
+    with_credentials = storage.model_copy(update={"storage_options": storage_options(storage)})
+    return open_store(args.root, args.endpoint_url, **with_credentials.options_for(args.root))
 
 
 def _no_such_run(args: argparse.Namespace) -> bool:

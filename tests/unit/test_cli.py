@@ -251,3 +251,18 @@ def test_train_fresh_deletes_the_run_and_its_actors(tmp_path, monkeypatch):
     assert start_over(cfg) and killed == [cfg]
     assert not (tmp_path / "alpha").exists()
     assert start_over(cfg)  # nothing to delete
+
+
+def test_commands_on_existing_runs_open_s3_with_the_storage_retries() -> None:
+    """`runs`, `replay` and friends read the store as a training does: through botocore's
+    retries (`storage.retries`), with credentials from `--set storage.*`."""
+    import argparse
+
+    from flows.cli.commands import _runs_root
+
+    args = argparse.Namespace(root="s3://bucket/runs", endpoint_url="http://127.0.0.1:9",
+                              set=["storage.retries.max_attempts=3",
+                                   "storage.storage_options={key: k, secret: s}"])
+    store = _runs_root(args)
+    assert store.storage_options["config_kwargs"]["retries"]["max_attempts"] == 3
+    assert store.storage_options["key"] == "k"
