@@ -221,22 +221,29 @@ Group = list[Sample]
 
 UNKNOWN_VERSION = -1
 """A response token whose generating weight version was not recorded."""
-VERSION_SPANS = "weight_version_spans"
-"""The `/generate` answer's `meta_info` key (rollflow's, beside SGLang's `weight_version`) for
-a response whose tokens came from several weight versions: `[[first output index, version],
-...]`, present only where a weight update landed mid-request."""
+VERSION_SPANS = "weight_versions"
+"""The `/generate` answer's `meta_info` key, as SGLang writes it, for the weight versions of
+the output tokens: `[{"version": "3", "start": 0, "end": 17}, {"version": "4", "start": 17,
+"end": 40}]`, a span per run of tokens one version generated (a weight update landed
+mid-request where there are several). Older SGLang servers report only `weight_version`."""
 
 
-def versions_from_spans(spans: list[list[int]] | None, length: int, version: int) -> list[int]:
-    """Per-token versions of a response of `length` tokens from its version spans; without
-    spans every token is `version`'s (the one the answer reports)."""
-    if not spans:
-        return [version] * length
-    out: list[int] = []
-    ends = [int(start) for start, _ in spans[1:]] + [length]
-    for (_, v), end in zip(spans, ends, strict=True):
-        out.extend([int(v)] * (min(end, length) - len(out)))
-    return out + [version] * (length - len(out))
+def versions_from_spans(spans: Any, length: int, version: int) -> list[int]:
+    """Per-token versions of a response of `length` tokens from its `weight_versions` spans;
+    without spans every token is `version`'s (the one the answer reports). A version that is
+    not a number (SGLang's "default", the weights it started with) is 0."""
+    out = [version] * length
+    for span in spans or []:
+        start, end = max(0, int(span["start"])), min(length, int(span["end"]))
+        out[start:end] = [_version_number(span["version"])] * max(0, end - start)
+    return out
+
+
+def _version_number(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def flatten(groups: list[Group]) -> list[Sample]:

@@ -193,7 +193,7 @@ class TrainConfig(Section):
         "continues on the new weights; retract (drop the KV cache, re-prefill) and in_place "
         "(keep it) let in-flight requests go on with the new weights without leaving the "
         "engine. Nothing generated is thrown away in any mode; each token records the weight "
-        "version that produced it (the token_versions column).",
+        "version that produced it (the token_versions column, from SGLang's meta_info.weight_versions).",
     )
     update_weights_interval: int = Field(
         1, ge=1,

@@ -73,7 +73,8 @@ class GenResult:
     routed_experts: np.ndarray | None = None
     version_spans: list[tuple[int, int]] | None = None
     """`(first output index, weight version)` for each run of tokens one version generated,
-    where a weight update landed mid-request; None: every token is `weight_version`'s."""
+    where a weight update landed mid-request; None: every token is `weight_version`'s.
+    Answered as SGLang's `meta_info.weight_versions` (`sglang_protocol`)."""
 
 
 class RunningBatch(Protocol):

@@ -141,6 +141,15 @@ def parse_generate(
     return requests, logprob, is_batch
 
 
+def weight_version_spans(result: GenResult) -> list[dict[str, Any]]:
+    """SGLang's `meta_info.weight_versions`: the version of each run of output tokens."""
+    n = len(result.output_ids)
+    runs = result.version_spans or [(0, result.weight_version)]
+    ends = [start for start, _ in runs[1:]] + [n]
+    return [{"version": str(version), "start": start, "end": end}
+            for (start, version), end in zip(runs, ends, strict=True)]
+
+
 def to_response(result: GenResult, return_logprob: bool, latency: float) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": result.rid,
@@ -153,8 +162,7 @@ def to_response(result: GenResult, return_logprob: bool, latency: float) -> dict
     }
     if result.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(result.routed_experts)
-    if result.version_spans is not None:  # rollflow's: a weight update landed mid-request
-        meta[VERSION_SPANS] = [list(span) for span in result.version_spans]
+    meta[VERSION_SPANS] = weight_version_spans(result)
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tid, None]

@@ -19,10 +19,15 @@ def answered(versions: list[int], mask: list[int], start: int | None = None) -> 
     return s
 
 
-def test_spans_give_each_token_its_version() -> None:
+def span(version: str, start: int, end: int) -> dict[str, object]:
+    return {"version": version, "start": start, "end": end}
+
+
+def test_sglang_weight_version_spans_give_each_token_its_version() -> None:
     assert versions_from_spans(None, 3, 5) == [5, 5, 5]
-    assert versions_from_spans([[0, 2], [3, 4]], 5, 4) == [2, 2, 2, 4, 4]
-    assert versions_from_spans([[0, 2], [2, 3], [4, 5]], 5, 5) == [2, 2, 3, 3, 5]
+    assert versions_from_spans([span("2", 0, 3), span("4", 3, 5)], 5, 4) == [2, 2, 2, 4, 4]
+    assert versions_from_spans([span("default", 0, 2), span("3", 2, 4), span("5", 4, 5)],
+                               5, 5) == [0, 0, 3, 3, 5]
 
 
 def test_append_response_records_versions_and_marks_unknown_ones() -> None:
