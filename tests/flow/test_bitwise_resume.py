@@ -1,6 +1,7 @@
 """train.deterministic: kill -9 the driver at a random moment (seeded, printed), run the same
 command again, and the run ends with the weights and the rollout log-probs of an
-uninterrupted run, bit for bit."""
+uninterrupted run, bit for bit. Both runs go with a CPU burner beside them (and the other
+xdist workers' tests): the guarantee is for a busy machine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.support.procs import start_driver
+from tests.support.procs import cpu_burner, start_driver
 
 # Main-job-like steps: several decode batches a step, two optimizer steps per pass, the
 # machine's threads; a kill lands in generation, training or a commit as often as not.
@@ -78,15 +79,18 @@ def test_kill_9_of_the_driver_anywhere_then_rerun_is_bit_identical(
     prefect_api, make_config, tmp_path, fault_matrix, seed
 ):
     if not _REFERENCE:  # (one uninterrupted run for every seed)
-        ref = drive(make_config("ref", *SETTINGS, backend="embedded"), tmp_path, prefect_api)
+        with cpu_burner():
+            ref = drive(make_config("ref", *SETTINGS, backend="embedded"), tmp_path,
+                        prefect_api)
         _REFERENCE.update(files=files_written(ref), weights=final_weights(ref),
                           rollouts=rollouts(ref))
     rng = random.Random(seed)
     kill_at = (rng.randint(1, _REFERENCE["files"] - 2), rng.uniform(0.0, 0.5))
     print(f"seed {seed}: kill -9 {kill_at[1]:.2f} s after file {kill_at[0]} of "
           f"{_REFERENCE['files']}")
-    run = drive(make_config("kill", *SETTINGS, backend="embedded"), tmp_path, prefect_api,
-                kill_at)
+    with cpu_burner():
+        run = drive(make_config("kill", *SETTINGS, backend="embedded"), tmp_path, prefect_api,
+                    kill_at)
 
     got, want = rollouts(run), _REFERENCE["rollouts"]
     samples_same = [g[:4] for g in got] == [w[:4] for w in want]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.support import REPO_ROOT
@@ -30,3 +32,16 @@ def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen[str]:
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
+
+
+@contextmanager
+def cpu_burner() -> Iterator[None]:
+    """One process spinning at normal priority for the block: a guarantee tested under it
+    holds on a busy machine, not only on an idle one (two burners on this 2-core machine
+    once broke determinism, with Ray's workers at nice 15)."""
+    spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinning.kill()
+        spinning.wait()
