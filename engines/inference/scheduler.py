@@ -26,6 +26,8 @@ from engines.inference.gen_types import Generator, GenRequest, GenResult, aborte
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 T = TypeVar("T")
+OnResult = Callable[[int, GenResult], None]
+"""Called with (index in the submit, result) as each request ends."""
 
 
 class _Submission:
@@ -33,19 +35,23 @@ class _Submission:
     A future per request, each wrapped for the server's event loop, would cost a batched
     `/generate` of 1,024 requests a fifth of its decode (bench/RESULTS.md, "Engine HTTP
     throughput").
-    `record` runs under the scheduler's lock (aborts resolve from other threads)."""
+    `record` runs under the scheduler's lock (aborts resolve from other threads), and so does
+    `on_result` (a streamed answer's: it must only hand the result on)."""
 
-    __slots__ = ("future", "results", "pending")
+    __slots__ = ("future", "results", "pending", "on_result")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, on_result: OnResult | None = None) -> None:
         self.future: Future[list[GenResult]] = Future()
         self.results: list[GenResult | None] = [None] * size
         self.pending = size
+        self.on_result = on_result
 
     def record(self, index: int, result: GenResult) -> bool:
         """Store one result; True when it was the last one."""
         self.results[index] = result
         self.pending -= 1
+        if self.on_result is not None:
+            self.on_result(index, result)
         return self.pending == 0
 
     def finish(self) -> None:
@@ -112,15 +118,18 @@ class ContinuousScheduler:
             held = self._paused is not None or bool(self._released)
             return self._batch.num_running == 0 and (held or not self._queue)
 
-    def submit(self, requests: list[GenRequest]) -> Future[list[GenResult]]:
-        """Queue requests; the future gets their results in order once the last one ends.
-        Raises ValueError on a request id already in flight."""
+    def submit(
+        self, requests: list[GenRequest], on_result: OnResult | None = None
+    ) -> Future[list[GenResult]]:
+        """Queue requests; the future gets their results in order once the last one ends,
+        `on_result` each one as it ends (a streamed answer). Raises ValueError on a request
+        id already in flight."""
         with self._cond:
             rids = [r.rid for r in requests]
             dup = next((r for r in rids if r in self._waiting), None)
             if dup is not None or len(set(rids)) != len(rids):
                 raise ValueError(f"Duplicate request ID: {dup or rids}")
-            submission = _Submission(len(requests))
+            submission = _Submission(len(requests), on_result)
             self._waiting.update((rid, (submission, i)) for i, rid in enumerate(rids))
             self._queue.extend(requests)
             self._last_arrival = time.monotonic()

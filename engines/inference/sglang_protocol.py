@@ -120,8 +120,6 @@ def parse_generate(
     body: dict[str, Any], generator: Generator
 ) -> tuple[list[GenRequest], list[bool], bool]:
     """A `/generate` body to requests, per-request return_logprob, and whether it was a batch."""
-    if body.get("stream"):
-        raise ValueError("stream is not supported by this engine")
     prompts, is_batch = _prompts(body, generator)
     n = len(prompts)
     params = [

@@ -2,7 +2,10 @@
 
 rollflow's client, the real sglang-router and the abort/partial-rollout path all talk HTTP
 to engines; serving the same endpoints and JSON shapes from the embedded (or mock) engine
-lets every one of them run for real in CI. This module has the data plane (`/generate`,
+lets every one of them run for real in CI. `/generate` with `stream: true` answers SGLang's
+event stream: a `data:` chunk per request as it ends (its whole output, `index` naming it in
+a batch; no partial chunks), then `data: [DONE]`, so a batch's rows reach the caller one by
+one. This module has the data plane (`/generate`,
 `/abort_request`, health, `/flush_cache`, model info); `control_routes` the RL control plane
 (pause, memory release, weight updates); `openai_routes` the OpenAI-compatible `/v1/...`.
 `scheduler.ContinuousScheduler` does the batching.
@@ -17,8 +20,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from engines.inference.control_routes import add_control_routes
 from engines.inference.gen_types import Generator, GenRequest, GenResult, SamplingParams
@@ -55,11 +59,47 @@ def create_app(
     async def run(requests: list[GenRequest]) -> list[GenResult]:
         return await asyncio.wrap_future(scheduler.submit(requests))
 
+    def streamed(requests: list[GenRequest], logprob: list[bool], is_batch: bool,
+                 start: float) -> AsyncIterator[bytes]:
+        """The requests submitted now (a duplicate rid raises here, a 400); their chunks as
+        each ends. A client that goes away aborts what has not ended, as SGLang does."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Queue[tuple[int, GenResult]] = asyncio.Queue()
+
+        def on_result(index: int, result: GenResult) -> None:  # (the scheduler's thread)
+            loop.call_soon_threadsafe(ended.put_nowait, (index, result))
+
+        submitted = asyncio.wrap_future(scheduler.submit(requests, on_result))
+
+        async def events() -> AsyncIterator[bytes]:
+            sent: set[int] = set()
+            try:
+                for _ in requests:
+                    i, result = await _next_result(ended, submitted)
+                    chunk = to_response(result, logprob[i], time.perf_counter() - start)
+                    if is_batch:
+                        chunk["index"] = i
+                    sent.add(i)
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            except Exception as err:  # a failed step: SGLang's error chunk
+                yield b"data: " + orjson.dumps({"error": {"message": str(err)}}) + b"\n\n"
+            finally:
+                left = [r.rid for k, r in enumerate(requests) if k not in sent]
+                if left:
+                    loop.run_in_executor(None, _abort_each, scheduler, left)
+            yield b"data: [DONE]\n\n"
+
+        return events()
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         start = time.perf_counter()
         try:
-            requests, logprob, is_batch = parse_generate(await json_body(request), generator)
+            body = await json_body(request)
+            requests, logprob, is_batch = parse_generate(body, generator)
+            if body.get("stream"):
+                return StreamingResponse(streamed(requests, logprob, is_batch, start),
+                                         media_type="text/event-stream")
             results = await run(requests)
         except ValueError as err:
             return error_response(str(err))
@@ -119,3 +159,22 @@ def create_app(
     name = served_model_name or str(generator.model_info().get("model_path") or "default")
     add_openai_routes(app, generator, run, name, tool_call_parser)
     return app
+
+
+async def _next_result(
+    ended: asyncio.Queue[tuple[int, GenResult]], submitted: asyncio.Future[list[GenResult]]
+) -> tuple[int, GenResult]:
+    """The next request to end; the submission's failure if it failed first (each result is
+    queued before the submission completes, so a finished one never hides a result)."""
+    item = asyncio.ensure_future(ended.get())
+    waited: set[asyncio.Future[Any]] = {item, submitted}
+    await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+    if not item.done() and submitted.done() and submitted.exception() is not None:
+        item.cancel()
+        raise submitted.exception()  # type: ignore[misc]
+    return await item
+
+
+def _abort_each(scheduler: ContinuousScheduler, rids: list[str]) -> None:
+    for rid in rids:
+        scheduler.abort(rid)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,13 +26,15 @@ _ROUTER_RETRIES = 3  # a request the router failed, sent again (while the watch 
 
 
 class BatchClient(Protocol):
-    async def generate_batch(
+    def generate_batch_stream(
         self,
         input_ids: list[list[int]],
         sampling_params: dict[str, Any] | list[dict[str, Any]],
         rids: list[str] | None = None,
         return_logprob: bool = True,
-    ) -> Sequence[GenerateOutput]: ...
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """(row, output) of a batched `/generate` as each row ends."""
+        ...
 
 
 class SingleClient(Protocol):
@@ -50,7 +52,7 @@ class AbortClient(Protocol):
 
 
 class EngineClient(BatchClient, AbortClient, Protocol):
-    """One engine as the round-robin dispatch reaches it (`SGLangClient`): batched
+    """One engine as the round-robin dispatch reaches it (`SGLangClient`): streamed batched
     `/generate` and `abort_all`. The watch names an engine by its `base_url` where it has
     one."""
 
@@ -114,8 +116,11 @@ class RoundRobinDispatch:
     groups all start together, and one request saves the HTTP and JSON of each of the
     others and the prefills of those that would reach the engine after the first
     (bench/RESULTS.md, "vs TRL", one request per step). Each sample keeps its own rid, seed
-    and budget, so aborts and outputs stay per sample; a group's result arrives with its
-    request's. The default, 1, is a request per group."""
+    and budget, so aborts and outputs stay per sample. The request is streamed: a group's
+    result arrives as soon as its own rows have ended, not with the request's slowest row,
+    so the step scores and journals it then (a kill mid-request loses only the groups still
+    generating). When an engine is lost, only the groups it had not answered are sent
+    again. The default, 1, is a request per group."""
 
     per_sample = False
 
@@ -167,24 +172,20 @@ class RoundRobinDispatch:
         self._turn += 1
         return client
 
-    async def _send_once(self, units: list[_Unit]) -> Sequence[GenerateOutput]:
-        """The request on the next live engine, sent again elsewhere if that engine is lost
-        meanwhile (cancelled by `lose`) or fails in transit and a probe finds it lost."""
+    async def _send(self, units: list[_Unit]) -> None:
+        """The request on the next live engine, each unit resolved as its rows end; the
+        units left unanswered are sent again elsewhere if that engine is lost meanwhile
+        (cancelled by `lose`) or fails in transit and a probe finds it lost."""
         resent = False
-        while True:
+        while todo := [u for u in units if not u.done.done()]:
             client = self._pick()
             url = _url(client)
-            attempt = asyncio.ensure_future(client.generate_batch(
-                [ids for u in units for ids in u.input_ids], [p for u in units for p in u.params],
-                rids=[r for u in units for r in u.rids],
-            ))
+            attempt = asyncio.ensure_future(self._stream(client, todo, resent))
             self._attempts.setdefault(url, set()).add(attempt)
             try:
-                outs = await attempt
+                await attempt
                 self.served[url] += 1
-                if resent:
-                    self.resent_tokens += sum(len(o.output_ids) for o in outs)
-                return outs
+                return
             except asyncio.CancelledError:
                 if client in self.live or not attempt.cancelled():
                     raise  # the caller was cancelled, not the engine lost
@@ -193,8 +194,29 @@ class RoundRobinDispatch:
                     raise
             finally:
                 self._attempts[url].discard(attempt)
-            self.resent_samples += sum(len(u.rids) for u in units)
+            self.resent_samples += sum(len(u.rids) for u in units if not u.done.done())
             resent = True
+
+    async def _stream(self, client: EngineClient, units: list[_Unit], resent: bool) -> None:
+        """One streamed request for `units`; each unit's future gets its rows once the last
+        of them has ended."""
+        rows = [(u, j) for u in units for j in range(len(u.rids))]
+        outs: list[list[GenerateOutput | None]] = [[None] * len(u.rids) for u in units]
+        left = [len(u.rids) for u in units]
+        which = {id(u): k for k, u in enumerate(units)}
+        stream = client.generate_batch_stream(
+            [ids for u in units for ids in u.input_ids], [p for u in units for p in u.params],
+            rids=[r for u in units for r in u.rids],
+        )
+        async for row, out in stream:
+            unit, j = rows[row]
+            k = which[id(unit)]
+            left[k] -= outs[k][j] is None
+            outs[k][j] = out
+            if resent:
+                self.resent_tokens += len(out.output_ids)
+            if not left[k] and not unit.done.done():  # (done: its caller was cancelled)
+                unit.done.set_result([o for o in outs[k] if o is not None])
 
     async def lose(self, url: str) -> None:
         lost = [c for c in self.live if _url(c) == url]
@@ -208,19 +230,13 @@ class RoundRobinDispatch:
 
     async def _request(self, units: list[_Unit]) -> None:
         try:
-            outs = await self._send_once(units)
-        except BaseException as e:  # every caller sees the request's failure
+            await self._send(units)
+        except BaseException as e:  # every caller still waiting sees the request's failure
             for u in units:
                 if not u.done.done():
                     u.done.set_exception(e)
             if not isinstance(e, Exception):
                 raise
-            return
-        start = 0
-        for u in units:
-            if not u.done.done():  # a caller that was cancelled meanwhile
-                u.done.set_result(outs[start : start + len(u.rids)])
-            start += len(u.rids)
 
     async def abort_all(self) -> None:
         await abort_everywhere(self.live)

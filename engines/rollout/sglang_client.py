@@ -20,6 +20,7 @@ import binascii
 import functools
 import json
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,20 @@ def tls_verify(url: str) -> ssl.SSLContext | bool:
 TransportError = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON of each `data:` event of a server-sent event stream, up to `data: [DONE]`
+    (read in blocks: a row's chunk can be far longer than aiohttp's line limit)."""
+    pending = b""
+    async for block in content.iter_any():
+        *events, pending = (pending + block).split(b"\n\n")
+        for event in events:
+            data = event.strip().removeprefix(b"data:").strip()
+            if data == b"[DONE]":
+                return
+            if data:
+                yield orjson.loads(data)
+
+
 class SGLangClient:
     """Async client of one SGLang endpoint (a server or a router); use as a context manager.
 
@@ -251,6 +266,38 @@ class SGLangClient:
         answer = await self._request("POST", "/generate", generate_body(
             input_ids, sampling_params, rids, return_logprob, self.return_routed_experts))
         return [parse_output(item) for item in answer]
+
+    async def generate_batch_stream(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]],
+        rids: list[str] | None = None,
+        return_logprob: bool = True,
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """One streamed HTTP call for the whole batch (`stream: true`): (row, output) as each
+        row ends, so a caller can take a group as soon as its rows are in. Only a row's last
+        chunk is read: in SGLang's default streaming every chunk carries the whole output so
+        far. A stream that ends before every row is a `TransportError`."""
+        if not input_ids:
+            return
+        body = {**generate_body(input_ids, sampling_params, rids, return_logprob,
+                                self.return_routed_experts), "stream": True}
+        ended = 0
+        async with self._http().post(self.base_url + "/generate", data=orjson.dumps(body),
+                                     headers={"Content-Type": "application/json"}) as response:
+            if response.status >= 400:
+                raise SGLangError(response.status, _error_message(await response.read()),
+                                  "/generate")
+            async for item in _events(response.content):
+                if "error" in item:
+                    raise SGLangError(500, _error_message(orjson.dumps(item)), "/generate")
+                if (item.get("meta_info") or {}).get("finish_reason"):
+                    ended += 1
+                    yield int(item.get("index", 0)), parse_output(item)
+        if ended < len(input_ids):
+            raise aiohttp.ClientPayloadError(
+                f"{self.base_url}/generate: the stream ended after {ended} of "
+                f"{len(input_ids)} rows")
 
     async def abort(self, rid: str) -> None:
         await self._request("POST", "/abort_request", {"rid": rid})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,15 @@ class RecordingEngine:
             raise ConnectionError("engine unreachable")
         return [GenerateOutput([p["sampling_seed"]], "", [-0.5], {"type": "length"}, 3)
                 for p in sampling_params]
+
+    async def generate_batch_stream(
+        self, input_ids: list[list[int]], sampling_params: Any, rids: list[str] | None = None,
+        return_logprob: bool = True,
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """The rows last to first (a stream's rows end in any order)."""
+        outs = await self.generate_batch(input_ids, sampling_params, rids, return_logprob)
+        for row in reversed(range(len(outs))):
+            yield row, outs[row]
 
 
 def group_call(dispatch: RoundRobinDispatch, g: int, size: int) -> Any:
@@ -207,3 +217,61 @@ def test_losing_every_engine_fails_the_request() -> None:
         return await sent
     with pytest.raises(EnginesLost):
         asyncio.run(go())
+
+
+class StreamingEngine:
+    """Answers each row `delays[seed]` seconds after the request came, as a stream; rows
+    whose delay is None never end (an engine that hangs mid-request)."""
+
+    def __init__(self, delays: dict[int, float | None], url: str) -> None:
+        self.delays, self.base_url = delays, url
+        self.requests: list[list[str]] = []
+
+    async def generate_batch_stream(
+        self, input_ids: Any, sampling_params: Any, rids: Any = None, return_logprob: bool = True,
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        self.requests.append(list(rids))
+        seeds = [p["sampling_seed"] for p in sampling_params]
+        ends = [self.delays.get(s, 0.0) for s in seeds]
+        waited = 0.0
+        for row in sorted(range(len(seeds)), key=lambda r: float("inf") if ends[r] is None
+                          else ends[r]):
+            end = ends[row]
+            if end is None:
+                await asyncio.Event().wait()  # hangs
+                return
+            await asyncio.sleep(end - waited)
+            waited = end
+            yield row, GenerateOutput([seeds[row]], "", [-0.5], {"type": "stop"}, 3)
+
+    async def abort_all(self) -> None:
+        pass
+
+
+def test_a_group_arrives_when_its_own_rows_end_not_with_the_request() -> None:
+    async def go() -> None:
+        engine = StreamingEngine({0: 0.0, 1: 0.0, 100: 0.5, 101: 0.5}, "http://e")
+        dispatch = RoundRobinDispatch([engine], max_request_samples=16)
+        fast, slow = (asyncio.ensure_future(group_call(dispatch, g, 2)) for g in (0, 1))
+        await asyncio.sleep(0.2)
+        assert fast.done() and not slow.done()  # one request, two moments
+        assert [o.output_ids[0] for o in fast.result()] == [0, 1]
+        assert [o.output_ids[0] for o in await slow] == [100, 101]
+        assert engine.requests == [["sample-0", "sample-1", "sample-100", "sample-101"]]
+    asyncio.run(go())
+
+
+def test_only_the_groups_a_lost_engine_had_not_answered_are_resent() -> None:
+    async def go() -> None:
+        # group 0's rows end, then the engine hangs on group 1's
+        hung = StreamingEngine({0: 0.0, 1: 0.0, 100: None, 101: None}, "http://hung")
+        alive = StreamingEngine({}, "http://alive")
+        dispatch = RoundRobinDispatch([hung, alive], max_request_samples=16)
+        first, second = (asyncio.ensure_future(group_call(dispatch, g, 2)) for g in (0, 1))
+        await asyncio.sleep(0.1)
+        assert first.done() and not second.done()
+        await dispatch.lose("http://hung")
+        assert [o.output_ids[0] for o in await second] == [100, 101]
+        assert alive.requests == [["sample-100", "sample-101"]]
+        assert dispatch.resent_samples == 2 and dispatch.resent_tokens == 2
+    asyncio.run(go())

@@ -92,7 +92,6 @@ def test_raw_response_has_sglang_shape(engine: EngineActor) -> None:
         ({"input_ids": [1, 10**6]}, "input_ids"),
         ({"sampling_params": {}}, "input_ids"),
         ({"input_ids": [[1], [2]], "rid": ["only-one"]}, "rid"),
-        ({"input_ids": [1], "stream": True}, "stream"),
     ],
 )
 def test_bad_input_is_400_naming_the_field(
@@ -431,3 +430,28 @@ def test_clients_build_no_certificate_context_for_plain_http():
     assert tls_verify("http://127.0.0.1:30000") is False
     context = tls_verify("https://rm.example.com/score")
     assert context is tls_verify("https://other.example.com") and context.verify_mode.name == "CERT_REQUIRED"
+
+
+def test_a_streamed_batch_answers_each_row_as_it_ends(engine: EngineActor) -> None:
+    """`stream: true` on a batch: a chunk per row, in the order the rows end, each naming
+    its row and holding what the same batch unstreamed answers; then [DONE]."""
+    prompts = [prompt_ids(engine, t) for t in ("12*3=", "7+8=", "40-2=")]
+    params = [{**SEEDED, "max_new_tokens": n} for n in (30, 4, 15)]
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with SGLangClient(engine.url()) as client:
+            whole = await client.generate_batch(prompts, params, rids=["a", "b", "c"])
+            streamed = [(row, out) async for row, out in client.generate_batch_stream(
+                prompts, params, rids=["a2", "b2", "c2"])]
+            with pytest.raises(SGLangError, match="Duplicate request ID"):
+                async for _ in client.generate_batch_stream(prompts[:2], params[:2],
+                                                            rids=["d", "d"]):
+                    pass
+        return whole, streamed
+
+    whole, streamed = asyncio.run(main())
+    assert [row for row, _ in streamed] == [1, 2, 0]  # shortest first
+    for row, out in streamed:
+        assert out.output_ids == whole[row].output_ids
+        assert out.log_probs == whole[row].log_probs
+        assert out.token_versions == whole[row].token_versions
