@@ -17,9 +17,10 @@ bench/RESULTS.md, "Group journal".
 Usage:
   python -m bench.group_journal [--groups 128] [--max-response-len 4] [--request-samples 8]
                                 [--crash-at 0.5]
-The crash comes at the first commit of the journal with `--crash-at` of the groups done; in
-the example's own config the step is one batched request, so all its groups finish at once
-and there is no middle to crash in.
+The crash comes at the first commit of the journal with `--crash-at` of the groups done, or
+with `--crash-at-time F` at F times the uninterrupted journaled step's seconds (a kill -9 at
+a moment: what had been committed by then is what the rerun restores; the engine's requests
+still running are aborted before the reruns).
 """
 
 from __future__ import annotations
@@ -91,10 +92,11 @@ def prompts(path: str, tokenizer: Any) -> list[Sample]:
 
 
 def run(cfg: RolloutConfig, url: str, data: list[Sample], journal_dir: str | None,
-        crash_after: int | None = None, replay_journal: bool = False
-        ) -> tuple[RolloutResult | None, float]:
-    """One step from the state sample_prompts leaves; (result, seconds) and None if it crashed.
-    The seconds of a replay include reading the journal."""
+        crash_after: int | None = None, replay_journal: bool = False,
+        crash_at_s: float | None = None) -> tuple[RolloutResult | None, float]:
+    """One step from the state sample_prompts leaves; (result, seconds) and None if it crashed
+    (after `crash_after` committed groups, or at `crash_at_s` seconds). The seconds of a
+    replay include reading the journal."""
     start = time.perf_counter()
     source_data = RolloutDataSourceWithBuffer(data, cfg.n_samples_per_prompt, seed=3)
     source = StepDataSource(source_data.get_samples(cfg.submit_batch_size), source_data, 0)
@@ -111,7 +113,14 @@ def run(cfg: RolloutConfig, url: str, data: list[Sample], journal_dir: str | Non
         try:
             loop = build_generation_loop(cfg, [client], RewardHub.from_config(cfg),
                                          target=cfg.rollout_batch_size)
-            return await loop.run_dynamic(source, log, restored)
+            step = loop.run_dynamic(source, log, restored)
+            if crash_at_s is None:
+                return await step
+            try:
+                return await asyncio.wait_for(step, crash_at_s)
+            except TimeoutError:
+                await client.abort_all()  # the engine's rows of the dead attempt
+                raise Crash from None
         finally:
             await client.aclose()
 
@@ -139,7 +148,10 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="rollout.sglang_server_concurrency: groups in flight at once, so a "
                    "step finishes in waves")
-    p.add_argument("--crash-at", type=float, default=0.5)
+    p.add_argument("--crash-at", type=float, default=0.5,
+                   help="crash once this share of the groups is committed")
+    p.add_argument("--crash-at-time", type=float, default=None,
+                   help="crash at this share of the uninterrupted journaled step's seconds")
     args = p.parse_args()
 
     from examples.arithmetic.build_model import save_tiny_model
@@ -173,7 +185,13 @@ def main() -> None:
         journaled, journaled_s = run(cfg, url, data, os.path.join(tmp, "full"))
         crash_dir = os.path.join(tmp, "crash")
         crash_after = max(1, int(cfg.rollout_batch_size * args.crash_at))
-        _, crashed_s = run(cfg, url, data, crash_dir, crash_after)
+        if args.crash_at_time is None:
+            _, crashed_s = run(cfg, url, data, crash_dir, crash_after)
+            crash = f"crash once {crash_after} groups are committed"
+        else:
+            _, crashed_s = run(cfg, url, data, crash_dir,
+                               crash_at_s=args.crash_at_time * journaled_s)
+            crash = f"crash at {args.crash_at_time:.0%} of the journaled step's {journaled_s:.1f} s"
         before, before_s = run(cfg, url, data, None)
         after, after_s = run(cfg, url, data, crash_dir, replay_journal=True)
     finally:
@@ -184,7 +202,7 @@ def main() -> None:
     a = after.metrics()
     print(f"step: {cfg.rollout_batch_size} groups x {cfg.n_samples_per_prompt} samples, "
           f"max_response_len {cfg.max_response_len}, max_request_samples "
-          f"{cfg.max_request_samples}; crash once {crash_after} groups are committed")
+          f"{cfg.max_request_samples}; {crash}")
     print("| run | seconds | tokens generated | groups restored | tokens regenerated |")
     print("|---|---|---|---|---|")
     print(f"| uninterrupted, no journal | {plain_s:.2f} | {plain.stats.generated_tokens} | | |")
@@ -194,6 +212,8 @@ def main() -> None:
           f"{before.stats.generated_tokens} (every token of the step) |")
     print(f"| rerun after (journal) | {after_s:.2f} | {after.stats.generated_tokens} | "
           f"{int(a['rollout/groups_restored'])} | {int(a['rollout/tokens_regenerated'])} |")
+    print(f"tokens restored: {int(a['rollout/tokens_restored'])} of "
+          f"{journaled.stats.generated_tokens}")
     print(f"journal: {int(m['rollout/journal_entries'])} entries, "
           f"{m['rollout/journal_bytes'] / 1024:.0f} KiB, "
           f"{m['rollout/journal_write_seconds']:.3f} s of encode + write, of which encode "
