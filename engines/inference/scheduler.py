@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from engines.inference.gen_types import Generator, GenRequest, GenResult, aborted_result
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+_JOIN_PARTS = 8  # queued requests join a running batch an eighth of it at a time
 T = TypeVar("T")
 OnResult = Callable[[int, GenResult], None]
 """Called with (index in the submit, result) as each request ends."""
@@ -218,6 +219,18 @@ class ContinuousScheduler:
                 return
             self._cond.wait(wait)
 
+    def _room_to_join(self) -> int:
+        """Queued requests that may join the batch now. Joining a running batch merges a
+        new prefill into its KV cache, copying all of it; when a step has more rows than the
+        batch, rows end one by one, and a join at each end copied the cache every step
+        (2,048 rows of up to 64 tokens: 29 s against 1.8 s for 1,024; bench/RESULTS.md,
+        "Group journal"). So requests join a running batch once an eighth of it is free
+        (or all that wait, if fewer), an idle batch at once."""
+        room = max(0, self.max_batch_size - len(self._batch))
+        if len(self._batch) and room < min(len(self._queue), self.max_batch_size // _JOIN_PARTS):
+            return 0
+        return room
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -227,7 +240,7 @@ class ContinuousScheduler:
                     return
                 if len(self._batch) == 0:
                     self._burst_wait()
-                room = max(0, self.max_batch_size - len(self._batch))
+                room = self._room_to_join()
                 admit = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
             with self._step_lock:
                 if self._paused is not None or self._released:
