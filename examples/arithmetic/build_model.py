@@ -19,6 +19,7 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -47,6 +48,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return hf
 
 
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts", "tiny-llama")
+
+
 def build_model(
     tokenizer: PreTrainedTokenizerFast,
     num_layers: int = 4,
@@ -72,6 +77,8 @@ def build_model(
     config: PretrainedConfig
     if family == "llama":
         config = LlamaConfig(intermediate_size=hidden_size * 4, **common)
+    elif family == "qwen2":
+        config = Qwen2Config(intermediate_size=hidden_size * 4, **common)
     elif family == "qwen3":
         config = Qwen3Config(intermediate_size=hidden_size * 4, head_dim=hidden_size // num_heads,
                              **common)
@@ -82,20 +89,20 @@ def build_model(
             norm_topk_prob=True, router_aux_loss_coef=0.001, **common,
         )
     else:
-        raise ValueError(f"family must be llama, qwen3 or qwen3_moe, got {family!r}")
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def save_tiny_model(
     out_dir: str, num_layers: int = 4, hidden_size: int = 128, seed: int = 0,
-    family: str = "llama",
+    family: str = "llama", max_positions: int = 128,
 ) -> str:
     """Write tokenizer + model to `out_dir` (idempotent: reuses an existing one)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, num_layers=num_layers, hidden_size=hidden_size, seed=seed,
-                        family=family)
+                        family=family, max_positions=max_positions)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -103,13 +110,20 @@ def save_tiny_model(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="examples/arithmetic/artifacts/tiny-llama")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe"], default="llama")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="directory to write (default: this example's artifacts/tiny-llama, "
+                        "wherever the command runs from)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="model family")
+    parser.add_argument("--max-positions", type=int, default=128,
+                        help="context length in tokens (prompt + response; a multi-turn "
+                        "agent needs more than the default)")
     args = parser.parse_args()
-    print(save_tiny_model(args.out, args.layers, args.hidden, args.seed, args.family))
+    out = save_tiny_model(os.path.abspath(args.out), args.layers, args.hidden, args.seed,
+                          args.family, args.max_positions)
+    print(out)
 
 
 if __name__ == "__main__":
