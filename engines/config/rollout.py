@@ -42,6 +42,14 @@ class RolloutConfig(Section):
         "counted (rollout/groups_stale_regenerated_samples). 0 stays on-policy: only the next "
         "step's flow-run set-up and prompt draw overlap this step's training.",
     )
+    stale_groups: Literal["regenerate", "drop"] = Field(
+        "regenerate",
+        description="Async mode: a buffered group with a sample begun on a policy older "
+        "than max_staleness allows. regenerate: those samples start over from the prompt "
+        "(rollout/groups_stale_regenerated_samples); drop: the group is neither generated "
+        "nor trained, its prompt is not drawn again, and the step draws another in its "
+        "place (rollout/groups_stale_dropped).",
+    )
     function_path: str | None = Field(
         None,
         description="Custom rollout function `(args, rollout_id, data_source, evaluation)` "

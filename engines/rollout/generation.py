@@ -66,6 +66,8 @@ from storage.sample import Group, Sample, Status
 log = logging.getLogger(__name__)
 # seconds between abort_all rounds while requests are still in flight (then the last, on)
 _REABORT_WAITS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+STALE_DROPPED = "stale_dropped"
+"""`sample.metadata` flag of a group dropped as stale (`rollout.stale_groups: drop`)."""
 
 FINISH_TO_STATUS = {
     "stop": Status.COMPLETED,
@@ -117,7 +119,8 @@ class RolloutResult:
         pool's figures from its dispatch and watch."""
         counts = {**groups.counts, "kept": len(groups.kept), "returned": len(groups.returned),
                   "restored": restored_groups, "resumed_samples": loop.tally.resumed_samples,
-                  "stale_regenerated_samples": loop.tally.stale_regenerated}
+                  "stale_regenerated_samples": loop.tally.stale_regenerated,
+                  "stale_dropped": loop.tally.stale_dropped}
         return cls(groups.kept, groups.returned, stats, counts,
                    lost_engines=dict(loop.watch.lost) if loop.watch is not None else {},
                    resent_samples=loop.resent_samples, engines=loop.dispatch.num_engines,
@@ -301,19 +304,31 @@ class GenerationLoop:
             apply_output(s, out)
             self.tally.generated(s, len(out.output_ids))
 
-    def _regenerate_stale(self, group: Group) -> None:
-        """Reset samples whose first token came from a policy older than allowed."""
+    def _stale_samples(self, group: Group) -> list[Sample]:
+        """Samples whose first token came from a policy older than allowed."""
         oldest = self.min_weight_version
         if oldest is None:
-            return
-        for s in group:
-            started = int(s.metadata.get("start_weight_version", s.weight_version))
-            if s.response_length > 0 and started < oldest:
-                reset_to_prompt(s)
-                self.tally.stale_regenerated += 1
+            return []
+        return [s for s in group if s.response_length > 0
+                and int(s.metadata.get("start_weight_version", s.weight_version)) < oldest]
+
+    def _handle_stale(self, group: Group) -> bool:
+        """Start stale samples over (`rollout.stale_groups: regenerate`), or mark the whole
+        group dropped (`drop`); True when it was dropped."""
+        stale = self._stale_samples(group)
+        if stale and self.cfg.stale_groups == "drop":
+            for s in group:
+                s.metadata[STALE_DROPPED] = True
+            self.tally.stale_dropped += 1
+            return True
+        for s in stale:
+            reset_to_prompt(s)
+            self.tally.stale_regenerated += 1
+        return False
 
     async def generate_group(self, group: Group) -> Group:
-        self._regenerate_stale(group)
+        if self._handle_stale(group):
+            return group  # neither generated nor scored: DROPPED by `_outcome`
         todo = [s for s in group if s.status not in FINISHED]
         live = [(s, p) for s in todo if (p := self._prepare(s)) is not None]
         if live:
@@ -427,7 +442,10 @@ class GenerationLoop:
 
     def _outcome(self, group: Group, phase: str) -> Outcome:
         """In the loop an unfinished group was aborted by someone else (RETURNED) and an
-        accepted one is KEPT; while draining they are ABORTED and SURPLUS."""
+        accepted one is KEPT; while draining they are ABORTED and SURPLUS. A group dropped
+        as stale is DROPPED whatever its state."""
+        if group and group[0].metadata.get(STALE_DROPPED):
+            return Outcome.DROPPED
         if not is_finished(group):
             return Outcome.RETURNED if phase == LOOP else Outcome.ABORTED
         if any(s.status == Status.FAILED for s in group):

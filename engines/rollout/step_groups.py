@@ -37,6 +37,7 @@ class LoopTally:
     group_tokens: Counter[int] = field(default_factory=Counter)  # generated_tokens by group_index
     resumed_samples: int = 0  # partial samples continued
     stale_regenerated: int = 0  # started over: begun on a policy older than allowed
+    stale_dropped: int = 0  # groups not trained: begun on a policy older than allowed
     reward_timeouts: int = 0  # every group scored, kept or not: each one stalled the step
 
     def generated(self, sample: Sample, tokens: int) -> None:

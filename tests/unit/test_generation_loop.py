@@ -110,3 +110,34 @@ def test_buffered_samples_older_than_the_staleness_bound_are_regenerated():
     # ...the one within the bound keeps its tokens and continues.
     assert partial.tokens[3:5] == [8, 8] and partial.response_length == 4
     assert partial.metadata["start_weight_version"] == 1 and partial.weight_version == 2
+
+
+def test_a_stale_buffered_group_is_dropped_whole_when_asked():
+    """`rollout.stale_groups: drop`: the buffered group begun on a too-old policy is neither
+    generated nor trained nor buffered again; the step draws a fresh prompt in its place."""
+    engine = EngineActor(EngineConfig(backend="mock"), 0)
+    engine.update_weights_from_tensor({}, 2)
+    cfg = RolloutConfig(num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2,
+                        max_response_len=4, ignore_eos=True, partial_rollout=True,
+                        stale_groups="drop")
+    source = RolloutDataSourceWithBuffer(prompts(5), n_samples_per_prompt=2)
+    old = [Sample(index=900 + i, group_index=90, tokens=[1, 2, 3]) for i in range(2)]
+    old[0].append_response([7, 7], [-1.0] * 2, "")
+    old[0].status, old[0].metadata["start_weight_version"] = Status.ABORTED, 0
+    source.add_samples([old])
+
+    async def run():
+        async with SGLangClient(engine.url()) as client:
+            loop = build_generation_loop(cfg, [client], target=1, min_weight_version=1)
+            return await loop.run_dynamic(source)
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert result.counts["stale_dropped"] == 1 and result.counts["dropped"] == 1
+    assert result.counts["stale_regenerated_samples"] == 0
+    assert [g[0].group_index for g in result.kept] != [90] and len(result.kept) == 1
+    assert all(s.weight_version == 2 for g in result.kept for s in g)
+    assert old[0].tokens[3:] == [7, 7]  # not generated again
+    assert all(g[0].group_index != 90 for g in result.returned + source.buffer)
