@@ -204,19 +204,49 @@ class KeepAlive(threading.Thread):
     """Starts the driver's own server again, on the same port and database, when it dies
     under a running driver (the OOM killer, a stray kill): Prefect's client retries a
     refused connection for a while, so the driver goes on without noticing. Without this
-    every thread of the driver sat in those retries and the training hung. A server that
-    keeps dying is left dead after `max_restarts`: then the driver fails."""
+    every thread of the driver sat in those retries and the training hung. A server that is
+    alive but has not answered its health check for `hung_after_s` since it last did
+    (stopped, deadlocked: one stopped answering after six EP=2 steps on a GPU machine and
+    the driver hung) is killed and started again the same way; a server still starting has
+    `startup_s` to answer first. A server that keeps dying is left dead after
+    `max_restarts`: then the driver fails. Start it once the server has answered
+    (`wait_ready`)."""
 
-    def __init__(self, server: PrefectServer, max_restarts: int = 5, poll_s: float = 0.5) -> None:
+    def __init__(self, server: PrefectServer, max_restarts: int = 5, poll_s: float = 0.5,
+                 probe_s: float = 5.0, hung_after_s: float = 60.0,
+                 startup_s: float = 180.0) -> None:
         super().__init__(name="prefect-server-keepalive", daemon=True)
         self.server, self.max_restarts, self.poll_s = server, max_restarts, poll_s
+        self.probe_s, self.hung_after_s, self.startup_s = probe_s, hung_after_s, startup_s
         self.restarts = 0
         self._stopping = threading.Event()
+        self._since = time.monotonic()  # the last health answer, or the server's start
+        self._has_answered = False
+        self._next_probe = 0.0
+
+    def _hung(self) -> bool:
+        """Probe the live server now and then; True once it has not answered for long."""
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + self.probe_s
+        if self.server.healthy():
+            self._since, self._has_answered = now, True
+            return False
+        limit = self.hung_after_s if self._has_answered else self.startup_s
+        return now - self._since > limit
 
     def run(self) -> None:
+        self._since, self._has_answered = time.monotonic(), True  # (started when ready)
         while not self._stopping.wait(self.poll_s):
             code = self.server.process.poll()
             if code is None:
+                if self._hung():
+                    log.warning("the driver's Prefect server (pid %d) has not answered for "
+                                "%.0f s; killing it to start it again", self.server.process.pid,
+                                time.monotonic() - self._since)
+                    self.server.process.kill()
+                    self.server.process.wait()
                 continue
             if self.restarts >= self.max_restarts:
                 log.error("the driver's Prefect server exited (code %s) %d times: not started "
@@ -226,6 +256,7 @@ class KeepAlive(threading.Thread):
             log.warning("the driver's Prefect server (pid %d) exited with code %s; starting "
                         "it again on port %d", self.server.process.pid, code, self.server.port)
             self.server.process = start_local_server(self.server.port).process
+            self._since, self._has_answered = time.monotonic(), False  # (starting)
 
     def stop(self) -> None:
         self._stopping.set()
