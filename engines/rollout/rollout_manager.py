@@ -303,8 +303,9 @@ class RolloutManager:
             ))
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
+            # (generated samples only: a custom rollout function's, e.g. SFT's, were not)
+            metrics.update(staleness_metrics(flatten(kept), trained_version=rollout_id))
             lost = sorted(result.lost_engines)
-        metrics.update(staleness_metrics(flatten(kept), trained_version=rollout_id))
         uri = write_samples(
             self.layout.store,
             flatten(kept),
