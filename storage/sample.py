@@ -235,11 +235,13 @@ def versions_from_spans(spans: Any, length: int, version: int) -> list[int]:
     out = [version] * length
     for span in spans or []:
         start, end = max(0, int(span["start"])), min(length, int(span["end"]))
-        out[start:end] = [_version_number(span["version"])] * max(0, end - start)
+        out[start:end] = [version_number(span["version"])] * max(0, end - start)
     return out
 
 
-def _version_number(value: Any) -> int:
+def version_number(value: Any) -> int:
+    """A weight version as SGLang reports it (a string; "default" for the weights it started
+    with, 0 here)."""
     try:
         return int(value)
     except (TypeError, ValueError):

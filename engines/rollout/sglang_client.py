@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import orjson
 
-from storage.sample import VERSION_SPANS, RoutedExperts, versions_from_spans
+from storage.sample import VERSION_SPANS, RoutedExperts, version_number, versions_from_spans
 
 
 class SGLangError(RuntimeError):
@@ -66,14 +66,6 @@ class GenerateOutput:
         return self.finish_reason.get("type") == "abort"
 
 
-def parse_weight_version(value: Any) -> int:
-    """SGLang reports versions as strings, "default" for the weights it started with."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
 def parse_output(item: dict[str, Any]) -> GenerateOutput:
     """One `/generate` answer; a null log-prob (how orjson, which the embedded engine
     answers with, writes NaN or inf) is an error naming the request and token."""
@@ -87,7 +79,7 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
             f"is null, i.e. the engine's log-prob of token {logprobs[i][1]} is NaN or infinite"
         )
     output_ids = list(item.get("output_ids") or [t[1] for t in logprobs])
-    version = parse_weight_version(meta.get("weight_version"))
+    version = version_number(meta.get("weight_version"))
     return GenerateOutput(
         output_ids=output_ids,
         text=item.get("text", ""),
