@@ -200,17 +200,16 @@ class RoundRobinDispatch:
     async def _stream(self, client: EngineClient, units: list[_Unit], resent: bool) -> None:
         """One streamed request for `units`; each unit's future gets its rows once the last
         of them has ended."""
-        rows = [(u, j) for u in units for j in range(len(u.rids))]
+        rows = [(k, j) for k, u in enumerate(units) for j in range(len(u.rids))]
         outs: list[list[GenerateOutput | None]] = [[None] * len(u.rids) for u in units]
         left = [len(u.rids) for u in units]
-        which = {id(u): k for k, u in enumerate(units)}
         stream = client.generate_batch_stream(
             [ids for u in units for ids in u.input_ids], [p for u in units for p in u.params],
             rids=[r for u in units for r in u.rids],
         )
         async for row, out in stream:
-            unit, j = rows[row]
-            k = which[id(unit)]
+            k, j = rows[row]
+            unit = units[k]
             left[k] -= outs[k][j] is None
             outs[k][j] = out
             if resent:
