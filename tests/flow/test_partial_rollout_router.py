@@ -1,7 +1,9 @@
 """Abort and partial rollout through the real sglang-router in front of two embedded engines.
 
-Step 0 starts with one group that an earlier step left partial (90 of 100 tokens): it
-finishes first, the step has its one group, and abort_all cuts the two fresh groups short.
+Step 0 starts with one group that an earlier step left partial (390 of 400 tokens): it
+finishes first, the step has its one group, and abort_all cuts the two fresh groups short
+(each needs forty times the seeded group's ten tokens, so none can finish while the step
+drains, however loaded the machine).
 They go back to the buffer whole, with their partial tokens. Step 1 is run by a *new*
 RolloutManager (a restart), which must find them in the saved data-source state and continue
 them token for token.
@@ -25,7 +27,7 @@ from storage.run_layout import step_dir
 from storage.sample import Group, Status, regroup
 from tests.support.configs import arithmetic_config
 
-MAX_LEN, SEEDED = 100, 90
+MAX_LEN, SEEDED = 400, 390
 
 
 @dataclass
@@ -40,7 +42,8 @@ class Step0:
 
 
 def seed_partial_group(mgr: RolloutManager, vocab: int) -> Group:
-    """Rewrite step 0's first drawn group as if an earlier step had been aborted at 90 tokens."""
+    """Rewrite step 0's first drawn group as if an earlier step had been aborted at SEEDED
+    tokens."""
     samples = read_samples(mgr.layout.store, step_dir(0), "prompts.arrow")
     rng = random.Random(0)
     for s in samples:
@@ -54,12 +57,15 @@ def seed_partial_group(mgr: RolloutManager, vocab: int) -> Group:
 @pytest.fixture(scope="module")
 def slower_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The fresh groups must still be decoding when abort_all lands, ~25 ms after the
-    seeded group's last token here (its reward, then HTTP). On the suite's 2x64 model the
-    engine made a fresh sample's 100 tokens in ~60 ms, and 1 run in ~5 finished one first;
-    4x256 is several times slower a token."""
+    seeded group's last token on an idle machine (its reward, then HTTP). On the suite's
+    2x64 model the engine made a fresh sample's 100 tokens in ~60 ms, and 1 run in ~5
+    finished one first; 4x256 is several times slower a token, and with 400 tokens to make
+    a fresh group still finished during the drain under CI load once (at 100 tokens).
+    Positions for the prompt and MAX_LEN tokens."""
     from examples.arithmetic.build_model import save_tiny_model
 
-    return save_tiny_model(str(tmp_path_factory.mktemp("slower") / "model"), 4, 256)
+    return save_tiny_model(str(tmp_path_factory.mktemp("slower") / "model"), 4, 256,
+                           max_positions=512)
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +114,10 @@ def test_abort_returns_partial_groups_whole(step0):
         assert new.response_length == MAX_LEN and new.status == Status.TRUNCATED
         assert new.rollout_log_probs[:SEEDED] == [-1.0] * SEEDED
         assert new.loss_mask == [0] * SEEDED + [1] * (MAX_LEN - SEEDED)
-    # The two fresh groups were cut short by abort_all and wait in the buffer, whole. Under
-    # load (the CI's three workers on two cores) one of them can finish its 100 tokens
-    # while the step drains: it waits in the buffer as a finished (surplus) group instead.
+    # The two fresh groups were cut short by abort_all and wait in the buffer, whole.
     metrics = step0.record.rollout_metrics
-    assert metrics["rollout/groups_aborted"] >= 1
-    assert metrics["rollout/groups_aborted"] + metrics["rollout/groups_surplus"] == 2
+    assert metrics["rollout/groups_aborted"] == 2
+    assert metrics["rollout/groups_surplus"] == 0
     assert metrics["rollout/groups_kept"] == 1
     assert [len(g) for g in step0.buffer] == [2, 2]
     assert {g[0].group_index for g in step0.buffer}.isdisjoint({kept[0].group_index})
