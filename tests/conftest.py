@@ -86,11 +86,13 @@ def ray_address() -> Iterator[str]:
     """A Ray head owned by this test session (in-process start, stopped at the end)."""
     import ray
 
-    from engines.cluster.head import WORKER_NICENESS_ENV
+    from engines.cluster.head import HEAD_ENV_DEFAULTS
 
-    # the actors at the tests' own priority, as on a head rollflow starts: at Ray's nice 15
-    # they starved beside the other xdist workers (a fault test timed out in CI)
-    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
+    # as on a head rollflow starts: the actors at the tests' own priority (at Ray's nice 15
+    # they starved beside the other xdist workers, and a fault test timed out in CI), and no
+    # idle workers for the first driver
+    for name, value in HEAD_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     ctx = ray.init(
         address="local",  # never join a cluster left running by `rollflow` itself
         num_cpus=4, namespace="rollflow-tests", include_dashboard=False, log_to_driver=False,

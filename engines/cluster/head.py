@@ -44,14 +44,22 @@ STATE_FILE = HOME / "cluster.json"
 # they got a few percent of the CPU (bench/RESULTS.md, "Busy machine"). 0 keeps the workers
 # at the priority of the process that started the head, the user's own.
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
+# A head's settings for Ray (RayConfig, read from RAY_<name> by the head it starts), unless
+# the user set them:
+# - the workers at the user's own priority (above);
+# - no idle workers started for the first driver (RayConfig `prestart_worker_first_driver`):
+#   rollflow's actors run under a runtime_env of their own (engines/cluster/registry.py), so
+#   they never use those, which sat idle for the head's life (2 of 4 on a 4-CPU head, ~0.5%
+#   of a core and a process each).
+HEAD_ENV_DEFAULTS = {WORKER_NICENESS_ENV: "0", "RAY_prestart_worker_first_driver": "0"}
 
 
 def _ray_env() -> dict[str, str]:
-    """This process's environment for Ray commands (its auth settings included); a head
-    started with it runs its workers at this process's priority unless the user set
-    RAY_worker_niceness."""
+    """This process's environment for Ray commands (its auth settings included), with
+    `HEAD_ENV_DEFAULTS` where the user set nothing."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
+    for name, value in HEAD_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     return dict(os.environ)
 
 
