@@ -17,7 +17,10 @@ from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.compare import compare_runs
+from tests.support.faults import reference_run
 from tests.support.procs import start_driver
+
+SETTINGS = ("rollout.num_rollout=5", "cluster.keep_actors=true")
 
 
 def trained_indices(layout: RunLayout) -> list[int]:
@@ -39,16 +42,10 @@ def flow_run_states(name: str) -> list[str]:
 def test_killed_driver_resumes_after_last_committed_step(
     prefect_api, make_config, tmp_path, fault_matrix, stop
 ):
-    def config(name):
-        return make_config(name, "rollout.num_rollout=5", "cluster.keep_actors=true")
-
-    from flows.train import train
-
-    reference = config("ref")
-    train(reference)
+    reference = reference_run(make_config, *SETTINGS)
     expected = trained_indices(RunLayout.open(reference.storage.uri, reference.storage.run_name))
 
-    cfg = config("kill")
+    cfg = make_config("kill", *SETTINGS)
     path = tmp_path / "kill.yaml"
     path.write_text(dump_config(cfg))
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)

@@ -26,6 +26,7 @@ from flows.config.loader import dump_config
 from flows.servers.prefect_server import start_server
 from storage.run_layout import RunLayout
 from tests.support import REPO_ROOT
+from tests.support.faults import reference_run
 from tests.support.hooks import RELEASE_FILE
 from tests.support.procs import rollflow_env
 from tests.support.server_faults import (
@@ -71,10 +72,7 @@ def write_config(cfg, tmp_path: Path) -> Path:
 
 def test_prefect_server_killed_and_restarted_mid_step(make_config, prefect_api, tmp_path,
                                                        fault_matrix):
-    from flows.train import train
-
-    reference = make_config("ref", *STEPS)
-    train(reference)
+    reference = reference_run(make_config, *STEPS)
     home = tmp_path / "prefect-home"
     port = free_port()
     server = start_server("127.0.0.1", port, str(home), wait_s=180,
@@ -107,10 +105,7 @@ def test_prefect_server_killed_and_restarted_mid_step(make_config, prefect_api, 
 
 def test_drivers_local_prefect_server_killed_mid_step(make_config, prefect_api, tmp_path,
                                                        fault_matrix):
-    from flows.train import train
-
-    reference = make_config("ref", *STEPS)
-    train(reference)
+    reference = reference_run(make_config, *STEPS)
     cfg = make_config("local-prefect-kill", *STEPS)
     path = write_config(cfg, tmp_path)
     # a user's shell: no PREFECT_API_URL, so the driver starts a Prefect server of its own
@@ -141,10 +136,7 @@ def test_ray_head_stopped_under_a_training(make_config, prefect_api, tmp_path, f
     driver as for a user: refused, naming the run; with `--force` the head goes (every actor
     with it), the driver ends with one line that says so and names the command that resumes
     the run (before Ray's own 60 s), and that command resumes it."""
-    from flows.train import train
-
-    reference = make_config("ref", *STEPS)
-    train(reference)
+    reference = reference_run(make_config, *STEPS)
     # step 1's rewards wait for the release file: the head goes down mid-step however fast
     # the mock backends and however slow the machine (a free run once finished all 4 steps
     # before `cluster down` came)

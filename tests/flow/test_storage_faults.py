@@ -20,6 +20,7 @@ import pytest
 from storage.config import StorageConfig
 from storage.object_store import ObjectStore, StorageError, open_store
 from storage.run_layout import RunLayout
+from tests.support.faults import reference_run
 from tests.support.s3_faults import FaultyS3Proxy
 from tests.support.server_faults import trained_samples
 
@@ -116,9 +117,14 @@ def s3_run(prefect_api, make_config, s3_server, proxy):
     return make
 
 
-def s3_layout(cfg) -> RunLayout:
-    s = cfg.storage
-    return RunLayout.open(s.uri, s.run_name, s.endpoint_url, s.store_options())
+def layout_of(cfg) -> RunLayout:
+    return RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+
+
+def direct(cfg, s3_server) -> RunLayout:
+    """`cfg`'s run read from moto itself, not through the faulty proxy it writes through."""
+    return RunLayout.open(cfg.storage.uri, cfg.storage.run_name, s3_server.endpoint_url,
+                          dict(s3_server.storage_options))
 
 
 def train_in_thread(cfg, fault_when, fault) -> tuple[dict, BaseException | None]:
@@ -147,15 +153,12 @@ def train_in_thread(cfg, fault_when, fault) -> tuple[dict, BaseException | None]
     return result, (error[0] if error else None)
 
 
-def test_store_down_for_seconds_mid_step_is_ridden_out(s3_run, proxy, fault_matrix):
-    from flows.train import train
-
-    reference = s3_run("ref")
-    train(reference)
+def test_store_down_for_seconds_mid_step_is_ridden_out(make_config, s3_run, s3_server, proxy,
+                                                       fault_matrix):
+    reference = reference_run(make_config, *STEPS)  # on local disk: the store changes no sample
     cfg = s3_run("slowdown", faulty=True)
     # read through moto directly: the test's own polling must not meet the fault
-    watch = RunLayout.open(cfg.storage.uri, cfg.storage.run_name, reference.storage.endpoint_url,
-                           reference.storage.store_options())
+    watch = direct(cfg, s3_server)
     result, error = train_in_thread(
         cfg, lambda: watch.task_record(1, "sample_prompts") is not None,
         lambda: proxy.fail("slowdown", seconds=3.0))
@@ -163,7 +166,7 @@ def test_store_down_for_seconds_mid_step_is_ridden_out(s3_run, proxy, fault_matr
     assert result["resumed_at"] == 0
     assert proxy.failed["slowdown"] > 0, "no request met the outage"
     assert watch.committed_steps() == [0, 1, 2]
-    expected, got = trained_samples(s3_layout(reference)), trained_samples(watch)
+    expected, got = trained_samples(layout_of(reference)), trained_samples(watch)
     # botocore's retries alone rode it out: no task of the run ran twice
     retried = retried_task_runs(cfg.storage.run_name)
     assert retried == [], retried
@@ -173,15 +176,14 @@ def test_store_down_for_seconds_mid_step_is_ridden_out(s3_run, proxy, fault_matr
     assert got == expected
 
 
-def test_store_down_for_good_fails_the_step_and_the_rerun_resumes(s3_run, proxy, fault_matrix):
+def test_store_down_for_good_fails_the_step_and_the_rerun_resumes(make_config, s3_run, s3_server,
+                                                                  proxy, fault_matrix):
     from flows.bookkeeping.root_cause import summarize
     from flows.train import train
 
-    reference = s3_run("ref")
-    train(reference)
+    reference = reference_run(make_config, *STEPS)
     cfg = s3_run("down", "storage.retries.max_attempts=2", faulty=True)
-    watch = RunLayout.open(cfg.storage.uri, cfg.storage.run_name, reference.storage.endpoint_url,
-                           reference.storage.store_options())
+    watch = direct(cfg, s3_server)
     _, error = train_in_thread(
         cfg, lambda: watch.task_record(1, "sample_prompts") is not None,
         lambda: proxy.fail("slowdown"))
@@ -199,7 +201,7 @@ def test_store_down_for_good_fails_the_step_and_the_rerun_resumes(s3_run, proxy,
     assert watch.committed_steps() == [0, 1, 2]
     assert step0 == {name: watch.store.fs.info(watch.store.path("steps/000000", name))["ETag"]
                      for name in step0}
-    expected, got = trained_samples(s3_layout(reference)), trained_samples(watch)
+    expected, got = trained_samples(layout_of(reference)), trained_samples(watch)
     fault_matrix.add("S3 down (503 SlowDown) from mid-step on", "step fails: StorageError "
                      "naming the file and the store", "committed steps kept; same command "
                      "resumes at the failed step once S3 is back", got == expected)
@@ -240,8 +242,7 @@ def test_full_disk_mid_step_fails_the_step_and_the_rerun_resumes(prefect_api, ma
     from flows.bookkeeping.root_cause import summarize
     from flows.train import train
 
-    reference = make_config("ref", *STEPS)
-    train(reference)
+    reference = reference_run(make_config, *STEPS)
     cfg = make_config("full", *STEPS, runs_root=str(small_disk / "runs"))
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     filler = small_disk / "filler"

@@ -17,6 +17,22 @@ from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 
 THREE_STEPS = ("rollout.num_rollout=3",)  # long enough to fire a fault in step 1
+_REFERENCES: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+def reference_run(make_config: Callable[..., Any], *overrides: str,
+                  backend: str = "mock") -> Any:
+    """The config of an uninterrupted run of `overrides`, trained once per test process: a
+    fault test compares its run's files with it, and several tests of a module compare with
+    the same one (a run's samples depend on its config and seed, not on its name)."""
+    from flows.train import train
+
+    key = (backend, overrides)
+    if key not in _REFERENCES:
+        cfg = make_config("ref", *overrides, backend=backend)
+        train(cfg)
+        _REFERENCES[key] = cfg
+    return _REFERENCES[key]
 
 
 def trained_indices(cfg) -> list[int]:
