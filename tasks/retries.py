@@ -14,9 +14,8 @@ from prefect.cache_policies import NO_CACHE
 from engines.data.prompt_dataset import DatasetError
 from engines.hooks.loader import HookError
 from engines.rollout.rewards.hub import RewardConfigError
+from engines.train.errors import LoraResumeError, ParallelLayoutError
 from engines.train.finite import NonFiniteError
-from engines.train.lora import LoraResumeError
-from engines.train.megatron.checkpoint import ParallelLayoutError
 from storage.integrity import CorruptFileError
 from storage.sample import RewardError
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 
-from engines.train.megatron.checkpoint import ParallelLayoutError
+from engines.train.errors import ParallelLayoutError
 
 # Methods every rank must run (they touch the model collectively); the others go to rank 0.
 COLLECTIVE = ("train", "train_step", "ensure_version", "save_checkpoint", "offload", "onload")

@@ -13,17 +13,18 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-
-import torch
-import uvicorn
+from typing import TYPE_CHECKING
 
 from engines.config.engine import EngineConfig
-from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.gen_types import Generator
-from engines.inference.mock_generator import MockGenerator
 from engines.inference.scheduler import ContinuousScheduler
-from engines.inference.sglang_server import create_app
 from engines.process import actor_threads, freeze_actor_heap, wait_for_health
+
+if TYPE_CHECKING:
+    import torch
+
+# The generators, the HTTP server and torch are imported where an engine is built, not here:
+# the driver imports this module for the actor class (`ray.remote`), and never runs one.
 
 GeneratorFactory = Callable[[EngineConfig, int, int | None], Generator]
 _MOCK_VOCAB, _MOCK_EOS = 256, 0
@@ -31,6 +32,8 @@ _KEEP_ALIVE_S = 60
 
 
 def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Generator:
+    from engines.inference.embedded_generator import EmbeddedGenerator
+
     if not config.model_path:
         raise ValueError("engine.model_path is required by the embedded engine")
     return EmbeddedGenerator(
@@ -49,6 +52,8 @@ def _embedded(config: EngineConfig, index: int, num_threads: int | None) -> Gene
 
 def _mock(config: EngineConfig, index: int, num_threads: int | None) -> Generator:
     """Vocab and eos from the model's config.json when there is one, else a byte vocab."""
+    from engines.inference.mock_generator import MockGenerator
+
     path = config.model_path
     cfg_file = os.path.join(path, "config.json") if path else ""
     if not os.path.exists(cfg_file):
@@ -83,6 +88,10 @@ class EngineActor:
         num_threads: int | None = None,
         startup_timeout_s: float = 60.0,
     ) -> None:
+        import uvicorn
+
+        from engines.inference.sglang_server import create_app
+
         self.config = config
         self.engine_index = engine_index
         self.generator = build_generator(config, engine_index, actor_threads(num_threads))

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 ShouldAbort = Callable[[str], bool]
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

@@ -31,18 +31,13 @@ import torch
 from torch import Tensor
 
 from engines.config.train import LoraConfig, TrainConfig
+from engines.train.errors import LoraResumeError
 from engines.train.torch_models import load_causal_lm
 from engines.weights.hf_export import peft_model_of, save_hf
 from storage.sample import Sample
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-class LoraResumeError(ValueError):
-    """A checkpoint's LoRA adapter does not fit the run's `train.lora` (rank, alpha or the
-    modules it adapts), or a LoRA checkpoint is resumed with LoRA off: the same on every
-    retry; resume with the settings it was saved with."""
 
 
 @contextlib.contextmanager

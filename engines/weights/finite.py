@@ -6,9 +6,10 @@ same way (not retried: it would come back) whichever way the weights travel."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch itself only where a tensor is checked: the driver imports the error
+    from torch import Tensor
 
 
 class NonFiniteError(FloatingPointError):
@@ -18,6 +19,8 @@ class NonFiniteError(FloatingPointError):
 
 def nonfinite_names(named: Iterable[tuple[str, Tensor]]) -> list[str]:
     """Names of the tensors holding any NaN or inf (one device-to-host read for all)."""
+    import torch
+
     pairs = list(named)
     if not pairs:
         return []

@@ -11,9 +11,10 @@ train on wrong numbers or fail mid-run, so the driver refuses it before any acto
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the driver checks families before any model is loaded, without torch
+    import torch
 
 # backend -> the HF `model_type`s it runs
 SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -52,6 +53,8 @@ def moe_routers(model: torch.nn.Module) -> Iterator[tuple[int, torch.nn.Module]]
     get_base = getattr(inner, "get_base_model", None)  # peft
     base = get_base() if callable(get_base) else inner
     layers = getattr(getattr(base, "model", None), "layers", None) or []
+    import torch
+
     for i, layer in enumerate(layers):
         gate = getattr(getattr(layer, "mlp", None), "gate", None)
         if isinstance(gate, torch.nn.Module) and hasattr(gate, "top_k"):

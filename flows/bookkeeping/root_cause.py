@@ -24,7 +24,7 @@ def input_error_types() -> tuple[type[BaseException], ...]:
     from engines.data.prompt_dataset import DatasetError
     from engines.hooks.loader import HookError
     from engines.rollout.rewards.hub import RewardConfigError
-    from engines.train.lora import LoraResumeError
+    from engines.train.errors import LoraResumeError
 
     return ConfigError, DatasetError, HookError, RewardConfigError, LoraResumeError
 

@@ -160,3 +160,19 @@ def test_a_rules_module_is_imported_before_its_deadline_starts() -> None:
         assert fresh.restarts == 2
     finally:
         fresh.shutdown()
+
+
+def test_a_rules_deferred_set_up_runs_as_the_worker_starts() -> None:
+    """The rule takes 2 s on first use unless its module's `prepare_worker()` ran, and the
+    deadline is 1 s: the pool's workers call it as they start, on a new pool as on the first
+    (without the call, every pool's first grade times out)."""
+    from tests.support.slow_import_rule import IMPORT_S, quick_once_prepared
+
+    fresh = GradingPool(workers=1)
+    try:
+        for _ in range(2):
+            assert off_main_thread(
+                lambda: fresh.grade(quick_once_prepared, "", None, IMPORT_S / 2)) == 1.0
+            fresh._discard(fresh._pool)
+    finally:
+        fresh.shutdown()

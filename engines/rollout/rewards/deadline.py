@@ -47,7 +47,11 @@ TIMEOUT_FLAG = "reward_timeout"
 """`sample.metadata` key set on a sample whose grading passed its deadline (the loop counts
 them as `rollout/reward_timeouts`); cleared when the sample is graded in time."""
 DEFAULT_TIMEOUT_S = 10.0
-_PRELOAD = ["engines.rollout.rewards.math_rules"]
+# The fork server imports these once, so a worker forked from it has them (math-verify and
+# sympy, which the math rules import on first use). A rule module may also define
+# `prepare_worker()`: each worker calls it as it starts, before any deadline runs.
+_PRELOAD = ["engines.rollout.rewards.math_rules", "math_verify"]
+PREPARE_WORKER = "prepare_worker"
 _STARTUP_S = 120.0  # a pool that cannot start its workers in this long is an error, not a hang
 
 
@@ -64,7 +68,9 @@ def _init_worker(sys_path: list[str], modules: list[str]) -> None:
     # user's directory (or a test module) must import in the worker as it does in the parent.
     sys.path[:] = sys_path
     for module in modules:  # before the startup check, so no deadline pays for an import
-        importlib.import_module(module)
+        prepare = getattr(importlib.import_module(module), PREPARE_WORKER, None)
+        if callable(prepare):  # the module's own imports deferred to first use
+            prepare()
 
 
 def rule_module(rule: Callable[..., Any]) -> str | None:

@@ -14,11 +14,10 @@ the three rewards:
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import Any
-
-from math_verify import parse, verify
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
@@ -53,13 +52,29 @@ def _timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+@functools.cache
+def _math_verify() -> Any:
+    """math-verify, imported on first use: with sympy it takes ~0.3 s, which every process
+    that imports the reward hub (the driver included) paid before, graded maths or not."""
+    import math_verify
+
+    return math_verify
+
+
+def prepare_worker() -> None:
+    """Called in each grading worker as it starts (`engines.rollout.rewards.deadline`), so
+    that no deadline pays for math-verify's import."""
+    _math_verify()
+
+
 def _parse(answer: str) -> list[Any]:
     answer = answer.strip()
     if not answer:
         return []
-    parsed = parse(answer, parsing_timeout=_timeout())  # type: ignore[arg-type]
+    parse = _math_verify().parse
+    parsed = parse(answer, parsing_timeout=_timeout())
     if not parsed and not answer.startswith("$"):
-        parsed = parse(f"${answer}$", parsing_timeout=_timeout())  # type: ignore[arg-type]
+        parsed = parse(f"${answer}$", parsing_timeout=_timeout())
     return list(parsed)
 
 
@@ -71,7 +86,7 @@ def answers_match(predicted: str, gold: str) -> bool:
     """Mathematical equivalence via math-verify; plain text equality when either side does
     not parse as maths (e.g. a multiple-choice letter or a word answer)."""
     pred, ref = _parse(predicted), _parse(gold)
-    if pred and ref and verify(ref, pred, timeout_seconds=_timeout()):
+    if pred and ref and _math_verify().verify(ref, pred, timeout_seconds=_timeout()):
         return True
     return _normalise_text(predicted) == _normalise_text(gold)
 

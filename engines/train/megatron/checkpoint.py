@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engines.train.errors import ParallelLayoutError
+
 META_FILE = "meta.json"
 RNG_FILE = "rng.pt"
 PART_DIRS = {"actor": "dist_ckpt", "critic": "critic_dist_ckpt"}
@@ -81,12 +83,6 @@ def load_part(model: Any, optimizer: Any, path: str, step: float | None) -> None
 
 
 LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel")
-
-
-class ParallelLayoutError(ValueError):
-    """A checkpoint saved by a megatron group of another layout than the run's: its
-    distributed optimizer state does not reshard (megatron's `dist_checkpointing` fails deep
-    in the load, on every rank, with a `KeyError` naming a `dp_group_idx_*` key)."""
 
 
 def check_layout(local_dir: str, saved: dict[str, int] | None, wanted: dict[str, int],
