@@ -32,6 +32,7 @@ from flows.bookkeeping.metric_sinks import open_sinks
 from flows.bookkeeping.preflight import PreflightReport, preflight_once
 from flows.bookkeeping.reporting import artifact_key, publish_run_report
 from flows.bookkeeping.run_status import headline_metric
+from flows.bookkeeping.start_lines import phase, stop_telling
 from flows.config.history import warn_if_replayed_under_changed_config
 from flows.config.loader import dump_config
 from flows.config.paths import resolve_paths
@@ -73,6 +74,7 @@ def run_training(config: RollflowConfig) -> dict[str, Any]:
             save_config(layout, config)
             free_kept_actors(config, layout)
             return _result(config, layout, checked, config.rollout.num_rollout, restored=None)
+        phase("Ray: connecting to the head (a local one starts if none is running)")
         with exiting_if_head_is_lost(connect(config.cluster), config.storage.run_name):
             return train_attached(config, layout, checked)
     finally:
@@ -92,6 +94,8 @@ def train_attached(config: RollflowConfig, layout: RunLayout,
         evaluate_version(ctx, start)
 
     pipelined = config.rollout.off_policy_async
+    phase(f"step {start}: starting ({config.rollout.num_rollout - start} to go)")
+    stop_telling()  # the progress bar and the step lines take over
     reporter = StepReporter(config, layout, start)
 
     def step_done(rollout_id: int, metrics: dict[str, Any]) -> None:
@@ -152,6 +156,8 @@ def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[StepContext, i
     """Actors attached (or created) and the trainer at the version the run resumes from.
     A run that fails here tears its actors down: there is nothing warm worth keeping, and
     they would hold the machine's memory until `rollflow cluster down`."""
+    phase(f"actors: attaching the run's trainer and {config.engine.num_engines} engine(s), "
+          "starting those not running")
     try:
         ctx = StepContext(config, layout, get_or_create_actors(config))
         ctx.save_settings()

@@ -25,6 +25,7 @@ def _user_code_importable() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from flows.bookkeeping.start_lines import phase, stop_telling
     from flows.config.loader import load_config
 
     prefect_env_defaults()
@@ -32,14 +33,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     if args.fresh and not start_over(cfg):
         return 1
+    phase(f"run {cfg.storage.run_name}: checking the config, the data and the model")
     from flows.bookkeeping.preflight import preflight_once
 
     preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
     from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
 
-    with local_prefect_api():
-        result = train(cfg)
+    try:
+        with local_prefect_api():
+            result = train(cfg)
+    finally:
+        stop_telling()
     _print_result(result, args.result_out)
     return 0
 
@@ -488,6 +493,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.func is cmd_train:  # on a terminal: a line as each phase of the start begins
+        from flows.bookkeeping.start_lines import phase, tell_start
+
+        tell_start()
+        phase(f"reading the config {args.config}")
     if args.runs_flows:
         prefect_env_defaults()  # before quiet_prefect_failures makes Prefect set up its logging
     # A command's stdout holds its own output only (a flow command's: its JSON result), written

@@ -23,6 +23,7 @@ from typing import TextIO
 
 import httpx
 
+from flows.bookkeeping.start_lines import phase
 from flows.config.run import ConfigError
 from flows.servers.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
 
@@ -186,8 +187,10 @@ def local_prefect_api() -> Iterator[PrefectServer | None]:
     )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
+        phase(f"Prefect: reporting to {PREFECT_API_URL.value() or 'its ephemeral server'}")
         yield None
         return
+    phase("Prefect: starting a local server (no PREFECT_API_URL set)")
     server = start_local_server()
     keeper = KeepAlive(server)
     try:

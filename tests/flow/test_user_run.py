@@ -20,6 +20,7 @@ import pytest
 
 from engines.cluster.registry import run_actors
 from flows.bookkeeping.driver_record import DriverRecord
+from flows.bookkeeping.start_lines import FORCE_ENV, PREFIX
 from flows.cli import main
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from tests.support import REPO_ROOT
@@ -82,9 +83,17 @@ def run_name() -> str:
     return f"user-{uuid.uuid4().hex[:8]}"
 
 
-def test_relative_paths_and_a_local_reward_make_one_whole_run_directory(workdir, ray_address):
+def test_relative_paths_and_a_local_reward_make_one_whole_run_directory(
+    workdir, ray_address, capsys, monkeypatch
+):
     run = run_name()
+    monkeypatch.setenv(FORCE_ENV, "1")  # the start's lines, as on a terminal
+    capsys.readouterr()
     assert main(["train", "--config", write_config(workdir, run, ray_address)]) == 0
+    told = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()
+            if line.startswith(PREFIX)]
+    assert [line.split(":")[0] for line in told] == [
+        "reading the config run.yaml", f"run {run}", "Prefect", "Ray", "actors", "step 0"], told
     layout = RunLayout.open(str(workdir / "runs"), run)
     assert layout.committed_steps() == [0, 1]
     names = set(layout.store.list())
