@@ -13,16 +13,26 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import TextIO
 
 FORCE_ENV = "ROLLFLOW_START_LINES"  # 1: tell the start even off a terminal; 0: never
 PREFIX = "rollflow: ["
-_told: dict[str, object] = {}  # "stream" and "t0" once the CLI asked for the lines
+
+
+@dataclass(frozen=True)
+class _Telling:
+    stream: TextIO
+    started_at: float  # the process's start, epoch seconds
+
+
+_telling: list[_Telling] = []  # one while the CLI tells its start
 
 
 def tell_start(stream: TextIO | None = None) -> None:
     """Called by `rollflow train` first thing: the start's lines go to `stream` (stderr)
     from now on, if it is a terminal or ROLLFLOW_START_LINES=1 asks for them."""
+    stop_telling()
     out = stream or sys.stderr
     forced = os.environ.get(FORCE_ENV, "")
     if forced == "0" or not (forced == "1" or out.isatty()):
@@ -30,18 +40,16 @@ def tell_start(stream: TextIO | None = None) -> None:
     import psutil
 
     # seconds since the process started, Python's own start-up and imports included
-    _told.update(stream=out, t0=psutil.Process().create_time())
+    _telling.append(_Telling(out, psutil.Process().create_time()))
 
 
 def phase(what: str) -> None:
     """One line: `rollflow: [  1.2 s] what` (nothing unless `tell_start` asked for them)."""
-    stream = _told.get("stream")
-    if stream is None:
-        return
-    elapsed = time.time() - float(_told["t0"])  # type: ignore[arg-type]
-    print(f"{PREFIX}{elapsed:5.1f} s] {what}", file=stream, flush=True)  # type: ignore[call-overload]
+    for told in _telling:
+        print(f"{PREFIX}{time.time() - told.started_at:5.1f} s] {what}", file=told.stream,
+              flush=True)
 
 
 def stop_telling() -> None:
     """The start is over (the first step began) or the command ends."""
-    _told.clear()
+    _telling.clear()

@@ -58,3 +58,13 @@ def test_zero_silences_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_nothing_is_told_without_the_cli() -> None:
     phase("a deployment's start")  # no tell_start: not the CLI; must not raise or print
+
+
+def test_a_second_command_in_one_process_starts_afresh() -> None:
+    """`main()` twice in one process (tests, notebooks): the first command's terminal does not
+    get the second one's lines when the second is told to a pipe."""
+    first = Terminal()
+    tell_start(first)
+    tell_start(io.StringIO())
+    phase("preflight")
+    assert first.getvalue() == ""
