@@ -23,19 +23,23 @@ from storage.secrets import scrub
 
 
 class HeldBack(logging.Filter):
-    """Keeps Prefect's failed-run records (ERROR and up, with tracebacks) and the task
-    retry warnings off the console and in memory, for the log file; the console's first
-    line stays the root cause, and the UI still shows every record."""
+    """Keeps Prefect's failed-run records (ERROR and up, with tracebacks), the task retry
+    warnings and the warnings of Prefect's senders draining as the run ends ("EventsWorker -
+    Still processing items: 1 items remaining...", which came before a failed run's cause)
+    off the console and in memory, for the log file; the console's first line stays the root
+    cause, and the UI still shows every record."""
 
     LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+    SENDERS = ("EventsWorker", "APILogWorker")  # Prefect's queue services, by class name
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        floor = logging.WARNING if record.name.startswith("prefect.task_runs") else logging.ERROR
-        if record.levelno >= floor and record.name.startswith(self.LOGGERS):
+        warned = record.name.startswith("prefect.task_runs") or record.name in self.SENDERS
+        floor = logging.WARNING if warned else logging.ERROR
+        if record.levelno >= floor and record.name.startswith((*self.LOGGERS, *self.SENDERS)):
             self.records.append(record)
             return False
         return True

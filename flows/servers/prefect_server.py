@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import httpx
@@ -28,6 +29,7 @@ from flows.config.run import ConfigError
 from flows.servers.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
 
 log = logging.getLogger(__name__)
+LOCAL_SERVER_LOG = "local-server.log"  # in PREFECT_HOME: a driver's own server's output
 
 
 @dataclass
@@ -37,6 +39,7 @@ class PrefectServer:
     process: subprocess.Popen[bytes]
     host: str
     port: int
+    log_path: str | None = None  # where its output goes, if not to ours
 
     @property
     def url(self) -> str:
@@ -56,7 +59,9 @@ class PrefectServer:
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if self.process.poll() is not None:
-                raise RuntimeError(f"prefect server exited with code {self.process.returncode}")
+                where = f" (its output: {self.log_path})" if self.log_path else ""
+                raise RuntimeError(
+                    f"prefect server exited with code {self.process.returncode}{where}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"prefect server on {self.url} not healthy after {timeout_s}s")
@@ -164,15 +169,23 @@ def serve_forever(
 
 def start_local_server(port: int | None = None, database: str | None = None) -> PrefectServer:
     """A driver's own server: Prefect's app as its ephemeral server runs it (no UI) on
-    loopback, on SQLite under PREFECT_HOME unless `database` names another. Its output goes
-    to stderr: a CLI's stdout is its result."""
+    loopback, on SQLite under PREFECT_HOME unless `database` names another. Its output is
+    appended to PREFECT_HOME/local-server.log, not the user's terminal: the server's own
+    errors as the driver stops it (a flush cut short) once came before a failed run's cause,
+    which must be the first thing a failed command prints."""
+    from prefect.settings import PREFECT_HOME
+
     from engines.process import free_port
 
     port = port or free_port()
-    process = subprocess.Popen([*_prefect_app(), "local", str(port)],
-                               env=server_env(database=database),
-                               stdout=2, stderr=2)  # (fd 2: sys.stderr may be a wrapper)
-    return PrefectServer(process, "127.0.0.1", port)
+    home = Path(os.environ.get("PREFECT_HOME") or PREFECT_HOME.value()).expanduser()  # (as the server reads it)
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / LOCAL_SERVER_LOG
+    with open(log_path, "ab") as out:  # (the child keeps its own copy of the descriptor)
+        process = subprocess.Popen([*_prefect_app(), "local", str(port)],
+                                   env=server_env(database=database),
+                                   stdout=out, stderr=subprocess.STDOUT)
+    return PrefectServer(process, "127.0.0.1", port, str(log_path))
 
 
 @contextmanager
@@ -253,7 +266,7 @@ class KeepAlive(threading.Thread):
                 continue
             if self.restarts >= self.max_restarts:
                 log.error("the driver's Prefect server exited (code %s) %d times: not started "
-                          "again", code, self.restarts + 1)
+                          "again (its output: %s)", code, self.restarts + 1, self.server.log_path)
                 return
             self.restarts += 1
             log.warning("the driver's Prefect server (pid %d) exited with code %s; starting "

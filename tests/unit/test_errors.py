@@ -137,6 +137,9 @@ def test_held_back_keeps_failed_run_records_off_the_console():
     warning = logging.LogRecord("prefect.flow_runs", logging.WARNING, "x", 1, "slow", None, None)
     other = logging.LogRecord("rollflow", logging.ERROR, "x", 1, "mine", None, None)
     assert held.filter(warning) and held.filter(other) and held.records == [record]
+    draining = logging.LogRecord("EventsWorker", logging.WARNING, "x", 1,
+                                 "Still processing items: 1 items remaining...", None, None)
+    assert not held.filter(draining) and held.records == [record, draining]
 
 
 def test_a_note_on_the_cause_reaches_the_first_line():
