@@ -30,7 +30,7 @@ def test_a_terminal_gets_a_line_per_phase_with_its_time() -> None:
     phase("step 0: started")
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
-    assert re.fullmatch(r"rollflow: \[ +\d+\.\d s\] Prefect: starting a local server", lines[0])
+    assert re.fullmatch(r"rollflow: \[ *\d+\.\d s\] Prefect: starting a local server", lines[0])
     assert lines[1].endswith("] step 0: started")
     stop_telling()
     phase("after the start")
