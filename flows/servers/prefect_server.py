@@ -143,7 +143,7 @@ def start_server(
     env.update(PREFECT_SERVER_API_HOST=host, PREFECT_SERVER_API_PORT=str(port))
     env.setdefault("PREFECT_UI_URL", f"http://{host}:{port}")  # links in notifications
     process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = PrefectServer(process, host, port)
+    server = PrefectServer(process, host, port, log_path)
     if wait_s is not None:
         server.wait_ready(wait_s)
     return server
