@@ -13,7 +13,7 @@ its tasks in the UI, created ahead by flows/step_flow_runs.py, at a cost per ste
 `rollout-{id}/<task>`. Either way a failed step resumes at the task that failed (each task's
 record in storage) and its tasks retry alike.
 
-In async mode (`rollout.off_policy_async`) gates between them let two consecutive steps
+In one_step and async modes (`rollout.mode`) gates between them let consecutive steps
 overlap; see tasks/step_gates.py for the picture.
 """
 
@@ -63,7 +63,7 @@ def run_step(
     tasks/step_gates.py between them): Prefect draws a task's edges from its inputs, and
     without them every record would be drawn as feeding `commit` (which gets the records
     `quote`d, so only broadcast_weights -> commit is drawn)."""
-    layout, pipelined = ctx.layout, ctx.cfg.rollout.off_policy_async
+    layout, pipelined = ctx.layout, ctx.cfg.rollout.overlaps_steps
     if layout.is_committed(rollout_id):
         return _committed(layout, rollout_id, on_commit)
     layout.clear_failure(rollout_id)
@@ -85,7 +85,7 @@ def run_step(
             before = _gate(gates.wait_for_previous_commit, layout, rollout_id, after=rewarded)
         trained = train_step(ctx, rollout_id, wait_for=[before])
         before = trained
-        if pipelined:
+        if pipelined and ctx.cfg.rollout.mode == "one_step":  # (async: weights change mid-generate)
             before = _gate(gates.wait_for_next_generate, layout, ctx.cfg, rollout_id,
                            after=trained)
         # the engine pool pushes the new weights on the steps that push

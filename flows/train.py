@@ -93,7 +93,7 @@ def train_attached(config: RollflowConfig, layout: RunLayout,
     if config.eval.enabled and config.eval.before_train and restored["version"] <= start:
         evaluate_version(ctx, start)
 
-    pipelined = config.rollout.off_policy_async
+    pipelined = config.rollout.overlaps_steps
     phase(f"step {start}: starting ({config.rollout.num_rollout - start} to go)")
     stop_telling()  # the progress bar and the step lines take over
     reporter = StepReporter(config, layout, start)

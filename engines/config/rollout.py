@@ -29,22 +29,34 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
     seed: int = Field(1234, description="Base seed of sampling requests.")
-    off_policy_async: bool = Field(
-        False,
-        description="One-step off-policy: generation of step k+1 overlaps training of step k "
-        "(slime's train_async); weights are broadcast after each train step.",
+    mode: Literal["sync", "one_step", "async"] = Field(
+        "sync",
+        description="sync: generate, train, push, one step after the other. one_step: "
+        "generation of step k+1 overlaps training of step k (slime's train_async). async: "
+        "generation never stops; up to rollout.async_inflight groups generate across step "
+        "boundaries and each step trains the first rollout_batch_size groups that finish "
+        "(engines/rollout/async_producer.py). docs/training.md has a picture of each.",
+    )
+    async_inflight: int | None = Field(
+        None, ge=1,
+        description="Async mode: groups generating at once (default: 2 x "
+        "rollout_batch_size). Fewer start when more would be too stale to train "
+        "(rollout.max_staleness).",
     )
     max_staleness: int = Field(
         1, ge=0,
-        description="Async mode: generation of step k waits until the engines hold weight "
-        "version >= k - max_staleness (rounded down to a train.update_weights_interval push); "
-        "buffered samples started on an older version are regenerated from the prompt and "
-        "counted (rollout/groups_stale_regenerated_samples). 0 stays on-policy: only the next "
-        "step's flow-run set-up and prompt draw overlap this step's training.",
+        description="one_step and async modes: a step trained from weight version k trains "
+        "no token generated before version k - max_staleness (rounded down to a "
+        "train.update_weights_interval push). one_step: generation of step k waits until the "
+        "engines hold that version; buffered samples started on an older one are "
+        "regenerated from the prompt (rollout/groups_stale_regenerated_samples). async: a "
+        "finished group begun on an older version is regenerated or dropped "
+        "(rollout.stale_groups). 0 in one_step stays on-policy: only the next step's "
+        "flow-run set-up and prompt draw overlap this step's training.",
     )
     stale_groups: Literal["regenerate", "drop"] = Field(
         "regenerate",
-        description="Async mode: a buffered group with a sample begun on a policy older "
+        description="one_step and async modes: a group with a sample begun on a policy older "
         "than max_staleness allows. regenerate: those samples start over from the prompt "
         "(rollout/groups_stale_regenerated_samples); drop: the group is neither generated "
         "nor trained, its prompt is not drawn again, and the step draws another in its "
@@ -201,6 +213,17 @@ class RolloutConfig(Section):
     def submit_batch_size(self) -> int:
         return self.over_sampling_batch_size or self.rollout_batch_size
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether consecutive steps overlap (one_step, async): the gates of
+        tasks/step_gates.py order them and a step may train stale tokens."""
+        return self.mode != "sync"
+
+    @property
+    def inflight_groups(self) -> int:
+        """Async mode: groups generating at once."""
+        return self.async_inflight or 2 * self.rollout_batch_size
+
     @model_validator(mode="after")
     def _check_rollout(self) -> RolloutConfig:
         if self.debug_rollout_only and self.debug_train_only:
@@ -217,7 +240,22 @@ class RolloutConfig(Section):
         if self.agent_path and self.custom_generate_function_path:
             raise ValueError("rollout.agent_path and rollout.custom_generate_function_path "
                              "exclude each other: the agent gateway is the generate function")
+        if self.mode == "async":
+            self._check_async()
         return self
+
+    def _check_async(self) -> None:
+        """What async mode cannot combine with: each step takes groups as they finish, from
+        a generation loop that never stops."""
+        clashes = {
+            "function_path": "a custom rollout function generates a whole step itself",
+            "over_sampling_filter_path": "a step takes the first groups that finish, so "
+            "there is no over-sampled batch to choose from",
+            "debug_train_only": "nothing is generated",
+        }
+        for key, why in clashes.items():
+            if getattr(self, key):
+                raise ValueError(f"rollout.mode: async excludes rollout.{key} ({why})")
 
 
 class EvalDataset(Section):

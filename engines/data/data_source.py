@@ -193,17 +193,7 @@ class RolloutDataSourceWithBuffer:
         the two writes leaves the previous stage's state intact (the JSON still names the
         previous buffer). `stage` and `extra` tell a re-run stage whether it already ran.
         """
-        buffer_name = f"{rollout_id:06d}.{stage}.buffer.arrow"
-        flat = [s for g in self.buffer for s in g]
-        write_samples(layout.store, flat, "datasource", buffer_name, compression=compression)
-        meta = {
-            **asdict(self.state),
-            "buffer_groups": len(self.buffer),
-            "buffer_file": buffer_name,
-            "stage": stage,
-            "extra": extra or {},
-        }
-        layout.store.write_json(meta, *layout.datasource_parts(rollout_id, ".json"))
+        save_source_state(layout, rollout_id, self.state, self.buffer, compression, stage, extra)
 
     def load(self, layout: RunLayout, rollout_id: int) -> dict[str, Any]:
         """Restore the state saved for `rollout_id`; returns its meta (stage, extra)."""
@@ -226,3 +216,28 @@ class RolloutDataSourceWithBuffer:
         """Back to the state of a fresh run (used when resuming at step 0)."""
         self.state = DataSourceState()
         self.buffer = []
+
+
+def save_source_state(
+    layout: RunLayout,
+    rollout_id: int,
+    state: DataSourceState,
+    buffer: Sequence[Group],
+    compression: str | None = "zstd",
+    stage: str = "sample_prompts",
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """`RolloutDataSourceWithBuffer.save` of a given state and buffer: async mode saves a
+    snapshot of its generation loop (engines/rollout/async_producer.py), whose groups in
+    flight and finished wait in the saved buffer."""
+    buffer_name = f"{rollout_id:06d}.{stage}.buffer.arrow"
+    flat = [s for g in buffer for s in g]
+    write_samples(layout.store, flat, "datasource", buffer_name, compression=compression)
+    meta = {
+        **asdict(state),
+        "buffer_groups": len(buffer),
+        "buffer_file": buffer_name,
+        "stage": stage,
+        "extra": extra or {},
+    }
+    layout.store.write_json(meta, *layout.datasource_parts(rollout_id, ".json"))

@@ -254,6 +254,11 @@ class GenerationLoop:
         self._semaphore = asyncio.Semaphore(cfg.sglang_server_concurrency * dispatch.num_engines)
         self._aborting = False
 
+    def refuse_new_requests(self) -> None:
+        """From now on no request is sent (the async loop stopping); those in flight run on
+        until aborted."""
+        self._aborting = True
+
     async def lose_engine(self, url: str, why: str) -> None:
         """The watch's verdict: go on without `url` (the step fails if it was the last)."""
         if isinstance(self.dispatch, Healing):

@@ -11,18 +11,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from engines.config.run import RunConfig
-from engines.data.data_source import RolloutDataSourceWithBuffer, groups_in_order, pop_first
+from engines.data.data_source import (
+    RolloutDataSourceWithBuffer,
+    groups_in_order,
+    pop_first,
+    save_source_state,
+)
 from engines.data.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
 from engines.hooks.loader import load_hook, load_user_hook, returned_groups
 from engines.hooks.protocols import AgentFn, EvalFn, GenerateFn, RolloutFn, SampleFilterFn
 from engines.process import freeze_actor_heap
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
 from engines.rollout.agent_gateway import AgentGateway
+from engines.rollout.async_producer import AsyncProducer
 from engines.rollout.dispatch import Dispatch, RouterDispatch
 from engines.rollout.engine_watch import EngineWatch
 from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
@@ -32,6 +39,7 @@ from engines.rollout.filters import (
     resolve_over_sampling_filter,
 )
 from engines.rollout.generation import (
+    GenerationLoop,
     HookArgs,
     RolloutResult,
     build_generation_loop,
@@ -50,7 +58,7 @@ from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
 from engines.rollout.sglang_client import SGLangClient
 from engines.rollout.staleness import staleness_metrics
-from engines.weights.schedule import oldest_trainable_version
+from engines.weights.schedule import oldest_trainable_version, required_weight_version
 from storage.batch_io import read_samples, write_samples
 from storage.group_journal import GroupJournal
 from storage.object_store import open_store
@@ -188,6 +196,7 @@ class RolloutManager:
         )
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
+        self.producer: AsyncProducer | None = None  # async mode's loop, across steps
         freeze_actor_heap()
 
     def _load_tokenizer(self) -> Any:
@@ -223,6 +232,7 @@ class RolloutManager:
         return 0 if self.router is None else self.router.restarts
 
     def shutdown(self) -> None:
+        self._stop_producer()
         if self.router is not None:
             self.router.shutdown()
             self.router = None
@@ -252,6 +262,8 @@ class RolloutManager:
     def sample_prompts(self, rollout_id: int) -> SamplePromptsRecord:
         if self.cfg.rollout.debug_train_only:
             return SamplePromptsRecord(groups=0, debug_train_only=True)
+        if self.cfg.rollout.mode == "async":  # the async loop draws as it goes
+            return SamplePromptsRecord(groups=0)
         self._restore_source(rollout_id)
         groups = self.data_source.get_samples(self.cfg.rollout.submit_batch_size, rollout_id)
         uri = write_samples(
@@ -278,6 +290,8 @@ class RolloutManager:
         takes back the groups the step's journal holds and generates only the rest."""
         if self.cfg.rollout.debug_train_only:
             return self._copy_debug_batch(rollout_id)
+        if self.cfg.rollout.mode == "async":
+            return self._take_async(rollout_id)
         journal = GroupJournal(self.layout.store, step_dir(rollout_id))
         meta = self.data_source.load(self.layout, rollout_id)
         if meta.get("stage") == "generate":
@@ -321,6 +335,70 @@ class RolloutManager:
                               record.to_json())
         journal.clear()  # committed: rollout.arrow and the buffer hold all it had
         return record
+
+    # -- async mode (engines/rollout/async_producer.py) ----------------------------------
+    def _take_async(self, rollout_id: int) -> GenerateRecord:
+        """The first rollout_batch_size groups the async loop finished, to rollout.arrow; in
+        one commit with them, the loop's snapshot as the data source's state (what a
+        restarted loop starts from). A re-run after that commit returns its record."""
+        parts = self.layout.datasource_parts(rollout_id, ".json")
+        if self.layout.store.exists(*parts):
+            meta = self.layout.store.read_json(*parts)
+            if meta.get("stage") == "generate":
+                return GenerateRecord.from_json(meta["extra"])
+        producer = self._producer_at(rollout_id)
+        taken = producer.take(rollout_id, self.cfg.rollout.rollout_batch_size,
+                              required_weight_version(self.cfg, rollout_id),
+                              ProgressFile(self.layout, rollout_id))
+        try:
+            uri = write_samples(self.layout.store, flatten(taken.groups), step_dir(rollout_id),
+                                "rollout.arrow", compression=self._compression())
+            state, buffer = producer.snapshot()
+            metrics = {**taken.metrics(),
+                       **staleness_metrics(flatten(taken.groups), trained_version=rollout_id)}
+            record = GenerateRecord(uri=uri, groups=len(taken.groups), extra_draws=0,
+                                    buffer_groups=len(buffer), rollout_metrics=metrics,
+                                    lost_engines=taken.lost_engines)
+            save_source_state(self.layout, rollout_id, state, buffer, self._compression(),
+                              "generate", record.to_json())
+        except BaseException:
+            producer.put_back(rollout_id, taken.groups)  # not committed: the next attempt takes them
+            raise
+        if rollout_id + 1 >= self.cfg.rollout.num_rollout:
+            self._stop_producer()  # the run's last step: nothing more to generate
+        return record
+
+    def _producer_at(self, rollout_id: int) -> AsyncProducer:
+        """The async loop, ready to hand out step `rollout_id`'s groups. One that is behind
+        or ahead (another attempt's), failed, or on other engines is stopped: in the first
+        two cases the loop restarts from the state the last generate committed; on new
+        engines it goes on with every group it had."""
+        p = self.producer
+        if p is not None and p.alive and p.next_step == rollout_id and p.urls == self.engine_urls:
+            return p
+        carried = p is not None and p.alive and p.next_step == rollout_id
+        groups = self._stop_producer()
+        if carried:
+            self.data_source.buffer[:0] = groups
+        else:
+            self._restore_source(rollout_id)
+        urls, router_url = list(self.engine_urls), self.router_url()
+        workers = self.router.sync_workers if self.router is not None else None
+        cfg, hooks, tokenizer = self.cfg, self.hooks, self.tokenizer
+        producer = AsyncProducer(
+            cfg, self.data_source, rollout_id,
+            lambda: generation_session(cfg, urls, router_url, hooks, tokenizer, target=None,
+                                       router_workers=workers),
+            urls,
+        )
+        producer.start(required_weight_version(cfg, rollout_id))
+        self.producer = producer
+        return producer
+
+    def _stop_producer(self) -> list[Group]:
+        """Stop the async loop (if any); the groups it had, whole."""
+        producer, self.producer = self.producer, None
+        return producer.stop() if producer is not None else []
 
     def _step_source(self, rollout_id: int) -> StepDataSource:
         """The step's source as sample_prompts left it (the data source is already loaded
@@ -452,6 +530,29 @@ async def run_generation(
 ) -> RolloutResult:
     """One step's dynamic-sampling generation through the router (or the engines directly).
     `router_workers(urls)` sets the router's worker set (a lost engine leaves it)."""
+    async with generation_session(
+        cfg, urls, router_url, hooks, tokenizer, target=target, progress=progress,
+        min_weight_version=min_weight_version, router_workers=router_workers,
+    ) as loop:
+        return await loop.run_dynamic(source, journal, restored)
+
+
+@asynccontextmanager
+async def generation_session(
+    cfg: RunConfig,
+    urls: list[str],
+    router_url: str | None,
+    hooks: LoopHooks,
+    tokenizer: Any = None,
+    *,
+    target: int | None,
+    progress: Callable[[int, int], None] | None = None,
+    min_weight_version: int | None = None,
+    router_workers: Callable[[list[str]], None] | None = None,
+) -> AsyncIterator[GenerationLoop]:
+    """A generation loop over clients of `urls` (and the router), with its engine watch and
+    agent gateway, all closed on exit: one step's (`run_generation`) or async mode's, which
+    lives across steps (engines/rollout/async_producer.py)."""
     replay = cfg.algorithm.routing_replay  # the trainer replays the engines' MoE routing
     engines = [SGLangClient(url, return_routed_experts=replay) for url in urls]
     router = SGLangClient(router_url, return_routed_experts=replay) if router_url else None
@@ -481,7 +582,7 @@ async def run_generation(
             custom_generate=custom_generate, dynamic_filter=hooks.dynamic_filter,
             progress=progress, min_weight_version=min_weight_version, watch=watch,
         )
-        return await loop.run_dynamic(source, journal, restored)
+        yield loop
     finally:
         if watch is not None:
             await watch.close()

@@ -311,6 +311,11 @@ class SGLangClient:
     async def model_info(self) -> dict[str, Any]:
         return dict(await self._request("GET", "/get_model_info"))
 
+    async def weight_version(self) -> int:
+        """The weight version the server holds (SGLang's `/get_weight_version`)."""
+        answer = await self._request("GET", "/get_weight_version")
+        return version_number(answer["weight_version"])
+
     async def update_weights_from_disk(
         self, model_path: str, weight_version: int | None = None
     ) -> dict[str, Any]:

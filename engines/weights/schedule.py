@@ -22,7 +22,7 @@ from engines.config.run import RunConfig
 def required_weight_version(cfg: RunConfig, rollout_id: int) -> int:
     """Oldest policy allowed to generate step `rollout_id`: the last version pushed before
     it, less `max_staleness` in async mode (its own version when synchronous, interval 1)."""
-    staleness = cfg.rollout.max_staleness if cfg.rollout.off_policy_async else 0
+    staleness = cfg.rollout.max_staleness if cfg.rollout.overlaps_steps else 0
     interval = cfg.train.update_weights_interval
     return max(0, rollout_id - staleness) // interval * interval
 
@@ -44,6 +44,6 @@ def oldest_trainable_version(cfg: RunConfig, rollout_id: int) -> int | None:
     """Samples drawn back from the buffer (partial rollouts, surplus groups) whose first token
     came from a version older than this are regenerated from the prompt. Synchronous runs
     keep slime's unbounded partial rollouts (None)."""
-    if not cfg.rollout.off_policy_async:
+    if not cfg.rollout.overlaps_steps:
         return None
     return required_weight_version(cfg, rollout_id)

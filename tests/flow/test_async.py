@@ -46,7 +46,7 @@ def test_async_overlaps_generation_with_training(make_config, sync_layout):
 
     # Training long enough that the next step (which took ~2 s to start on this 2-core
     # machine as a flow run while another was busy) reaches generation before it ends.
-    cfg = make_config("async", "rollout.off_policy_async=true", "rollout.max_staleness=1",
+    cfg = make_config("async", "rollout.mode=one_step", "rollout.max_staleness=1",
                       "train.num_epochs_per_rollout=48")
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
@@ -80,7 +80,7 @@ def test_async_with_no_staleness_is_the_synchronous_run(make_config, sync_layout
     for commit k). Now it generates what the synchronous run does, from the same weights."""
     from flows.train import train
 
-    cfg = make_config("on-policy", "rollout.off_policy_async=true", "rollout.max_staleness=0")
+    cfg = make_config("on-policy", "rollout.mode=one_step", "rollout.max_staleness=0")
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     assert layout.committed_steps() == [0, 1, 2, 3]

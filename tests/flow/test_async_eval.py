@@ -19,7 +19,7 @@ def test_async_mode_evaluates_every_interval_on_the_version_it_names(
     cfg = arithmetic_config(
         run_name=f"async-eval-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
         data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        overrides=["rollout.num_rollout=4", "rollout.off_policy_async=true",
+        overrides=["rollout.num_rollout=4", "rollout.mode=one_step",
                    "rollout.max_staleness=1", "eval.eval_interval=1", "eval.before_train=true",
                    "eval.eval_function_path=tests.support.hooks:engine_versions"],
     )

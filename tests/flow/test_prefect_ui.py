@@ -118,7 +118,7 @@ def test_step_flow_runs_group_each_steps_tasks(make_cfg):
 def test_async_steps_draw_the_gates_in_the_chain(make_cfg):
     from flows.train import train
 
-    cfg = make_cfg("ui-async", "rollout.off_policy_async=true", "rollout.num_rollout=3")
+    cfg = make_cfg("ui-async", "rollout.mode=one_step", "rollout.num_rollout=3")
     run = cfg.storage.run_name
     train(cfg)
     step_run = flow_runs(api_url(), [f"{run}/rollout-1"])[f"{run}/rollout-1"]

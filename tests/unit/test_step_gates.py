@@ -10,7 +10,7 @@ import pytest
 from tasks import step_gates as gates
 from tests.support.fakes import step_context
 
-ASYNC = ("rollout.num_rollout=4", "rollout.off_policy_async=true", "rollout.max_staleness=0")
+ASYNC = ("rollout.num_rollout=4", "rollout.mode=one_step", "rollout.max_staleness=0")
 
 
 def later(action, delay_s: float = 0.1) -> threading.Timer:

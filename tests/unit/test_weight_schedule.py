@@ -34,10 +34,10 @@ def test_interval_holds_weights_between_pushes():
 
 
 def test_async_staleness_and_interval_combine():
-    c = cfg("rollout.off_policy_async=true", "rollout.max_staleness=1")
+    c = cfg("rollout.mode=one_step", "rollout.max_staleness=1")
     assert [required_weight_version(c, k) for k in range(6)] == [0, 0, 1, 2, 3, 4]
     assert oldest_trainable_version(c, 4) == 3
-    c = cfg("rollout.off_policy_async=true", "rollout.max_staleness=1",
+    c = cfg("rollout.mode=one_step", "rollout.max_staleness=1",
             "train.update_weights_interval=2")
     assert [required_weight_version(c, k) for k in range(6)] == [0, 0, 0, 2, 2, 4]
 

@@ -1,0 +1,373 @@
+"""Async mode's generation (`rollout.mode: async`): a loop that never stops between steps.
+
+```
+ data source ──draw while there is room──► in flight (<= rollout.async_inflight groups)
+      ▲                                      │      ▲
+      │                                      │      └── aborted by a weight push: sent again
+      │                                      ▼          with its tokens, on the new version
+      │                               finished: rewards, dynamic filter ──► finished queue
+      │                                                                          │
+      └──────── stale, `stale_groups: regenerate` ◄── step k's generate: take(k) the first
+                                                      rollout_batch_size, in finish order
+```
+Step k's generate task takes the first `rollout_batch_size` groups that finished (kept by
+the dynamic filter), in the order they finished, and writes them to rollout.arrow, so a
+replay of the step reads exactly those. A group with a token older than step k may train
+(`oldest_trainable_version`: k - max_staleness) is regenerated from its prompt or dropped
+(`rollout.stale_groups`), and counted.
+
+Room to draw (`room`): fewer than `async_inflight` groups in flight, and no more groups
+outstanding (in flight and queued) than the steps that can still train a group started now
+will take. A group started on version v can be trained up to step `last_trainable_step(v)`,
+so with the next step to take k, outstanding groups stay under (last - k + 1) x
+rollout_batch_size: if groups finish in the order they start, none goes stale (AReaL's
+staleness control).
+
+Nothing is lost across a crash, and nothing is trained twice. Each generate commit saves the
+loop's snapshot as the data source's state (`snapshot`): the cursor of the draws so far, and
+in the buffer every group queued or in flight, with the tokens and token versions it has
+(an in-flight request's tokens as of its last answer; a weight push's abort hands them back).
+A rollout actor that restarts starts the loop from the last commit's snapshot: the groups
+finished or drawn since are drawn and generated again, and every group is either in one
+step's rollout.arrow or in the snapshot after it. A driver that restarts finds the loop still
+running in the rollout actor and takes up where it left off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.config.run import RunConfig
+from engines.data.data_source import DataSourceState, RolloutDataSourceWithBuffer
+from engines.rollout.generation import FINISHED, GenerationLoop, is_finished
+from engines.rollout.sglang_client import SGLangClient
+from engines.rollout.step_groups import GenerationStats, reset_to_prompt
+from engines.weights.schedule import oldest_trainable_version
+from storage.sample import Group, Status
+
+log = logging.getLogger(__name__)
+
+SessionFactory = Callable[[], AbstractAsyncContextManager[GenerationLoop]]
+Progress = Callable[[int, int], None]
+_STOP_ABORT_WAITS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def last_trainable_step(cfg: RunConfig, version: int) -> int:
+    """The last step that may train a token of weight version `version` (its oldest trainable
+    version is at most `version`), at most the run's last step."""
+    last = cfg.rollout.num_rollout - 1
+    step = version
+    while step < last and (oldest_trainable_version(cfg, step + 1) or 0) <= version:
+        step += 1
+    return step
+
+
+def room_to_draw(cfg: RunConfig, engine_version: int, next_step: int, in_flight: int,
+                 queued: int) -> int:
+    """Groups the loop may start now (see the module's docstring)."""
+    r = cfg.rollout
+    ahead = (last_trainable_step(cfg, engine_version) - next_step + 1) * r.rollout_batch_size
+    return max(0, min(r.inflight_groups - in_flight, ahead - in_flight - queued))
+
+
+def is_stale(group: Group, oldest: int | None) -> bool:
+    """A sample of `group` has a token from a version older than `oldest`."""
+    if oldest is None:
+        return False
+    return any(s.response_length > 0 and min(s.response_versions(), default=oldest) < oldest
+               for s in group)
+
+
+@dataclass
+class Taken:
+    """What one step took: its groups in the order they finished, and what the loop did
+    since the last take."""
+
+    groups: list[Group]
+    waited_s: float
+    stats: GenerationStats
+    counts: Counter[str] = field(default_factory=Counter)
+    in_flight: int = 0
+    queued: int = 0
+    lost_engines: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.stats.as_metrics(),
+                "rollout/async_wait_s": self.waited_s,
+                "rollout/async_in_flight": float(self.in_flight),
+                "rollout/async_queued": float(self.queued),
+                **{f"rollout/groups_{k}": float(v) for k, v in sorted(self.counts.items())}}
+
+
+class AsyncProducer:
+    """The loop, on its own thread and event loop inside the rollout actor; the actor's
+    methods call `take`, `snapshot`, `put_back` and `stop`, which run on that loop."""
+
+    def __init__(self, cfg: RunConfig, source: RolloutDataSourceWithBuffer, next_step: int,
+                 open_session: SessionFactory, urls: list[str]) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.next_step = next_step
+        self.urls = list(urls)
+        self._open_session = open_session
+        self._gen: GenerationLoop | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._in_flight: dict[asyncio.Task[None], Group] = {}
+        self._queue: list[Group] = []  # finished and kept, in finish order
+        self._taking: list[Group] = []  # what the step taking now has (still its to train)
+        self._leftover: list[Group] = []  # handed back unfinished while stopping
+        self._changed: asyncio.Event | None = None
+        self._done: asyncio.Event | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self.engine_version = 0
+        self._counts: Counter[str] = Counter()  # since the last take
+        self._tokens_at_take = 0
+        self._last_take = time.perf_counter()
+
+    # -- the actor's side ------------------------------------------------------------------
+    def start(self, engine_version: int) -> None:
+        self.engine_version = engine_version
+        self._thread = threading.Thread(target=self._run, name="async-rollout", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def take(self, rollout_id: int, count: int, engine_version: int,
+             progress: Progress | None = None) -> Taken:
+        """Step `rollout_id`'s `count` groups, waiting for them to finish."""
+        return self._call(self._take(rollout_id, count, engine_version, progress))
+
+    def snapshot(self) -> tuple[DataSourceState, list[Group]]:
+        """The data source's state and buffer that hold everything the loop has: queued
+        groups first (the next step takes them first), then those in flight, then what the
+        source still buffers. Copies, taken between two of the loop's steps."""
+        return self._call(self._snapshot())
+
+    def put_back(self, rollout_id: int, groups: list[Group]) -> None:
+        """Groups step `rollout_id` took but could not commit go back to the front of the
+        queue, for its next attempt."""
+        self._call(self._put_back(rollout_id, groups))
+
+    def stop(self) -> list[Group]:
+        """Abort everything in flight and end the loop; returns every group it had (queued,
+        then the ones handed back unfinished). The data source holds the draws' state."""
+        if self._aio is None or self._thread is None or not self._thread.is_alive():
+            return []
+        groups = self._call(self._stop())
+        self._thread.join(timeout=60)
+        return groups
+
+    @property
+    def alive(self) -> bool:
+        """Running, not stopping, and no group failed."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self._error is None)
+
+    def _call(self, coro: Any) -> Any:
+        if self._aio is None:
+            raise RuntimeError("the async rollout loop is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self._aio).result()
+
+    # -- the loop's side -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as err:  # (reported by start or the next take)
+            self._error = err
+            self._started.set()
+
+    async def _main(self) -> None:
+        self._aio = asyncio.get_running_loop()
+        self._changed, self._done = asyncio.Event(), asyncio.Event()
+        async with self._open_session() as gen:
+            self._gen = gen
+            watches = [asyncio.ensure_future(self._follow_versions())]
+            if gen.watch is not None:
+                watches.append(asyncio.ensure_future(gen.watch.run()))
+            self._started.set()
+            self._fill()
+            try:
+                await self._done.wait()
+            finally:
+                for watch in watches:
+                    watch.cancel()
+                await asyncio.gather(*watches, return_exceptions=True)
+
+    async def _follow_versions(self, interval_s: float = 0.2) -> None:
+        """While the staleness bound alone keeps the loop from drawing, ask the engines
+        which version they hold: a push since the last answer makes room (the loop would
+        otherwise learn of it only from a group that finishes, and none may be running)."""
+        clients = [SGLangClient(url) for url in self.urls]
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                if not self._held_by_staleness():
+                    continue
+                answers = await asyncio.gather(*(c.weight_version() for c in clients),
+                                               return_exceptions=True)
+                versions = [v for v in answers if isinstance(v, int)]
+                if versions and min(versions) > self.engine_version:
+                    self.engine_version = min(versions)
+                    self._fill()
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    def _held_by_staleness(self) -> bool:
+        if self._stopping or len(self._in_flight) >= self.cfg.rollout.inflight_groups:
+            return False
+        return room_to_draw(self.cfg, self.engine_version, self.next_step, len(self._in_flight),
+                            len(self._queue) + len(self._taking)) == 0
+
+    def _fill(self) -> None:
+        """Start as many groups as there is room for."""
+        if self._stopping or self._error is not None:
+            return
+        n = room_to_draw(self.cfg, self.engine_version, self.next_step, len(self._in_flight),
+                         len(self._queue) + len(self._taking))
+        if n > 0:
+            for group in self.source.get_samples(n, self.next_step):
+                self._launch(group)
+
+    def _launch(self, group: Group) -> None:
+        task = asyncio.ensure_future(self._generate(group))
+        self._in_flight[task] = group
+
+    async def _generate(self, group: Group) -> None:
+        gen = self._gen
+        assert gen is not None
+        try:
+            while True:
+                before = sum(s.response_length for s in group)
+                await gen.generate_group(group)
+                if is_finished(group) or self._stopping:
+                    break
+                # Aborted mid-request (a weight push, a lost engine): go on with its tokens.
+                if sum(s.response_length for s in group) == before:
+                    await asyncio.sleep(0.05)  # (no token: do not spin on a paused engine)
+            self._finished(group)
+        except Exception as err:
+            log.exception("async rollout: group %d failed", group[0].group_index)
+            self._error = err
+        finally:
+            self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._track_version(group)
+            self._fill()
+            assert self._changed is not None
+            self._changed.set()
+
+    def _finished(self, group: Group) -> None:
+        gen = self._gen
+        assert gen is not None
+        if not is_finished(group):
+            self._leftover.append(group)  # (stopping)
+        elif any(s.status == Status.FAILED for s in group):
+            self._counts["failed"] += 1
+        elif gen.dynamic_filter is not None and not gen.dynamic_filter(gen.hook_args, group):
+            self._counts["dropped"] += 1
+        else:
+            self._queue.append(group)
+
+    def _track_version(self, group: Group) -> None:
+        self.engine_version = max([self.engine_version, *(s.weight_version for s in group
+                                                            if s.response_length > 0)])
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the async rollout loop failed") from self._error
+
+    async def _take(self, rollout_id: int, count: int, engine_version: int,
+                    progress: Progress | None) -> Taken:
+        assert self._changed is not None and self._gen is not None
+        start = time.perf_counter()
+        self.next_step = rollout_id
+        self.engine_version = max(self.engine_version, engine_version)
+        oldest = oldest_trainable_version(self.cfg, rollout_id)
+        limit = self.cfg.rollout.max_groups_per_step or 10 * count
+        drawn_before = self.source.state.group_index
+        taken = self._taking = []
+        while len(taken) < count:
+            self._raise_if_failed()
+            while self._queue and len(taken) < count:
+                group = self._queue.pop(0)
+                if is_stale(group, oldest):
+                    self._handle_stale(group, oldest)
+                else:
+                    taken.append(group)
+            if progress is not None:
+                await asyncio.to_thread(progress, len(taken), count)
+            if len(taken) >= count:
+                break
+            if self.source.state.group_index - drawn_before >= limit and not self._in_flight:
+                log.warning("async rollout: step %d drew %d groups and kept only %d of %d",
+                            rollout_id, limit, len(taken), count)
+                break
+            self._changed.clear()
+            self._fill()
+            await self._changed.wait()
+        self.next_step, self._taking = rollout_id + 1, []
+        self._fill()
+        return self._taken(taken, time.perf_counter() - start)
+
+    def _handle_stale(self, group: Group, oldest: int | None) -> None:
+        """A queued group too old for this step: started over, or dropped (counted)."""
+        if self.cfg.rollout.stale_groups == "drop":
+            self._counts["stale_dropped"] += 1
+            return
+        for s in group:
+            if s.response_length > 0 and min(s.response_versions()) < (oldest or 0):
+                reset_to_prompt(s)
+                self._counts["stale_regenerated_samples"] += 1
+        self._launch(group)
+
+    def _taken(self, groups: list[Group], waited: float) -> Taken:
+        gen = self._gen
+        assert gen is not None
+        now = time.perf_counter()
+        tokens = gen.tally.generated_tokens
+        stats = GenerationStats(seconds=now - self._last_take,
+                                generated_tokens=tokens - self._tokens_at_take)
+        stats.add_groups(groups)
+        lost = sorted(gen.watch.lost) if gen.watch is not None else []
+        taken = Taken(groups, waited, stats, self._counts, len(self._in_flight), len(self._queue),
+                      lost)
+        self._counts, self._tokens_at_take, self._last_take = Counter(), tokens, now
+        return taken
+
+    async def _snapshot(self) -> tuple[DataSourceState, list[Group]]:
+        groups = [*self._queue, *self._in_flight.values(), *self.source.buffer]
+        return copy.copy(self.source.state), [[s.clone() for s in g] for g in groups]
+
+    async def _put_back(self, rollout_id: int, groups: list[Group]) -> None:
+        self.next_step = rollout_id
+        self._queue[:0] = groups
+        assert self._changed is not None
+        self._changed.set()
+
+    async def _stop(self) -> list[Group]:
+        assert self._done is not None and self._gen is not None
+        self._stopping = True
+        self._gen.refuse_new_requests()
+        waits = iter(_STOP_ABORT_WAITS)
+        while self._in_flight:
+            await self._gen.dispatch.abort_all()
+            if self._in_flight:  # (the abort's answer may have come after the last group's)
+                await asyncio.wait(list(self._in_flight),
+                                   timeout=next(waits, _STOP_ABORT_WAITS[-1]))
+        self._done.set()
+        groups = [*self._queue, *self._leftover]
+        for s in (s for g in groups for s in g if s.status not in FINISHED):
+            s.status = Status.ABORTED
+        return groups
