@@ -1,0 +1,186 @@
+"""Time to a held-out accuracy in each rollout mode (`rollout.mode`) on a long-tailed job.
+
+The main job's two-digit addition, with "work" before the answer whose length depends on
+the problem: one problem in ten is answered after 40 dots, the others after 0 to 3
+(`work_dots`), so response lengths spread more than 10x (the bench prints the spread it
+measured) and a synchronous step waits for its stragglers. An SFT warm start on such answers
+(the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of the answer
+(`rm_type: last_number`), so the dots are free and the sums are what is learnt.
+
+Each mode is one `rollflow train` from the shell, all sharing one local head. A run's clock
+starts when its step 0 starts (so start-up is not in it) and a weight version counts as
+reached when the step that trained it committed; the held-out set is scored every
+`--eval-every` steps.
+
+    python -m bench.async_rl
+    python -m bench.async_rl --modes sync,async:2 --steps 8
+
+Figures: bench/RESULTS.md, "Async RL".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from examples.arithmetic.build_model import save_tiny_model
+from examples.arithmetic.make_data import make_row, split_pairs
+from storage.batch_io import read_samples
+from storage.run_layout import RunLayout, step_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    staleness: int
+    reached_s: dict[int, float]  # weight version -> seconds from step 0's start
+    accuracy: dict[int, float]  # weight version -> held-out accuracy (%)
+    lengths: list[int]  # every trained response's length
+    wall_s: float  # step 0's start to the last commit
+
+    def time_to(self, target: float) -> float | None:
+        hits = [self.reached_s[v] for v, acc in sorted(self.accuracy.items())
+                if acc >= target and v in self.reached_s]
+        return hits[0] if hits else None
+
+
+def work_dots(a: int, b: int) -> int:
+    """The dots before the answer to a+b: 40 for one problem in ten, else 0 to 3."""
+    return 40 if (7 * a + 3 * b) % 10 == 0 else (a + b) % 4
+
+
+def write_long_tail_data(out: Path, n_train: int = 4000, n_test: int = 500) -> Path:
+    """train/test (label: the sum) and sft (label: the dots, then the sum) jsonl files."""
+    out.mkdir(parents=True, exist_ok=True)
+    train, test = split_pairs(n_train, n_test, seed=0)
+
+    def write(name: str, rows: list[dict[str, object]]) -> None:
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("train", [make_row(a, b) for a, b in train])
+    write("test", [make_row(a, b) for a, b in test])
+    write("sft", [{**make_row(a, b), "label": "." * work_dots(a, b) + str(a + b)}
+                  for a, b in train])
+    return out
+
+
+def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, str]) -> Path:
+    """The SFT checkpoint: sft.yaml on the long-tailed answers, from a fresh tiny model."""
+    model = save_tiny_model(str(runs.parent / "tiny-llama"))
+    sets = [f"data.prompt_data={data / 'sft.jsonl'}", f"train.model_path={model}",
+            f"rollout.max_response_len={args.max_response_len}", "rollout.rm_type=last_number",
+            f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0}}]",
+            f"storage.uri={runs}", "storage.run_name=async-rl-sft", "logging.progress=false"]
+    run([sys.executable, "-m", "flows.cli", "train", "--config",
+         str(REPO / "examples/arithmetic/sft.yaml"), *(x for s in sets for x in ("--set", s))],
+        env, "sft")
+    return runs / "async-rl-sft" / "checkpoints" / "000004"
+
+
+def run(cmd: list[str], env: dict[str, str], what: str) -> None:
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{what}: rollflow train exited {done.returncode}")
+
+
+def parse_mode(text: str) -> tuple[str, int]:
+    mode, _, eta = text.partition(":")
+    return mode, int(eta or 1)
+
+
+def command(args: argparse.Namespace, mode: str, eta: int, data: Path, checkpoint: Path,
+            runs: Path) -> list[str]:
+    sets = [
+        f"train.model_path={checkpoint}", "rollout.rm_type=last_number",
+        f"data.prompt_data={data / 'train.jsonl'}",
+        f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0, "
+        f"max_prompts: {args.eval_prompts}}}]",
+        f"eval.eval_interval={args.eval_every}",
+        f"rollout.num_rollout={args.steps}",
+        f"rollout.rollout_batch_size={args.groups}",
+        f"rollout.max_response_len={args.max_response_len}",
+        f"rollout.mode={mode}", f"rollout.max_staleness={eta}",
+        f"storage.uri={runs}", f"storage.run_name=async-rl-{mode}-{eta}-{uuid.uuid4().hex[:6]}",
+        "logging.progress=false",
+    ]
+    return [sys.executable, "-m", "flows.cli", "train", "--config",
+            str(REPO / "examples/arithmetic/grpo.yaml"), *(x for s in sets for x in ("--set", s))]
+
+
+def _seconds(stamp: str | float) -> float:
+    return float(stamp) if isinstance(stamp, (int, float)) else datetime.fromisoformat(stamp).timestamp()
+
+
+def measure(layout: RunLayout, mode: str, eta: int) -> ModeRun:
+    steps = layout.committed_steps()
+    start = _seconds(layout.task_record(0, "sample_prompts")["started_at"])  # type: ignore[index]
+    reached = {k + 1: _seconds(layout.store.read_json(step_dir(k), "COMMITTED")["committed_at"])
+               - start for k in steps}
+    accuracy = {v: 100.0 * m["eval/test"] for v, m in layout.evals().items()}
+    lengths = [s.response_length for k in steps
+               for s in read_samples(layout.store, step_dir(k), "train.arrow")]
+    return ModeRun(mode, eta, reached, accuracy, lengths, max(reached.values()))
+
+
+def report(runs: list[ModeRun], target: float) -> None:
+    print(f"\ntarget held-out accuracy {target:.1f}%")
+    print("| mode | η | wall (s) | to target (s) | final accuracy | response length p50 / p99 / max |")
+    print("|---|---|---|---|---|---|")
+    for r in runs:
+        lengths = sorted(r.lengths)
+        p = statistics.quantiles(lengths, n=100) if len(lengths) > 1 else lengths * 99
+        hit = r.time_to(target)
+        final = r.accuracy[max(r.accuracy)]
+        eta = "-" if r.mode == "sync" else str(r.staleness)
+        print(f"| {r.mode} | {eta} | {r.wall_s:.1f} | {'not reached' if hit is None else f'{hit:.1f}'} "
+              f"| {final:.1f}% | {p[49]:.0f} / {p[98]:.0f} / {lengths[-1]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default="sync,one_step:1,async:1,async:2,async:4")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--max-response-len", type=int, default=48)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--target", type=float, default=70.0, help="held-out accuracy, %%")
+    args = parser.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="rf-async-rl-", dir="/tmp"))
+    runs_root = Path(tempfile.mkdtemp(prefix="rf-async-rl-runs-"))
+    env = {**os.environ, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
+    results: list[ModeRun] = []
+    try:
+        data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data")
+        checkpoint = warm_start(args, data, runs_root, env)
+        for text in args.modes.split(","):
+            mode, eta = parse_mode(text)
+            cmd = command(args, mode, eta, data, checkpoint, runs_root)
+            run(cmd, env, text)
+            run_name = next(a.split("=", 1)[1] for a in cmd if a.startswith("storage.run_name="))
+            results.append(measure(RunLayout.open(str(runs_root), run_name), mode, eta))
+            print(f"{text}: {results[-1].wall_s:.1f} s, accuracy by version "
+                  f"{ {v: round(a, 1) for v, a in sorted(results[-1].accuracy.items())} }",
+                  flush=True)
+    finally:
+        subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down", "--force"],
+                       cwd=REPO, env=env, capture_output=True)
+    report(results, args.target)
+
+
+if __name__ == "__main__":
+    main()
