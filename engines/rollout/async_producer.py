@@ -133,6 +133,7 @@ class AsyncProducer:
         self._error: BaseException | None = None
         self.engine_version = 0
         self._counts: Counter[str] = Counter()  # since the last take
+        self._reported_lost: set[str] = set()  # engines named in a take already
         self._tokens_at_take = 0
         self._last_take = time.perf_counter()
 
@@ -340,7 +341,8 @@ class AsyncProducer:
         stats = GenerationStats(seconds=now - self._last_take,
                                 generated_tokens=tokens - self._tokens_at_take)
         stats.add_groups(groups)
-        lost = sorted(gen.watch.lost) if gen.watch is not None else []
+        lost = sorted(set(gen.watch.lost) - self._reported_lost) if gen.watch is not None else []
+        self._reported_lost.update(lost)  # (the generate task replaces each one once)
         taken = Taken(groups, waited, stats, self._counts, len(self._in_flight), len(self._queue),
                       lost)
         self._counts, self._tokens_at_take, self._last_take = Counter(), tokens, now
