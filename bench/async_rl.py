@@ -1,8 +1,8 @@
 """Time to a held-out accuracy in each rollout mode (`rollout.mode`) on a long-tailed job.
 
 The main job's two-digit addition, with "work" before the answer whose length depends on
-the problem: one problem in ten is answered after 40 dots, the others after 0 to 3
-(`work_dots`), so response lengths spread more than 10x (the bench prints the spread it
+the problem: one problem in ten is answered after 40 dots (`--long-dots`), the others after
+0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints the spread it
 measured) and a synchronous step waits for its stragglers. An SFT warm start on such answers
 (the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of the answer
 (`rm_type: last_number`), so the dots are free and the sums are what is learnt.
@@ -55,12 +55,12 @@ class ModeRun:
         return hits[0] if hits else None
 
 
-def work_dots(a: int, b: int) -> int:
-    """The dots before the answer to a+b: 40 for one problem in ten, else 0 to 3."""
-    return 40 if (7 * a + 3 * b) % 10 == 0 else (a + b) % 4
+def work_dots(a: int, b: int, long: int = 40) -> int:
+    """The dots before the answer to a+b: `long` for one problem in ten, else 0 to 3."""
+    return long if (7 * a + 3 * b) % 10 == 0 else (a + b) % 4
 
 
-def write_long_tail_data(out: Path, n_train: int = 4000, n_test: int = 500) -> Path:
+def write_long_tail_data(out: Path, long: int, n_train: int = 4000, n_test: int = 500) -> Path:
     """train/test (label: the sum) and sft (label: the dots, then the sum) jsonl files."""
     out.mkdir(parents=True, exist_ok=True)
     train, test = split_pairs(n_train, n_test, seed=0)
@@ -70,14 +70,15 @@ def write_long_tail_data(out: Path, n_train: int = 4000, n_test: int = 500) -> P
 
     write("train", [make_row(a, b) for a, b in train])
     write("test", [make_row(a, b) for a, b in test])
-    write("sft", [{**make_row(a, b), "label": "." * work_dots(a, b) + str(a + b)}
+    write("sft", [{**make_row(a, b), "label": "." * work_dots(a, b, long) + str(a + b)}
                   for a, b in train])
     return out
 
 
 def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, str]) -> Path:
     """The SFT checkpoint: sft.yaml on the long-tailed answers, from a fresh tiny model."""
-    model = save_tiny_model(str(runs.parent / "tiny-llama"))
+    model = save_tiny_model(str(runs.parent / f"{runs.name}-tiny-llama"),
+                            max_positions=max(128, args.max_response_len + 32))
     sets = [f"data.prompt_data={data / 'sft.jsonl'}", f"train.model_path={model}",
             f"rollout.max_response_len={args.max_response_len}", "rollout.rm_type=last_number",
             f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0}}]",
@@ -113,7 +114,7 @@ def command(args: argparse.Namespace, mode: str, eta: int, data: Path, checkpoin
         f"rollout.max_response_len={args.max_response_len}",
         f"rollout.mode={mode}", f"rollout.max_staleness={eta}",
         f"storage.uri={runs}", f"storage.run_name=async-rl-{mode}-{eta}-{uuid.uuid4().hex[:6]}",
-        "logging.progress=false",
+        "logging.progress=false", *args.set,
     ]
     return [sys.executable, "-m", "flows.cli", "train", "--config",
             str(REPO / "examples/arithmetic/grpo.yaml"), *(x for s in sets for x in ("--set", s))]
@@ -162,6 +163,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--max-response-len", type=int, default=48)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more overrides of every GRPO run (e.g. train.weight_sync=distributed)")
+    parser.add_argument("--long-dots", type=int, default=40,
+                        help="the long answers' dots (a GPU run: e.g. 400, --max-response-len 448)")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--target", type=float, default=None,
@@ -174,7 +179,7 @@ def main() -> None:
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     results: list[ModeRun] = []
     try:
-        data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data")
+        data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots)
         checkpoint = warm_start(args, data, runs_root, env)
         for text in args.modes.split(","):
             mode, eta = parse_mode(text)

@@ -27,6 +27,9 @@
 #   (g) 2 GPUs, colocated: (c)'s GRPO with a megatron TP=2 train group and two embedded engines,
 #       one per GPU, weights as CUDA IPC handles (`train.weight_sync=tensor`), each engine's
 #       entry serialized by the train rank on its own GPU (slime's layout; not run by default).
+#   (h) bench.async_rl on 2 GPUs (trainer on GPU 0, engine on GPU 1): time to a held-out accuracy
+#       in sync and async mode on the long-tailed addition task, its long answers 400 dots
+#       (H_ARGS replaces the bench's arguments; not run by default).
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
 # run: bench/RESULTS.md, "GPU end to end".
@@ -108,6 +111,11 @@ for part in $PARTS; do
                 --set train.tensor_parallel=2 --set cluster.actor_num_gpus_per_node=2
                 --set engine.num_engines=2 --set cluster.rollout_num_gpus=2)
        run g_tp2_colocate "${T_G:-360}" qwen2-grpo-tp2-colocate qwen "${TP2COLO[@]}" ;;
+    h) t=$(date +%s)
+       timeout "${T_H:-580}" $PY -m bench.async_rl ${H_ARGS:---modes sync,async:2 --long-dots 400 --max-response-len 448} \
+         > "$LOG/h_async.log" 2>&1
+       echo "== h_async rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
+       tail -n 12 "$LOG/h_async.log" | tee -a "$LOG/summary.txt" ;;
   esac
 done
 $PY -m flows.cli cluster status >> "$LOG/cluster.log" 2>&1
