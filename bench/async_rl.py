@@ -175,7 +175,7 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="rf-async-rl-", dir="/tmp"))
     runs_root = Path(tempfile.mkdtemp(prefix="rf-async-rl-runs-"))
-    env = {**os.environ, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO),
+    env = {**os.environ, "ROLLFLOW_HOME": str(home), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     results: list[ModeRun] = []
     try:

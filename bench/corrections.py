@@ -69,7 +69,7 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="rf-corrections-", dir="/tmp"))
     runs = Path(tempfile.mkdtemp(prefix="rf-corrections-runs-"))
-    env = {**os.environ, "ROLLFLOW_HOME": str(home), "PYTHONPATH": str(REPO),
+    env = {**os.environ, "ROLLFLOW_HOME": str(home), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     rows = []
     try:
