@@ -1,11 +1,11 @@
 """Time to a held-out accuracy in each rollout mode (`rollout.mode`) on a long-tailed job.
 
-The main job's two-digit addition, with "work" before the answer whose length depends on
-the problem: one problem in ten is answered after 40 dots (`--long-dots`), the others after
-0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints the spread it
-measured) and a synchronous step waits for its stragglers. An SFT warm start on such answers
-(the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of the answer
-(`rm_type: last_number`), so the dots are free and the sums are what is learnt.
+The main job's two-digit addition, with a tail of dots after the answer whose length depends
+on the problem: one problem in ten is answered with 40 dots after it (`--long-dots`), the
+others with 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints
+the spread it measured) and a synchronous step waits for its stragglers. An SFT warm start
+on such answers (the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of
+the answer (`rm_type: last_number`), so the dots are free and the sums are what is learnt.
 
 Each mode is one `rollflow train` from the shell, all sharing one local head. A run's clock
 starts when its step 0 starts (so start-up is not in it) and a weight version counts as
@@ -56,12 +56,12 @@ class ModeRun:
 
 
 def work_dots(a: int, b: int, long: int = 40) -> int:
-    """The dots before the answer to a+b: `long` for one problem in ten, else 0 to 3."""
+    """The dots after the answer to a+b: `long` for one problem in ten, else 0 to 3."""
     return long if (7 * a + 3 * b) % 10 == 0 else (a + b) % 4
 
 
 def write_long_tail_data(out: Path, long: int, n_train: int = 4000, n_test: int = 500) -> Path:
-    """train/test (label: the sum) and sft (label: the dots, then the sum) jsonl files."""
+    """train/test (label: the sum) and sft (label: the sum, then the dots) jsonl files."""
     out.mkdir(parents=True, exist_ok=True)
     train, test = split_pairs(n_train, n_test, seed=0)
 
@@ -70,7 +70,7 @@ def write_long_tail_data(out: Path, long: int, n_train: int = 4000, n_test: int 
 
     write("train", [make_row(a, b) for a, b in train])
     write("test", [make_row(a, b) for a, b in test])
-    write("sft", [{**make_row(a, b), "label": "." * work_dots(a, b, long) + str(a + b)}
+    write("sft", [{**make_row(a, b), "label": str(a + b) + "." * work_dots(a, b, long)}
                   for a, b in train])
     return out
 
