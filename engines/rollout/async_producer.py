@@ -125,7 +125,7 @@ class AsyncProducer:
         self._started = threading.Event()
         self._in_flight: dict[asyncio.Task[None], Group] = {}
         self._queue: list[Group] = []  # finished and kept, in finish order
-        self._taking: list[Group] = []  # what the step taking now has (still its to train)
+        self._taking: list[Group] = []  # popped by the take under way: still outstanding
         self._leftover: list[Group] = []  # handed back unfinished while stopping
         self._changed: asyncio.Event | None = None
         self._done: asyncio.Event | None = None
