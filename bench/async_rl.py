@@ -1,8 +1,8 @@
 """Time to a held-out accuracy in each rollout mode (`rollout.mode`) on a long-tailed job.
 
 The main job's two-digit addition, with a tail of dots after the answer whose length depends
-on the problem: one problem in ten is answered with 40 dots after it (`--long-dots`), the
-others with 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints
+on the problem: a problem whose second number ends in 0 (one in ten) is answered with 40
+dots after it (`--long-dots`), the others with 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints
 the spread it measured) and a synchronous step waits for its stragglers. An SFT warm start
 on such answers (the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of
 the answer (`rm_type: last_number`), so the dots are free and the sums are what is learnt.
@@ -56,8 +56,9 @@ class ModeRun:
 
 
 def work_dots(a: int, b: int, long: int = 40) -> int:
-    """The dots after the answer to a+b: `long` for one problem in ten, else 0 to 3."""
-    return long if (7 * a + 3 * b) % 10 == 0 else (a + b) % 4
+    """The dots after the answer to a+b: `long` when b ends in 0 (one problem in ten, and
+    the last digit before "=", so the warm start learns which), else 0 to 3."""
+    return long if b % 10 == 0 else (a + b) % 4
 
 
 def write_long_tail_data(out: Path, long: int, n_train: int = 4000, n_test: int = 500) -> Path:
