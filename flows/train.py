@@ -5,7 +5,6 @@ left off. The step itself (its seven tasks in order) is flows/rollout_step.py.
 from __future__ import annotations
 
 import contextvars
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -42,6 +41,7 @@ from flows.rollout_step import open_layout, rollout_step
 from flows.step_flow_runs import step_flow_runs
 from storage.run_layout import ACTORS_KEPT, RunLayout
 from storage.secrets import register
+from storage.step_signals import step_state_written, wait_for
 from tasks.artifact_sender import artifacts_in_background
 from tasks.artifacts import ProgressArtifact
 from tasks.step_context import StepContext
@@ -139,10 +139,9 @@ def run_pipelined(ctx: StepContext, start: int, run_step: RunStep, done: StepDon
         for rollout_id in range(start, total):
             context = contextvars.copy_context()
             future = pool.submit(context.run, run_step, ctx, rollout_id)
+            future.add_done_callback(lambda _: step_state_written())
             in_flight[rollout_id] = future
-            rollout_done = partial(layout.task_record, rollout_id, "generate")
-            while rollout_done() is None and not future.done():
-                time.sleep(0.02)
+            wait_for(partial(_generated_or_done, layout, rollout_id, future), float("inf"))
             if future.done() and future.exception() is not None:
                 break
             while reported in in_flight and in_flight[reported].done():
@@ -150,6 +149,11 @@ def run_pipelined(ctx: StepContext, start: int, run_step: RunStep, done: StepDon
                 reported += 1
         for rollout_id in range(reported, start + len(in_flight)):
             done(rollout_id, in_flight[rollout_id].result())  # re-raises the first failure
+
+
+def _generated_or_done(layout: RunLayout, rollout_id: int, future: Future[Any]) -> bool:
+    """Step `rollout_id` committed its generation (the next step may start), or ended."""
+    return future.done() or layout.task_record(rollout_id, "generate") is not None
 
 
 def start_run(config: RollflowConfig, layout: RunLayout) -> tuple[StepContext, int, Any]:

@@ -41,6 +41,7 @@ from storage.integrity import (
     write_manifest,
 )
 from storage.object_store import ObjectStore, open_store
+from storage.step_signals import step_state_written
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class RunLayout:
         files = dir_manifest(self.store, d, skip=(SEAL_FILE, "FAILED"))
         record = {"committed_at": time.time(), "files": manifest_to_json(files)}
         self.store.write_json(record, d, SEAL_FILE)
+        step_state_written()
 
     def mark_failed(self, rollout_id: int, error: str, cause: str | None = None,
                     interrupted: bool = False) -> None:
@@ -111,6 +113,7 @@ class RunLayout:
         record = {"failed_at": time.time(), "error": error, "cause": cause or error,
                   "interrupted": interrupted}
         self.store.write_json(record, step_dir(rollout_id), "FAILED")
+        step_state_written()
 
     def failure(self, rollout_id: int) -> dict[str, Any] | None:
         parts = (step_dir(rollout_id), "FAILED")
@@ -126,6 +129,7 @@ class RunLayout:
 
     def save_task_record(self, rollout_id: int, task: str, record: dict[str, Any]) -> None:
         self.store.write_json(record, step_dir(rollout_id), "tasks", f"{task}.json")
+        step_state_written()
 
     def save_train_settings(self, settings: dict[str, Any], digest: str) -> None:
         """Store the settings steps train under, once per distinct settings (`digest` is

@@ -39,6 +39,7 @@ from prefect.cache_policies import NO_CACHE
 from engines.config.run import RunConfig
 from engines.weights.schedule import pushes_weights, required_weight_version
 from storage.run_layout import RunLayout
+from storage.step_signals import wait_for
 from tasks.retries import step_run_name
 
 
@@ -48,16 +49,21 @@ class UpstreamStepFailed(RuntimeError):
 
 def wait_until(
     layout: RunLayout, ready: Callable[[], bool], upstream: int, what: str,
-    timeout_s: float = 3600.0, poll_s: float = 0.02,
+    timeout_s: float = 3600.0,
 ) -> float:
-    """Block until `ready()`; returns seconds waited. Fails fast if `upstream` failed."""
+    """Block until `ready()`; returns seconds waited. Fails fast if `upstream` failed. Wakes
+    when this process writes a step's state (storage/step_signals.py), else every 0.5 s."""
     start = time.perf_counter()
-    while not ready():
+
+    def settled() -> bool:
+        if ready():
+            return True
         if layout.failure(upstream) is not None:
             raise UpstreamStepFailed(f"step {upstream} failed; {what} will not happen")
-        if time.perf_counter() - start > timeout_s:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(poll_s)
+        return False
+
+    if not wait_for(settled, timeout_s):
+        raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
     return time.perf_counter() - start
 
 
