@@ -126,6 +126,7 @@ class AsyncProducer:
         self._in_flight: dict[asyncio.Task[None], Group] = {}
         self._queue: list[Group] = []  # finished and kept, in finish order
         self._taking: list[Group] = []  # popped by the take under way: still outstanding
+        self._draw_until: int | None = None  # the take under way's draw limit (group index)
         self._leftover: list[Group] = []  # handed back unfinished while stopping
         self._changed: asyncio.Event | None = None
         self._done: asyncio.Event | None = None
@@ -238,6 +239,8 @@ class AsyncProducer:
             return
         n = room_to_draw(self.cfg, self.engine_version, self.next_step, len(self._in_flight),
                          len(self._queue) + len(self._taking))
+        if self._draw_until is not None:  # (a take under way draws at most its limit)
+            n = min(n, self._draw_until - self.source.state.group_index)
         if n > 0:
             for group in self.source.get_samples(n, self.next_step):
                 self._launch(group)
@@ -297,7 +300,7 @@ class AsyncProducer:
         self.engine_version = max(self.engine_version, engine_version)
         oldest = oldest_trainable_version(self.cfg, rollout_id)
         limit = self.cfg.rollout.max_groups_per_step or 10 * count
-        drawn_before = self.source.state.group_index
+        self._draw_until = self.source.state.group_index + limit
         taken = self._taking = []
         while len(taken) < count:
             self._raise_if_failed()
@@ -311,14 +314,14 @@ class AsyncProducer:
                 await asyncio.to_thread(progress, len(taken), count)
             if len(taken) >= count:
                 break
-            if self.source.state.group_index - drawn_before >= limit and not self._in_flight:
+            if self.source.state.group_index >= self._draw_until and not self._in_flight:
                 log.warning("async rollout: step %d drew %d groups and kept only %d of %d",
                             rollout_id, limit, len(taken), count)
                 break
             self._changed.clear()
             self._fill()
             await self._changed.wait()
-        self.next_step, self._taking = rollout_id + 1, []
+        self.next_step, self._taking, self._draw_until = rollout_id + 1, [], None
         self._fill()
         return self._taken(taken, time.perf_counter() - start)
 

@@ -64,13 +64,14 @@ def engine() -> Iterator[EngineActor]:
 
 
 def producer_on(engine: EngineActor, cfg: RunConfig, source: RolloutDataSourceWithBuffer,
-                next_step: int = 0) -> AsyncProducer:
+                next_step: int = 0, dynamic_filter=None) -> AsyncProducer:
     url = engine.url()
 
     @asynccontextmanager
     async def session() -> AsyncIterator[GenerationLoop]:
         async with SGLangClient(url) as client:
-            yield build_generation_loop(cfg.rollout, [client], target=None)
+            yield build_generation_loop(cfg.rollout, [client], target=None,
+                                        dynamic_filter=dynamic_filter)
 
     return AsyncProducer(cfg, source, next_step, session, [url])
 
@@ -97,6 +98,21 @@ def test_steps_take_finished_groups_and_the_snapshot_holds_all_the_rest(engine):
     assert state.group_index == 4 and buffer == []
     assert left == []
     assert producer.alive is False
+
+
+def test_a_step_whose_filter_keeps_nothing_draws_at_most_its_limit(engine):
+    cfg = small_config(*ASYNC, "rollout.max_groups_per_step=5")
+    source = RolloutDataSourceWithBuffer(prompts(40), n_samples_per_prompt=2)
+    producer = producer_on(engine, cfg, source, dynamic_filter=lambda _args, _group: False)
+    producer.start(engine_version=0)
+    try:
+        taken = producer.take(0, 2, engine_version=0)
+    finally:
+        producer.stop()
+    # 4 drawn as the loop started (room for steps 0 and 1), then the step's limit of 5;
+    # once it gave up, 2 more for step 1
+    assert taken.groups == [] and taken.counts["dropped"] == 9
+    assert source.state.group_index == 11
 
 
 def finished_snapshot(producer: AsyncProducer) -> list[list[Sample]]:
