@@ -4,6 +4,9 @@ uninterrupted run with the same seed (`compare_runs`: tokens, rewards, loss mask
 
 from __future__ import annotations
 
+import os
+import signal
+
 import ray
 
 from engines.cluster.actors import kill_run_actors
@@ -15,7 +18,6 @@ from tests.support.faults import (
     THREE_STEPS,
     KillWhileWorking,
     actor_pid,
-    kill,
     run_with_fault,
     task_run_counts,
     trained_indices,
@@ -52,9 +54,22 @@ def test_engine_killed_mid_generate(prefect_api, make_config, fault_matrix):
     train(reference)
     cfg = make_config("engine-kill", *THREE_STEPS, *slow, "cluster.keep_actors=true",
                       backend="embedded")
+    victim: dict[str, int] = {}
+
+    def ready(layout: RunLayout) -> bool:
+        """Step 1 generating: its first groups came back (its progress file), the others
+        are in flight. The engine's pid is looked up before: listing the cluster's actors
+        took seconds in a loaded CI, and a kill timed from there landed after generate."""
+        if not victim and layout.task_record(0, "sample_prompts") is not None:
+            victim["pid"] = actor_pid(cfg, "engine-0")
+        return bool(victim) and layout.store.exists("steps/000001", "generate.progress.json")
+
+    def fire() -> int:
+        os.kill(victim["pid"], signal.SIGKILL)
+        return victim["pid"]
+
     try:
-        result = run_with_fault(cfg, lambda lay: lay.task_record(1, "sample_prompts") is not None,
-                                lambda: kill(cfg, "engine-0"))
+        result = run_with_fault(cfg, ready, fire)
         replaced = actor_pid(cfg, "engine-0")
     finally:
         kill_run_actors(cfg)
