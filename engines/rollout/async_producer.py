@@ -52,7 +52,7 @@ from engines.rollout.generation import FINISHED, GenerationLoop, is_finished
 from engines.rollout.sglang_client import SGLangClient
 from engines.rollout.step_groups import GenerationStats, reset_to_prompt
 from engines.weights.schedule import oldest_trainable_version
-from storage.sample import Group, Status
+from storage.sample import Group, Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,14 @@ def room_to_draw(cfg: RunConfig, engine_version: int, next_step: int, in_flight:
     return max(0, min(r.inflight_groups - in_flight, ahead - in_flight - queued))
 
 
+def sample_is_stale(sample: Sample, oldest: int) -> bool:
+    """`sample` has a response token from a version older than `oldest`."""
+    return sample.response_length > 0 and min(sample.response_versions()) < oldest
+
+
 def is_stale(group: Group, oldest: int | None) -> bool:
     """A sample of `group` has a token from a version older than `oldest`."""
-    if oldest is None:
-        return False
-    return any(s.response_length > 0 and min(s.response_versions(), default=oldest) < oldest
-               for s in group)
+    return oldest is not None and any(sample_is_stale(s, oldest) for s in group)
 
 
 @dataclass
@@ -230,15 +232,18 @@ class AsyncProducer:
     def _held_by_staleness(self) -> bool:
         if self._stopping or len(self._in_flight) >= self.cfg.rollout.inflight_groups:
             return False
+        return self._room() == 0
+
+    def _room(self) -> int:
+        """`room_to_draw` now: groups taken by the take under way are still outstanding."""
         return room_to_draw(self.cfg, self.engine_version, self.next_step, len(self._in_flight),
-                            len(self._queue) + len(self._taking)) == 0
+                            len(self._queue) + len(self._taking))
 
     def _fill(self) -> None:
         """Start as many groups as there is room for."""
         if self._stopping or self._error is not None:
             return
-        n = room_to_draw(self.cfg, self.engine_version, self.next_step, len(self._in_flight),
-                         len(self._queue) + len(self._taking))
+        n = self._room()
         if self._draw_until is not None:  # (a take under way draws at most its limit)
             n = min(n, self._draw_until - self.source.state.group_index)
         if n > 0:
@@ -331,7 +336,7 @@ class AsyncProducer:
             self._counts["stale_dropped"] += 1
             return
         for s in group:
-            if s.response_length > 0 and min(s.response_versions()) < (oldest or 0):
+            if oldest is not None and sample_is_stale(s, oldest):
                 reset_to_prompt(s)
                 self._counts["stale_regenerated_samples"] += 1
         self._launch(group)
