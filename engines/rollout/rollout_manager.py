@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from engines.config.run import RunConfig
@@ -28,22 +27,19 @@ from engines.hooks.loader import load_hook, load_user_hook, returned_groups
 from engines.hooks.protocols import AgentFn, EvalFn, GenerateFn, RolloutFn, SampleFilterFn
 from engines.process import freeze_actor_heap
 from engines.records import FilterRecord, GenerateRecord, RewardRecord, SamplePromptsRecord
-from engines.rollout.agent_gateway import AgentGateway
 from engines.rollout.async_producer import AsyncProducer
-from engines.rollout.dispatch import Dispatch, RouterDispatch
-from engines.rollout.engine_watch import EngineWatch
-from engines.rollout.evaluation import custom_eval_metrics, evaluate_datasets
 from engines.rollout.filters import (
-    DynamicFilter,
     resolve_dynamic_filter,
     resolve_over_sampling_filter,
 )
 from engines.rollout.generation import (
-    GenerationLoop,
-    HookArgs,
-    RolloutResult,
-    build_generation_loop,
     is_finished,
+)
+from engines.rollout.generation_session import (
+    LoopHooks,
+    generation_session,
+    run_evaluation,
+    run_generation,
 )
 from engines.rollout.restore import (
     JournalLog,
@@ -56,7 +52,6 @@ from engines.rollout.restore import (
 )
 from engines.rollout.rewards.hub import RewardHub
 from engines.rollout.router import RouterProcess
-from engines.rollout.sglang_client import SGLangClient
 from engines.rollout.staleness import staleness_metrics
 from engines.weights.schedule import oldest_trainable_version, required_weight_version
 from storage.batch_io import read_samples, write_samples
@@ -99,16 +94,6 @@ class StepDataSource:
         """Groups sample_prompts drew that the rollout never asked for (back to the buffer)."""
         taken, self._drawn = self._drawn, []
         return taken
-
-
-@dataclass(frozen=True)
-class LoopHooks:
-    """The user/built-in functions the generation loop calls, resolved once at startup."""
-
-    rewards: RewardHub
-    dynamic_filter: DynamicFilter | None
-    custom_generate: GenerateFn | None
-    agent: AgentFn | None = None
 
 
 def tokenizer_path(cfg: RunConfig) -> str | None:
@@ -511,99 +496,3 @@ class RolloutManager:
         ))
         self.layout.save_eval(weight_version, metrics)
         return metrics
-
-
-# Module-level on purpose: an `async def` method would turn the Ray actor into an async actor.
-async def run_generation(
-    cfg: RunConfig,
-    urls: list[str],
-    router_url: str | None,
-    hooks: LoopHooks,
-    source: StepDataSource,
-    target: int,
-    tokenizer: Any = None,
-    progress: Callable[[int, int], None] | None = None,
-    min_weight_version: int | None = None,
-    journal: StepLog | None = None,
-    restored: Restored | None = None,
-    router_workers: Callable[[list[str]], None] | None = None,
-) -> RolloutResult:
-    """One step's dynamic-sampling generation through the router (or the engines directly).
-    `router_workers(urls)` sets the router's worker set (a lost engine leaves it)."""
-    async with generation_session(
-        cfg, urls, router_url, hooks, tokenizer, target=target, progress=progress,
-        min_weight_version=min_weight_version, router_workers=router_workers,
-    ) as loop:
-        return await loop.run_dynamic(source, journal, restored)
-
-
-@asynccontextmanager
-async def generation_session(
-    cfg: RunConfig,
-    urls: list[str],
-    router_url: str | None,
-    hooks: LoopHooks,
-    tokenizer: Any = None,
-    *,
-    target: int | None,
-    progress: Callable[[int, int], None] | None = None,
-    min_weight_version: int | None = None,
-    router_workers: Callable[[list[str]], None] | None = None,
-) -> AsyncIterator[GenerationLoop]:
-    """A generation loop over clients of `urls` (and the router), with its engine watch and
-    agent gateway, all closed on exit: one step's (`run_generation`) or async mode's, which
-    lives across steps (engines/rollout/async_producer.py)."""
-    replay = cfg.algorithm.routing_replay  # the trainer replays the engines' MoE routing
-    engines = [SGLangClient(url, return_routed_experts=replay) for url in urls]
-    router = SGLangClient(router_url, return_routed_experts=replay) if router_url else None
-    r = cfg.rollout
-    watch = EngineWatch(list(urls), r.engine_health_interval_s, r.engine_hang_timeout_s,
-                        on_lost=lambda url, why: loop.lose_engine(url, why)) \
-        if urls and r.engine_health_interval_s > 0 else None
-
-    async def remove_worker(url: str) -> None:
-        if router_workers is not None and watch is not None:
-            await asyncio.to_thread(router_workers, watch.live())
-
-    # Straight to the engines: the loop decides how many samples a request carries.
-    dispatch: Dispatch | list[SGLangClient] = (
-        RouterDispatch(router, engines, remove_worker) if router is not None else engines
-    )
-    args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
-    gateway = (AgentGateway(args, tokenizer, cfg.rollout.agent_gateway_host)
-               if hooks.agent is not None else None)
-    try:
-        custom_generate = hooks.custom_generate
-        if gateway is not None and hooks.agent is not None:
-            await gateway.start()
-            custom_generate = gateway.generate_fn(hooks.agent)
-        loop = build_generation_loop(
-            cfg.rollout, dispatch, hooks.rewards, args, target=target,
-            custom_generate=custom_generate, dynamic_filter=hooks.dynamic_filter,
-            progress=progress, min_weight_version=min_weight_version, watch=watch,
-        )
-        yield loop
-    finally:
-        if watch is not None:
-            await watch.close()
-        if gateway is not None:
-            await gateway.stop()
-        await asyncio.gather(*(c.aclose() for c in [*engines, *([router] if router else [])]))
-
-
-async def run_evaluation(
-    cfg: RunConfig, urls: list[str], router_url: str | None, tokenizer: Any,
-    rewards: RewardHub, eval_fn: EvalFn | None, weight_version: int,
-) -> dict[str, float]:
-    """The held-out sets' metrics, then the custom eval function's (`eval.eval_function_path`)."""
-    clients = [SGLangClient(url) for url in urls]
-    try:
-        metrics = await evaluate_datasets(
-            cfg.eval.datasets, clients, tokenizer, cfg.rollout, rewards, cfg, cfg.storage
-        )
-        if eval_fn is not None:
-            args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
-            metrics.update(await custom_eval_metrics(eval_fn, args, weight_version))
-        return metrics
-    finally:
-        await asyncio.gather(*(c.aclose() for c in clients))
