@@ -3,29 +3,20 @@ max_staleness 0 only the next flow run's set-up does, and the run stays on-polic
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.support.configs import arithmetic_config
+from tests.support.configs import config_maker
 
 
 @pytest.fixture(scope="module")
 def make_config(ray_address, arithmetic_data, tiny_model_dir, tmp_path_factory):
-    runs = tmp_path_factory.mktemp("async") / "runs"
-
-    def config(name, *extra):
-        return arithmetic_config(
-            run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(runs),
-            data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-            backend="embedded",
-            overrides=["rollout.num_rollout=4", "rollout.rollout_batch_size=16",
-                       "rollout.max_response_len=12", "train.global_batch_size=4", *extra],
-        )
-
-    return config
+    return config_maker(
+        tmp_path_factory.mktemp("async") / "runs", arithmetic_data, tiny_model_dir,
+        ray_address, "rollout.num_rollout=4", "rollout.rollout_batch_size=16",
+        "rollout.max_response_len=12", "train.global_batch_size=4",
+    )
 
 
 @pytest.fixture(scope="module")

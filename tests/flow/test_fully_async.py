@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-import uuid
 
 import pytest
 import ray
@@ -17,7 +16,7 @@ from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Sample
-from tests.support.configs import arithmetic_config
+from tests.support.configs import config_maker
 from tests.support.procs import start_driver
 
 GROUPS, N = 8, 4
@@ -25,19 +24,12 @@ GROUPS, N = 8, 4
 
 @pytest.fixture(scope="module")
 def make_config(ray_address, arithmetic_data, tiny_model_dir, tmp_path_factory):
-    runs = tmp_path_factory.mktemp("fully-async") / "runs"
-
-    def config(name, *extra):
-        return arithmetic_config(
-            run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(runs),
-            data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-            backend="embedded",
-            overrides=["rollout.mode=async", f"rollout.rollout_batch_size={GROUPS}",
-                       f"rollout.n_samples_per_prompt={N}", "rollout.max_response_len=12",
-                       "train.global_batch_size=8", *extra],
-        )
-
-    return config
+    return config_maker(
+        tmp_path_factory.mktemp("fully-async") / "runs", arithmetic_data, tiny_model_dir,
+        ray_address, "rollout.mode=async", f"rollout.rollout_batch_size={GROUPS}",
+        f"rollout.n_samples_per_prompt={N}", "rollout.max_response_len=12",
+        "train.global_batch_size=8",
+    )
 
 
 def trained_steps(layout: RunLayout) -> dict[int, list[Sample]]:

@@ -4,6 +4,8 @@ is only read (mock backends, a prompt file that need not exist)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from flows.config.loader import apply_overrides, config_from_dict
@@ -36,6 +38,22 @@ def arithmetic_config(
         "logging": {"progress": False},
     }
     return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+def config_maker(
+    runs_root: Any, data: dict[str, str], model_dir: str, ray_address: str, *base: str,
+    backend: str = "embedded",
+) -> Callable[..., RollflowConfig]:
+    """`make(name, *extra)`: the arithmetic config of a fresh run `name-xxxxxx` under
+    `runs_root`, with `base` overrides then `extra` (a module's runs that share settings)."""
+    def make(name: str, *extra: str) -> RollflowConfig:
+        return arithmetic_config(
+            run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(runs_root), data=data,
+            model_dir=model_dir, ray_address=ray_address, backend=backend,
+            overrides=[*base, *extra],
+        )
+
+    return make
 
 
 SMALL = {
