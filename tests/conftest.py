@@ -219,6 +219,26 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         FAULT_ROWS.extend(row for key, row in report.user_properties if key == FaultMatrix.KEY)
 
 
+# -- a process that does not end ------------------------------------------------------------
+EXIT_WATCHDOG_S = 180
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After the session's teardown: name the non-daemon threads still alive (the interpreter
+    waits for them at exit), and if the process has not ended within EXIT_WATCHDOG_S, print
+    every thread's stack and end it, so that a hang at exit fails the run instead of stalling
+    it (an xdist worker that never exits holds the whole run)."""
+    import faulthandler
+    import sys
+    import threading
+
+    alive = [t.name for t in threading.enumerate()
+             if not t.daemon and t is not threading.main_thread()]
+    if alive:
+        print(f"conftest: non-daemon threads alive at exit: {alive}", file=sys.stderr)
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     if FAULT_ROWS:
         terminalreporter.write_sep("=", "fault matrix")
