@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.rollflow-installed
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+# the checkout's path too: the editable install points at it, so a moved checkout reinstalls
+want="$( (cat pyproject.toml scripts/setup.sh; pwd) | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
