@@ -37,10 +37,23 @@ def tell_start(stream: TextIO | None = None) -> None:
     forced = os.environ.get(FORCE_ENV, "")
     if forced == "0" or not (forced == "1" or out.isatty()):
         return
-    import psutil
-
     # seconds since the process started, Python's own start-up and imports included
-    _telling.append(_Telling(out, psutil.Process().create_time()))
+    _telling.append(_Telling(out, process_started_at()))
+
+
+def process_started_at() -> float:
+    """This process's start, epoch seconds, to the clock tick. psutil's `create_time` adds
+    the boot time, which Linux gives in whole seconds: the lines read up to 1 s late."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return float(psutil.Process().create_time())
 
 
 def phase(what: str) -> None:

@@ -36,3 +36,35 @@ def test_the_main_job_starts_prefect_with_the_cli_settings(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["90", "INFO", "False"]
+
+
+def test_train_tells_its_start_at_once(tmp_path):
+    """`rollflow train`'s first line (the start's lines forced, as on a terminal) comes after
+    well under 2 s of CPU, however loaded the machine: what precedes it is Python's start-up
+    and the CLI's imports, so an import that pulls torch or Ray in first fails here. The line's
+    own clock agrees with the test's: it counts from the process's start, to the tick."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from flows.bookkeeping.start_lines import FORCE_ENV, PREFIX
+    from tests.support.faults import cpu_seconds
+
+    rollflow = Path(sys.executable).parent / "rollflow"
+    started = time.monotonic()
+    proc = subprocess.Popen([str(rollflow), "train", "--config", "run.yaml"], cwd=tmp_path,
+                            env={**os.environ, FORCE_ENV: "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline() if proc.stderr else ""
+        waited = time.monotonic() - started
+        cpu = cpu_seconds(proc.pid)  # run.yaml is missing: the command goes on to say so
+    finally:
+        proc.kill()
+        proc.wait()
+    assert first.startswith(PREFIX) and "reading the config run.yaml" in first, first
+    assert cpu < 2.0, f"{cpu:.2f} CPU-s before the first line"
+    told = float(re.search(r"\[\s*([\d.]+) s\]", first).group(1))  # type: ignore[union-attr]
+    assert told <= waited + 0.25, f"the line says {told} s, it came after {waited:.2f} s"
