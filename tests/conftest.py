@@ -231,11 +231,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     import faulthandler
     import sys
     import threading
+    import traceback
 
-    alive = [t.name for t in threading.enumerate()
-             if not t.daemon and t is not threading.main_thread()]
-    if alive:
-        print(f"conftest: non-daemon threads alive at exit: {alive}", file=sys.stderr)
+    frames = sys._current_frames()
+    for t in threading.enumerate():
+        if not t.daemon and t is not threading.main_thread() and t.ident in frames:
+            where = "".join(traceback.format_stack(frames[t.ident])[-6:])
+            print(f"conftest: a non-daemon thread alive at exit, {t.name}:\n{where}",
+                  file=sys.stderr)
     faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
 
 
