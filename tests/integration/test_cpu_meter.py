@@ -21,5 +21,7 @@ def test_a_child_burning_cpu_is_counted_under_its_role() -> None:
     roles = meter.by_role(start, end)
     child_role = meter.roles[child.pid]
     assert roles[child_role] >= 0.3, roles  # most of its 0.6 s (its first poll may be late)
-    assert meter.at(end) - meter.at(start) >= roles[child_role] - 1e-9
+    # the total holds the child; the driver's share (its CPU less the meter's own, two series
+    # read at different moments) can come out a few ms below zero
+    assert meter.at(end) - meter.at(start) >= roles[child_role] - 0.02
     assert meter.own > 0.0
