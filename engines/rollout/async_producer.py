@@ -308,6 +308,9 @@ class AsyncProducer:
         self._draw_until = self.source.state.group_index + limit
         taken = self._taking = []
         while len(taken) < count:
+            # cleared before the queue is read: a group that finishes from here on (while the
+            # progress file is written, say) wakes the wait below, even with none left in flight
+            self._changed.clear()
             self._raise_if_failed()
             while self._queue and len(taken) < count:
                 group = self._queue.pop(0)
@@ -319,11 +322,11 @@ class AsyncProducer:
                 await asyncio.to_thread(progress, len(taken), count)
             if len(taken) >= count:
                 break
-            if self.source.state.group_index >= self._draw_until and not self._in_flight:
+            if (self.source.state.group_index >= self._draw_until and not self._in_flight
+                    and not self._queue):
                 log.warning("async rollout: step %d drew %d groups and kept only %d of %d",
                             rollout_id, limit, len(taken), count)
                 break
-            self._changed.clear()
             self._fill()
             await self._changed.wait()
         self.next_step, self._taking, self._draw_until = rollout_id + 1, [], None

@@ -1,9 +1,11 @@
 """`rollout.mode: async`: generation never stops between steps, each step trains the first
 groups that finish, no trained token is staler than `rollout.max_staleness`, and a driver or
-rollout actor killed at a random moment loses no group and trains none twice."""
+rollout actor killed at a random moment loses no group and trains none twice, and a lost
+engine is replaced while the loop goes on with every group it had."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -11,12 +13,14 @@ import time
 import pytest
 import ray
 
+from engines.cluster.actors import kill_run_actors
 from engines.cluster.registry import get_run_actor
 from flows.config.loader import dump_config
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
 from storage.sample import Sample
 from tests.support.configs import config_maker
+from tests.support.faults import run_with_fault
 from tests.support.procs import start_driver
 
 GROUPS, N = 8, 4
@@ -106,3 +110,34 @@ def test_killed_driver_and_rollout_actor_lose_no_group_and_train_none_twice(
     assert rerun.returncode == 0, out
     assert_exactly_once(layout, 8, max_staleness=2)
 
+
+def test_a_lost_engine_is_replaced_and_the_loop_goes_on_with_every_group(
+    prefect_api, make_config
+):
+    """kill -9 of one of two engines once step 0 committed, while the loop generates: its
+    requests go to the other engine, the engine is replaced (by the step that found it lost,
+    or by the next generate task's check of the pool), and the loop goes on over the new
+    engines with every group it had."""
+    cfg = make_config("async-engine", "rollout.num_rollout=3", "engine.num_engines=2",
+                      "rollout.use_router=false", "rollout.max_response_len=64",
+                      "rollout.ignore_eos=true", "rollout.engine_health_interval_s=0.5",
+                      "cluster.keep_actors=true")  # the engines are looked at after the run
+    victim: dict[str, int] = {}
+
+    def engine_pid(i: int) -> int:
+        return int(ray.get(get_run_actor(cfg.cluster.namespace, cfg.storage.run_name,
+                                         f"engine-{i}").pid.remote()))
+
+    def ready(layout: RunLayout) -> bool:
+        if not victim and layout.task_record(0, "sample_prompts") is not None:
+            victim["pid"] = engine_pid(0)
+        return bool(victim) and layout.is_committed(0)
+
+    try:
+        run_with_fault(cfg, ready, lambda: os.kill(victim["pid"], signal.SIGKILL))
+        layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+        assert_exactly_once(layout, 3, max_staleness=1)
+        pids = [engine_pid(i) for i in (0, 1)]
+        assert victim["pid"] not in pids and len(set(pids)) == 2
+    finally:
+        kill_run_actors(cfg)

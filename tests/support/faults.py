@@ -48,7 +48,8 @@ def run_with_fault(cfg, when: Callable[[RunLayout], bool], fault: Callable[[], A
 
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(train(cfg)))
+    # a daemon: a test that times out must not leave the process waiting on it at exit
+    thread = threading.Thread(target=lambda: result.update(train(cfg)), daemon=True)
     thread.start()
     fired, fault_result = False, None
     while thread.is_alive():

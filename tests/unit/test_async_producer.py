@@ -3,9 +3,11 @@ real HTTP: what it draws, what a step takes, what a snapshot holds, and the stal
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -113,6 +115,33 @@ def test_a_step_whose_filter_keeps_nothing_draws_at_most_its_limit(engine):
     # once it gave up, 2 more for step 1
     assert taken.groups == [] and taken.counts["dropped"] == 9
     assert source.state.group_index == 11
+
+
+def test_groups_that_finish_while_the_progress_is_written_wake_the_take(engine):
+    """The loop starts 4 groups (room for steps 0 and 1) and has room for no more until a step
+    takes some. All 4 finish while step 0 writes its first progress (slow storage): the take
+    must still see them. It waited for ever once: the wake-up came before it cleared its event."""
+    cfg = small_config(*ASYNC)
+    source = RolloutDataSourceWithBuffer(prompts(40), n_samples_per_prompt=2)
+    producer = producer_on(engine, cfg, source)
+    calls: list[tuple[int, int]] = []
+
+    def slow_progress(kept: int, target: int) -> None:
+        if not calls:  # the first write outlasts the 4 groups
+            finished_snapshot(producer)
+        calls.append((kept, target))
+
+    producer.start(engine_version=0)
+    result: list[Any] = []
+    taking = threading.Thread(target=lambda: result.append(
+        producer.take(0, 2, engine_version=0, progress=slow_progress)), daemon=True)
+    try:
+        taking.start()
+        taking.join(timeout=30)
+        assert result, "the take never saw the groups that finished while it wrote its progress"
+    finally:
+        producer.stop()
+    assert len(result[0].groups) == 2 and calls[0] == (0, 2) and calls[-1] == (2, 2)
 
 
 def finished_snapshot(producer: AsyncProducer) -> list[list[Sample]]:
