@@ -115,11 +115,13 @@ class AsyncProducer:
     methods call `take`, `snapshot`, `put_back` and `stop`, which run on that loop."""
 
     def __init__(self, cfg: RunConfig, source: RolloutDataSourceWithBuffer, next_step: int,
-                 open_session: SessionFactory, urls: list[str]) -> None:
+                 open_session: SessionFactory, urls: list[str],
+                 router_url: str | None = None) -> None:
         self.cfg = cfg
         self.source = source
         self.next_step = next_step
         self.urls = list(urls)
+        self.router_url = router_url  # what the session sends to (None: the engines)
         self._open_session = open_session
         self._gen: GenerationLoop | None = None
         self._aio: asyncio.AbstractEventLoop | None = None

@@ -357,9 +357,10 @@ class RolloutManager:
         """The async loop, ready to hand out step `rollout_id`'s groups. One that is behind
         or ahead (another attempt's), failed, or on other engines is stopped: in the first
         two cases the loop restarts from the state the last generate committed; on new
-        engines it goes on with every group it had."""
-        p = self.producer
-        if p is not None and p.alive and p.next_step == rollout_id and p.urls == self.engine_urls:
+        engines, or a router restarted on a new port, it goes on with every group it had."""
+        p, router_url = self.producer, self.router_url()  # (restarts a router that died)
+        if (p is not None and p.alive and p.next_step == rollout_id and p.urls == self.engine_urls
+                and p.router_url == router_url):
             return p
         carried = p is not None and p.alive and p.next_step == rollout_id
         groups = self._stop_producer()
@@ -367,14 +368,14 @@ class RolloutManager:
             self.data_source.buffer[:0] = groups
         else:
             self._restore_source(rollout_id)
-        urls, router_url = list(self.engine_urls), self.router_url()
+        urls = list(self.engine_urls)
         workers = self.router.sync_workers if self.router is not None else None
         cfg, hooks, tokenizer = self.cfg, self.hooks, self.tokenizer
         producer = AsyncProducer(
             cfg, self.data_source, rollout_id,
             lambda: generation_session(cfg, urls, router_url, hooks, tokenizer, target=None,
                                        router_workers=workers),
-            urls,
+            urls, router_url,
         )
         producer.start(required_weight_version(cfg, rollout_id))
         self.producer = producer
