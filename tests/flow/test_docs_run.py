@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO_ROOT
-from tests.support.doc_blocks import DocBlock, fenced_blocks, with_train_sets
+from tests.support.doc_blocks import DOC_PAGES, DocBlock, fenced_blocks, with_train_sets
 
-DOCS = sorted([REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")])
-RUNNABLE = [doc for doc in DOCS if any(b.runnable for b in fenced_blocks(doc))]
+RUNNABLE = [doc for doc in DOC_PAGES if any(b.runnable for b in fenced_blocks(doc))]
 BLOCK_TIMEOUT_S = 240
 NAMESPACE = "rollflow-tests"
 

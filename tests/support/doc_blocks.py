@@ -4,7 +4,7 @@ A doc marks what a reader is meant to run, in its fenced blocks' info strings:
 
     ```yaml file=first-letter.yaml      a file the reader saves under that name
     ```bash runnable                    commands the reader runs, in order, in one directory
-    ```bash runnable quick=rollout.num_rollout=2,eval.interval=1
+    ```bash runnable quick=rollout.num_rollout=2,eval.eval_interval=1
                                         the same, with `--set`s that CI adds to each
                                         `rollflow train` (a shorter run of the same commands)
 
@@ -19,7 +19,12 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import REPO_ROOT
+
 FENCE = re.compile(r"^(\s*)(`{3,})(.*)$")
+# every page a reader reads: what the docs tests check
+DOC_PAGES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "ARCHITECTURE.md",
+                    REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").glob("*.md")])
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,8 @@ from pydantic import BaseModel
 
 from flows.config.run import RollflowConfig
 from tests.support import REPO_ROOT
+from tests.support.doc_blocks import DOC_PAGES
 
-DOCS = sorted([REPO_ROOT / "README.md", REPO_ROOT / "ARCHITECTURE.md",
-               REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").glob("*.md")])
 SECTIONS = list(RollflowConfig.model_fields)
 KEY = re.compile(r"(?<![\w./$-])(" + "|".join(SECTIONS) + r")\.([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)")
 FILE_SUFFIXES = {"arrow", "jsonl", "json", "yaml", "yml", "py", "png", "md", "txt", "csv",
@@ -93,14 +92,14 @@ def named_paths(text: str) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOC_PAGES, ids=lambda p: p.name)
 def test_every_config_key_a_doc_names_exists(doc: Path) -> None:
     text = doc.read_text()
     unknown = [k for k in named_keys(text) if not config_key_exists(*k.split(".", 1))]
     assert not unknown, f"{doc.name} names config keys that do not exist: {unknown}"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOC_PAGES, ids=lambda p: p.name)
 def test_every_path_and_link_a_doc_names_is_there(doc: Path) -> None:
     text = doc.read_text()
     missing = [p for p in named_paths(text) if not (REPO_ROOT / p).exists()]
