@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/install_chromium.sh
+bash scripts/install_debian_packages.sh
 export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_AUTH_MODE=disabled
 .venv/bin/ruff check .
 .venv/bin/mypy

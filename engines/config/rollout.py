@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_serializer, model_validator
 
 from engines.config.data import DataConfig
+from engines.config.judge import JudgeConfig
+from engines.config.sandbox import SandboxConfig
 from storage.config import Section
 from storage.secrets import redact_url
 
@@ -81,7 +83,8 @@ class RolloutConfig(Section):
         None,
         description="Built-in reward (rm hub): math, deepscaler, dapo, f1, exact_match, "
         "last_number, remote_rm; reasoning_gym (a reasoning_gym:// prompt set graded by its "
-        "task's own scorer); `boxed_<rule>` scores only the last \\boxed{...}.",
+        "task's own scorer); code_tests (the response's program run against the label's "
+        "tests in a sandbox, rollout.sandbox); `boxed_<rule>` scores only the last \\boxed{...}.",
     )
     custom_rm_path: str | None = Field(
         None,
@@ -102,6 +105,11 @@ class RolloutConfig(Section):
     rm_backoff_s: float = Field(
         1.0, ge=0.0, description="remote_rm: first retry delay, doubled each retry (cap 30 s)."
     )
+    judge: JudgeConfig | None = Field(
+        None,
+        description="rm_type judge: the LLM judge, any OpenAI-compatible API (base_url, "
+        "model, template, score_pattern, on_failure; engines/config/judge.py).",
+    )
     rm_rule_timeout_s: float = Field(
         10.0, gt=0.0,
         description="Deadline to grade one sample with a math rule (math, deepscaler, dapo and "
@@ -109,6 +117,11 @@ class RolloutConfig(Section):
         "sample scores as a failure and counts in rollout/reward_timeouts.",
     )
     reward_key: str | None = Field(None, description="Key picked from dict rewards.")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="rm_type code_tests: the sandbox the model's programs run in and how "
+        "their tests become a reward (engines/config/sandbox.py).",
+    )
     sglang_server_concurrency: int = Field(
         256, ge=1,
         description="In-flight generate requests per engine; the loop allows this times the "

@@ -350,6 +350,7 @@ class GenerationLoop:
         ):
             await self.rewards.assign(self.hook_args, unscored)
             self.tally.reward_timeouts += sum(bool(s.metadata.get(TIMEOUT_FLAG)) for s in group)
+            self.tally.judged(group)
         return group
 
     # -- a fixed list of groups (evaluation) ---------------------------------------------

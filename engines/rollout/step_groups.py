@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engines.rollout.agent_gateway import AGENT_COUNTERS
 from engines.rollout.restore import Outcome, Restored
+from engines.rollout.rewards.judge import count_judge_errors
 from storage.sample import Group, Sample, Status
 
 
@@ -39,10 +40,17 @@ class LoopTally:
     stale_regenerated: int = 0  # started over: begun on a policy older than allowed
     stale_dropped: int = 0  # groups not trained: begun on a policy older than allowed
     reward_timeouts: int = 0  # every group scored, kept or not: each one stalled the step
+    judge_failures: int = 0  # samples the judge scored 0, unreachable (on_failure: zero)
+    judge_unparsed: int = 0  # samples the judge scored 0, its answer held no score
 
     def generated(self, sample: Sample, tokens: int) -> None:
         self.generated_tokens += tokens
         self.group_tokens[sample.group_index] += tokens
+
+    def judged(self, group: Group) -> None:
+        failed, unparsed = count_judge_errors(group)
+        self.judge_failures += failed
+        self.judge_unparsed += unparsed
 
 
 @dataclass
@@ -55,6 +63,8 @@ class GenerationStats:
     seconds: float = 0.0
     abort_seconds: float = 0.0
     reward_timeouts: int = 0  # samples whose rule reward passed rollout.rm_rule_timeout_s
+    judge_failures: int = 0  # samples scored 0 by rollout.judge.on_failure: zero, by kind
+    judge_unparsed: int = 0
     tokens_restored: int = 0  # held by groups an earlier attempt committed
     tokens_regenerated: int = 0  # for groups an earlier attempt or a lost engine had in flight
     journal: dict[str, float] = field(default_factory=dict)
@@ -71,6 +81,7 @@ class GenerationStats:
         reward timeouts of every group the loop generated or scored."""
         stats = cls(seconds=seconds, abort_seconds=abort_seconds,
                     generated_tokens=tally.generated_tokens, reward_timeouts=tally.reward_timeouts,
+                    judge_failures=tally.judge_failures, judge_unparsed=tally.judge_unparsed,
                     tokens_restored=tokens_restored, tokens_regenerated=tokens_regenerated,
                     journal=journal or {})
         stats.add_groups(groups)
@@ -103,6 +114,8 @@ class GenerationStats:
             "rollout/seconds": self.seconds,
             "rollout/abort_seconds": self.abort_seconds,
             "rollout/reward_timeouts": float(self.reward_timeouts),
+            "rollout/judge_failures": float(self.judge_failures),
+            "rollout/judge_unparsed": float(self.judge_unparsed),
             "rollout/tokens_restored": float(self.tokens_restored),
             "rollout/tokens_regenerated": float(self.tokens_regenerated),
             **self.journal,

@@ -226,7 +226,7 @@ def check_rewards(cfg: RollflowConfig, hub: RewardHub, fields: FieldReport) -> N
             f"rollout.custom_rm_path); {fields.without_rm_type} has no metadata.rm_type either"
         )
     for rm_type, where in fields.rm_types.items():  # an unknown one fails, naming its row
-        builtin_reward(rm_type, f"{where}, metadata.rm_type", hub.remote)
+        builtin_reward(rm_type, f"{where}, metadata.rm_type", hub.remote, judge=hub.judge)
 
 
 def label_readers(rm_type: str | None, custom: bool, fields: FieldReport) -> list[str]:

@@ -47,7 +47,9 @@ class RollflowConfig(Section):
 
     def secret_values(self) -> set[str]:
         """Every value the dumps hide: storage options and URL credentials."""
-        urls = [self.rollout.rm_url, self.storage.endpoint_url, *self.engine.urls]
+        judge = self.rollout.judge
+        urls = [self.rollout.rm_url, self.storage.endpoint_url, *self.engine.urls,
+                judge.base_url if judge else None]
         found = option_secrets(self.storage.storage_options)
         for url in urls:
             found |= url_secrets(url)

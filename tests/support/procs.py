@@ -39,7 +39,9 @@ def cpu_burner() -> Iterator[None]:
     """One process spinning at normal priority for the block: a guarantee tested under it
     holds on a busy machine, not only on an idle one (two burners on this 2-core machine
     once broke determinism, with Ray's workers at nice 15)."""
-    spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # it spins while its parent lives: a test process killed at its timeout leaves none
+    spinning = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nwhile os.getppid() == {os.getpid()}: pass"])
     try:
         yield
     finally:

@@ -8,9 +8,10 @@
  "boxed_<rule>": score only the last \\boxed{...} of the response with <rule>
 ```
 Built-ins live in `RULES` (pure `(response, label) -> reward`), `SAMPLE_REWARDS` (graded by
-the sample's metadata: `reasoning_gym`, the task's own scorer) and `remote_rm`, which needs
-`rollout.rm_url`. Names are resolved once and cached; an unknown name fails with the config
-key (or sample) that named it.
+the sample's metadata: `reasoning_gym`, the task's own scorer), `remote_rm`, which needs
+`rollout.rm_url`, and `judge`, an LLM judge that needs `rollout.judge` (rewards/judge.py).
+Names are resolved once and cached; an unknown name fails with the config key (or sample)
+that named it.
 
 Rules that can hang (the math-verify ones: sympy on an adversarial answer) are graded in worker
 processes with a deadline, `rollout.rm_rule_timeout_s` (`engines.rollout.rewards.deadline`); past it the
@@ -27,14 +28,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engines.config.rollout import RolloutConfig
+from engines.config.sandbox import SandboxConfig
 from engines.hooks.loader import bad_return, load_user_hook
 from engines.hooks.protocols import GroupRewardFn, Reward, RewardFn
+from engines.rollout.rewards.code_tests import code_tests_reward
 from engines.rollout.rewards.deadline import (
     DEFAULT_TIMEOUT_S,
     SHARED_POOL,
     TIMEOUT_FLAG,
     GradingPool,
 )
+from engines.rollout.rewards.judge import JudgeReward
 from engines.rollout.rewards.math_rules import dapo_score, deepscaler_score, last_boxed, math_score
 from engines.rollout.rewards.reasoning_gym import reasoning_gym_reward
 from engines.rollout.rewards.remote import RemoteRewardModel
@@ -60,6 +64,8 @@ SAMPLE_REWARDS: dict[str, Callable[[float], RewardFn]] = {
 deadline to the reward function."""
 BOXED_PREFIX = "boxed_"
 REMOTE = "remote_rm"
+JUDGE = "judge"  # an LLM judge behind an OpenAI-compatible API (rollout.judge)
+CODE_TESTS = "code_tests"  # the model's program against the label's tests, sandboxed
 
 
 class RewardConfigError(ValueError):
@@ -110,11 +116,23 @@ def builtin_reward(
     where: str,
     remote: RemoteRewardModel | None = None,
     rule_timeout_s: float = DEFAULT_TIMEOUT_S,
+    sandbox: SandboxConfig | None = None,
+    judge: JudgeReward | None = None,
 ) -> RewardFn:
     """The built-in called `name` (`boxed_` prefix allowed); `where` names the config key or
     sample in errors."""
     boxed = name.startswith(BOXED_PREFIX)
     base = name[len(BOXED_PREFIX) :] if boxed else name
+    if base == CODE_TESTS:
+        if boxed:
+            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
+        return code_tests_reward(sandbox)
+    if base == JUDGE:
+        if boxed:
+            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
+        if judge is None:
+            raise RewardConfigError(f"{where}: judge needs rollout.judge (base_url, model)")
+        return judge.score
     if base == REMOTE:
         if boxed:
             raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
@@ -128,7 +146,8 @@ def builtin_reward(
     if base not in RULES:
         raise RewardConfigError(
             f"{where}: unknown reward {name!r}; built-ins: "
-            f"{sorted([*RULES, *SAMPLE_REWARDS, REMOTE])} (rules also as {BOXED_PREFIX}<rule>)"
+            f"{sorted([*RULES, *SAMPLE_REWARDS, REMOTE, CODE_TESTS, JUDGE])} (rules also as "
+            f"{BOXED_PREFIX}<rule>)"
         )
     return rule_reward(RULES[base], boxed, rule_timeout_s)
 
@@ -142,11 +161,15 @@ class RewardHub:
         group_fn: GroupRewardFn | None = None,
         remote: RemoteRewardModel | None = None,
         rule_timeout_s: float = DEFAULT_TIMEOUT_S,
+        sandbox: SandboxConfig | None = None,
+        judge: JudgeReward | None = None,
     ) -> None:
         self.default = default
         self.group_fn = group_fn
         self.remote = remote
         self.rule_timeout_s = rule_timeout_s
+        self.sandbox = sandbox
+        self.judge = judge
         self._by_type: dict[str, RewardFn] = {}
 
     @classmethod
@@ -158,6 +181,7 @@ class RewardHub:
             if cfg.rm_url
             else None
         )
+        judge = JudgeReward.from_config(cfg.judge) if cfg.judge else None
         if cfg.group_rm and not cfg.custom_rm_path:
             raise RewardConfigError(
                 "rollout.group_rm: needs rollout.custom_rm_path, a batched reward function "
@@ -167,13 +191,14 @@ class RewardHub:
             protocol = GroupRewardFn if cfg.group_rm else RewardFn
             fn = load_user_hook(cfg.custom_rm_path, "rollout.custom_rm_path", protocol)
             return cls(None if cfg.group_rm else fn, fn if cfg.group_rm else None, remote,
-                       cfg.rm_rule_timeout_s)
+                       cfg.rm_rule_timeout_s, cfg.sandbox, judge)
         default = (
-            builtin_reward(cfg.rm_type, "rollout.rm_type", remote, cfg.rm_rule_timeout_s)
+            builtin_reward(cfg.rm_type, "rollout.rm_type", remote, cfg.rm_rule_timeout_s,
+                           cfg.sandbox, judge)
             if cfg.rm_type
             else None
         )
-        return cls(default, None, remote, cfg.rm_rule_timeout_s)
+        return cls(default, None, remote, cfg.rm_rule_timeout_s, cfg.sandbox, judge)
 
     @property
     def configured(self) -> bool:
@@ -186,7 +211,8 @@ class RewardHub:
             if rm_type not in self._by_type:
                 where = f"sample {sample.index} (line {sample.metadata.get('source_line')}) metadata.rm_type"
                 self._by_type[rm_type] = builtin_reward(
-                    str(rm_type), where, self.remote, self.rule_timeout_s
+                    str(rm_type), where, self.remote, self.rule_timeout_s, self.sandbox,
+                    self.judge,
                 )
             return self._by_type[rm_type]
         if self.default is None:
