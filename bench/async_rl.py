@@ -1,8 +1,8 @@
 """Time to a held-out accuracy in each rollout mode (`rollout.mode`) on a long-tailed job.
 
 The main job's two-digit addition, with a tail of dots after the answer whose length depends
-on the problem: a problem whose second number ends in 0 (one in ten) is answered with 40
-dots after it (`--long-dots`), the others with 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints
+on the problem: a problem whose second number ends in 0 (one in ten; `--long-when ab`: both
+numbers, one in a hundred) is answered with 40 dots after it (`--long-dots`), the others with 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints
 the spread it measured) and a synchronous step waits for its stragglers. An SFT warm start
 on such answers (the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of
 the answer (`rm_type: last_number`), so the dots are free and the sums are what is learnt.
@@ -55,13 +55,20 @@ class ModeRun:
         return hits[0] if hits else None
 
 
-def work_dots(a: int, b: int, long: int = 40) -> int:
-    """The dots after the answer to a+b: `long` when b ends in 0 (one problem in ten, and
-    the last digit before "=", so the warm start learns which), else 0 to 3."""
-    return long if b % 10 == 0 else (a + b) % 4
+def is_long(a: int, b: int, when: str = "b") -> bool:
+    """Whether a+b gets the long answer: "b" when b ends in 0 (one problem in ten, cued by
+    the last digit before "="); "ab" when both numbers end in 0 (one in a hundred: fewer
+    long answers in the warm start's loss, for a tail of 1,000 dots)."""
+    return b % 10 == 0 and (when == "b" or a % 10 == 0)
 
 
-def write_long_tail_data(out: Path, long: int, n_train: int = 4000, n_test: int = 500) -> Path:
+def work_dots(a: int, b: int, long: int = 40, when: str = "b") -> int:
+    """The dots after the answer to a+b: `long` for a long problem (`is_long`), else 0 to 3."""
+    return long if is_long(a, b, when) else (a + b) % 4
+
+
+def write_long_tail_data(out: Path, long: int, when: str = "b", n_train: int = 4000,
+                         n_test: int = 500) -> Path:
     """train/test (label: the sum) and sft (label: the sum, then the dots) jsonl files."""
     out.mkdir(parents=True, exist_ok=True)
     train, test = split_pairs(n_train, n_test, seed=0)
@@ -71,7 +78,7 @@ def write_long_tail_data(out: Path, long: int, n_train: int = 4000, n_test: int 
 
     write("train", [make_row(a, b) for a, b in train])
     write("test", [make_row(a, b) for a, b in test])
-    write("sft", [{**make_row(a, b), "label": str(a + b) + "." * work_dots(a, b, long)}
+    write("sft", [{**make_row(a, b), "label": str(a + b) + "." * work_dots(a, b, long, when)}
                   for a, b in train])
     return out
 
@@ -168,6 +175,9 @@ def main() -> None:
                         help="more overrides of every GRPO run (e.g. train.weight_sync=distributed)")
     parser.add_argument("--long-dots", type=int, default=40,
                         help="the long answers' dots (a GPU run: e.g. 400, --max-response-len 448)")
+    parser.add_argument("--long-when", choices=("b", "ab"), default="b",
+                        help="which problems get the long answer: b ends in 0 (1 in 10), or "
+                        "both numbers end in 0 (1 in 100)")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--target", type=float, default=None,
@@ -180,7 +190,8 @@ def main() -> None:
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     results: list[ModeRun] = []
     try:
-        data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots)
+        data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots,
+                                    args.long_when)
         checkpoint = warm_start(args, data, runs_root, env)
         for text in args.modes.split(","):
             mode, eta = parse_mode(text)

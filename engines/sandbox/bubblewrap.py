@@ -115,7 +115,7 @@ def _mounts(python: str) -> list[str]:
 
 def sandbox_command(python: str, script: str, limits: SandboxLimits, uid: int | None,
                     info_fd: int | None = None) -> list[str]:
-    """The bwrap command line that runs `python -I script` (the script mounted read-only at
+    """The bwrap command line that runs `python -I -S script` (the script mounted read-only at
     /sandbox/main.py) in fresh namespaces. `uid`: run as root, bwrap mounts with its own
     privileges and `setpriv` turns the program into that uid, with no capabilities left;
     None (not root): bwrap makes a user namespace and the program keeps the caller's uid."""
@@ -142,7 +142,7 @@ def sandbox_command(python: str, script: str, limits: SandboxLimits, uid: int | 
         "--perms", "01777", "--size", str(limits.scratch_bytes), "--tmpfs", "/scratch",
         "--perms", "01777", "--size", str(limits.scratch_bytes), "--tmpfs", "/tmp",
         "--ro-bind", script, "/sandbox/main.py", "--chdir", "/scratch",
-        "--", *become, python, "-I", "/sandbox/main.py",
+        "--", *become, python, "-I", "-S", "/sandbox/main.py",  # -S: no site, 35 ms less
     ]
 
 
