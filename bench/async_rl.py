@@ -2,8 +2,9 @@
 
 The main job's two-digit addition, with a tail of dots after the answer whose length depends
 on the problem: a problem whose second number ends in 0 (one in ten; `--long-when ab`: both
-numbers, one in a hundred) is answered with 40 dots after it (`--long-dots`), the others with 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints
-the spread it measured) and a synchronous step waits for its stragglers. An SFT warm start
+numbers, one in a hundred) is answered with 40 dots after it (`--long-dots`), the others with
+0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints the spread
+it measured) and a synchronous step waits for its stragglers. An SFT warm start
 on such answers (the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of
 the answer (`rm_type: last_number`), so the dots are free and the sums are what is learnt.
 
