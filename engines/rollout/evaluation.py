@@ -19,7 +19,6 @@ from engines.hooks.protocols import EvalFn, RewardFn
 from engines.rollout.dispatch import EngineClient
 from engines.rollout.generation import build_generation_loop
 from engines.rollout.rewards.hub import RewardHub
-from engines.rollout.rewards.rm_hub import resolve_reward_fn
 from storage.config import StorageConfig
 from storage.sample import Group, Status
 
@@ -77,10 +76,13 @@ def eval_rollout_config(ds: EvalDataset, rollout_cfg: RolloutConfig) -> RolloutC
 
 
 def eval_reward_fn(
-    ds: EvalDataset, default: RewardHub | RewardFn | None, rule_timeout_s: float
+    ds: EvalDataset, default: RewardHub | RewardFn | None, rollout_cfg: RolloutConfig
 ) -> RewardHub | RewardFn | None:
+    """The dataset's own reward, built as the run's is (the rollout section's remote model,
+    judge and sandbox settings), or the run's."""
     if ds.custom_rm_path or ds.rm_type:
-        return resolve_reward_fn(ds.rm_type, ds.custom_rm_path, rule_timeout_s)
+        return RewardHub.from_config(rollout_cfg.model_copy(update={
+            "rm_type": ds.rm_type, "custom_rm_path": ds.custom_rm_path, "group_rm": False}))
     return default
 
 
@@ -111,7 +113,7 @@ async def evaluate_datasets(
 ) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for index, ds in enumerate(datasets):
-        rewards = eval_reward_fn(ds, reward_fn, rollout_cfg.rm_rule_timeout_s)
+        rewards = eval_reward_fn(ds, reward_fn, rollout_cfg)
         loop = build_generation_loop(eval_rollout_config(ds, rollout_cfg), clients, rewards, hook_args)
         groups, stats = await loop.run(eval_groups(ds, tokenizer, index, storage))
         metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from engines.inference.engine_actor import EngineActor
-from engines.rollout.evaluation import eval_rollout_config, evaluate_datasets
+from engines.rollout.evaluation import eval_reward_fn, eval_rollout_config, evaluate_datasets
+from engines.rollout.rewards import RewardHub
 from engines.rollout.sglang_client import SGLangClient
 from flows.config.run import EngineConfig, EvalDataset, RolloutConfig
 from storage.sample import Sample
@@ -28,6 +29,18 @@ def test_eval_config_overrides_only_what_the_dataset_sets() -> None:
     cfg = eval_rollout_config(ds, base)
     assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.stop) == (0.6, 0.9, 20, ["x"])
     assert cfg.n_samples_per_prompt == 4 and cfg.max_response_len == base.max_response_len
+
+
+def test_a_datasets_own_reward_is_built_with_the_rollout_sections_settings() -> None:
+    """An eval set naming remote_rm or a judge gets the run's rm_url / judge section, as the
+    run's own reward does (before: `remote_rm needs rollout.rm_url` at the first eval)."""
+    rollout = RolloutConfig(num_rollout=1, rollout_batch_size=1, rm_type="exact_match",
+                            rm_url="http://127.0.0.1:9/score")
+    ds = EvalDataset(name="held", path="x.jsonl", rm_type="remote_rm")
+    hub = eval_reward_fn(ds, None, rollout)
+    assert isinstance(hub, RewardHub) and hub.remote is not None
+    assert hub.remote.url == "http://127.0.0.1:9/score"
+    assert eval_reward_fn(EvalDataset(name="held", path="x.jsonl"), None, rollout) is None
 
 
 def test_two_named_datasets_with_their_own_params(tmp_path: Path, tiny_model_dir: str) -> None:
