@@ -91,11 +91,12 @@ def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, 
     sets = [f"data.prompt_data={data / 'sft.jsonl'}", f"train.model_path={model}",
             f"rollout.max_response_len={args.max_response_len}", "rollout.rm_type=last_number",
             f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0}}]",
-            f"storage.uri={runs}", "storage.run_name=async-rl-sft", "logging.progress=false"]
+            f"storage.uri={runs}", "storage.run_name=async-rl-sft", "logging.progress=false",
+            f"rollout.num_rollout={args.sft_steps}"]
     run([sys.executable, "-m", "flows.cli", "train", "--config",
          str(REPO / "examples/arithmetic/sft.yaml"), *(x for s in sets for x in ("--set", s))],
         env, "sft")
-    return runs / "async-rl-sft" / "checkpoints" / "000004"
+    return runs / "async-rl-sft" / "checkpoints" / f"{args.sft_steps - 1:06d}"
 
 
 def run(cmd: list[str], env: dict[str, str], what: str) -> None:
@@ -179,6 +180,9 @@ def main() -> None:
     parser.add_argument("--long-when", choices=("b", "ab"), default="b",
                         help="which problems get the long answer: b ends in 0 (1 in 10), or "
                         "both numbers end in 0 (1 in 100)")
+    parser.add_argument("--sft-steps", type=int, default=5,
+                        help="the warm start's steps (sft.yaml's 5: a GPU run may need more "
+                        "to learn which problems get the long answer)")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--target", type=float, default=None,
