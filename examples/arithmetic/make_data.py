@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 LOW, HIGH = 10, 99
@@ -70,6 +71,29 @@ def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees a half-written file
 
 
+def write_once(
+    out_dir: str, params: dict[str, Any], make_rows: Callable[[], dict[str, list[dict[str, Any]]]]
+) -> dict[str, str]:
+    """Write `make_rows()`'s sets as `{name}.jsonl` under `out_dir`, unless its manifest
+    already records `params` and every file exists; returns `{name: path}`. The manifest is
+    written last, so its presence means the files are complete."""
+    rows = make_rows()
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in rows}
+    manifest_path = os.path.join(out_dir, MANIFEST)
+    if all(os.path.exists(p) for p in paths.values()) and os.path.exists(manifest_path):
+        with open(manifest_path, encoding="utf-8") as f:
+            if json.load(f) == params:
+                return paths
+    os.makedirs(out_dir, exist_ok=True)
+    for name, path in paths.items():
+        _write_jsonl(path, rows[name])
+    tmp = f"{manifest_path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(params, f)
+    os.replace(tmp, manifest_path)
+    return paths
+
+
 def write_datasets(
     out_dir: str, n_train: int = 4000, n_test: int = 500, seed: int = 0, n_sft: int | None = None
 ) -> dict[str, str]:
@@ -84,24 +108,15 @@ def write_datasets(
         n_sft = n_train
     if not 1 <= n_sft <= n_train:
         raise ValueError(f"n_sft must be in [1, n_train={n_train}], got {n_sft}")
-    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "sft", "test")}
     params = {"n_train": n_train, "n_test": n_test, "seed": seed, "n_sft": n_sft}
-    manifest_path = os.path.join(out_dir, MANIFEST)
-    if all(os.path.exists(p) for p in paths.values()) and os.path.exists(manifest_path):
-        with open(manifest_path, encoding="utf-8") as f:
-            if json.load(f) == params:
-                return paths
 
-    train, test = split_pairs(n_train, n_test, seed)
-    os.makedirs(out_dir, exist_ok=True)
-    _write_jsonl(paths["train"], [make_row(a, b) for a, b in train])
-    _write_jsonl(paths["sft"], [make_sft_row(a, b) for a, b in train[:n_sft]])
-    _write_jsonl(paths["test"], [make_row(a, b) for a, b in test])
-    tmp = f"{manifest_path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(params, f)
-    os.replace(tmp, manifest_path)  # written last: its presence means the files are complete
-    return paths
+    def rows() -> dict[str, list[dict[str, Any]]]:
+        train, test = split_pairs(n_train, n_test, seed)
+        return {"train": [make_row(a, b) for a, b in train],
+                "sft": [make_sft_row(a, b) for a, b in train[:n_sft]],
+                "test": [make_row(a, b) for a, b in test]}
+
+    return write_once(out_dir, params, rows)
 
 
 def main() -> None:

@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 from typing import Any
+
+from examples.arithmetic.make_data import write_once
 
 A_RANGE = [a for a in range(-9, 10) if a != 0]
 B_RANGE = range(-49, 50)
 SHOWN = (0, 1, 2)  # the inputs the prompt shows
 TESTED = (0, 2, 3, 7, -4)  # the inputs the label tests: 0 and 2 shown, the rest not
 CODE_PREFIX = "def f(x):\n    return "
-MANIFEST = "manifest.json"
 
 Function = tuple[str, int, int]  # (kind, a, b): "linear" a*x+b, "square" x*x+b (a unused: 1)
 
@@ -91,14 +91,6 @@ def split_functions(n_train: int | None, n_test: int, seed: int) -> tuple[list[F
     return functions[n_test : n_test + n_train], functions[:n_test]
 
 
-def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees a half-written file
-
-
 def write_datasets(
     out_dir: str, n_train: int | None = None, n_test: int = 200, seed: int = 0,
     n_sft: int | None = None,
@@ -114,23 +106,11 @@ def write_datasets(
     n_sft = len(train) if n_sft is None else n_sft
     if not 1 <= n_sft <= len(train):
         raise ValueError(f"n_sft must be in [1, n_train={len(train)}], got {n_sft}")
-    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "sft", "test")}
     params = {"n_train": len(train), "n_test": n_test, "seed": seed, "n_sft": n_sft}
-    manifest_path = os.path.join(out_dir, MANIFEST)
-    if all(os.path.exists(p) for p in paths.values()) and os.path.exists(manifest_path):
-        with open(manifest_path, encoding="utf-8") as f:
-            if json.load(f) == params:
-                return paths
-
-    os.makedirs(out_dir, exist_ok=True)
-    _write_jsonl(paths["train"], [make_row(fn) for fn in train])
-    _write_jsonl(paths["sft"], [make_sft_row(fn) for fn in train[:n_sft]])
-    _write_jsonl(paths["test"], [make_row(fn) for fn in test])
-    tmp = f"{manifest_path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(params, f)
-    os.replace(tmp, manifest_path)  # written last: its presence means the files are complete
-    return paths
+    return write_once(out_dir, params, lambda: {
+        "train": [make_row(fn) for fn in train],
+        "sft": [make_sft_row(fn) for fn in train[:n_sft]],
+        "test": [make_row(fn) for fn in test]})
 
 
 def main() -> None:
