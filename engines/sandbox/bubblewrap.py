@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import resource
@@ -206,48 +207,62 @@ async def run_sandboxed(program: str, stdin: str = "", limits: SandboxLimits | N
         script.write_text(program)
         script.chmod(0o644)
         info_read, info_write = os.pipe()
-        command = sandbox_command(python, str(script), limits, uid, info_write)
-        started = time.monotonic()
+        with os.fdopen(info_read, "rb") as info:  # bwrap writes it once the sandbox is up
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *sandbox_command(python, str(script), limits, uid, info_write),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, preexec_fn=lambda: _set_limits(limits, uid),
+                    start_new_session=True, pass_fds=(info_write,))
+            finally:
+                os.close(info_write)
+            started = time.monotonic()
+            result = await _supervise(proc, stdin, limits)
+            set_up = bool(info.read())
+        if not set_up and result.verdict is Verdict.EXITED:
+            raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {result.stderr[:300]}")
+        return dataclasses.replace(result, wall_s=time.monotonic() - started)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _supervise(proc: asyncio.subprocess.Process, stdin: str,
+                     limits: SandboxLimits) -> SandboxResult:
+    """Feed `stdin`, read the output up to its cap, and kill the whole sandbox at the wall
+    deadline or past the cap (the deadline runs from the start: a program that never reads
+    its input cannot stall the feeding past it)."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    writer = proc.stdin
+
+    async def feed() -> None:
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, preexec_fn=lambda: _set_limits(limits, uid),
-                start_new_session=True, pass_fds=(info_write,))
-        finally:
-            os.close(info_write)
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        over = asyncio.Event()
-        reads = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes, over),
-                               _read_capped(proc.stderr, limits.max_output_bytes, over))
-        waiter = asyncio.ensure_future(proc.wait())
-        overflow = asyncio.ensure_future(over.wait())
-        try:
-            proc.stdin.write(stdin.encode())
-            await proc.stdin.drain()
+            writer.write(stdin.encode())
+            await writer.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the program ended (or never read): what it did is in its verdict
         finally:
-            proc.stdin.close()
-        done, _ = await asyncio.wait({waiter, overflow}, timeout=limits.wall_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        verdict: Verdict | None = None
-        if waiter not in done:
-            verdict = Verdict.OUTPUT_LIMIT if overflow in done else Verdict.WALL_TIMEOUT
-            _kill_whole(proc.pid)
-        overflow.cancel()
-        returncode = await waiter
-        stdout, stderr = await reads
-        with os.fdopen(info_read, "rb") as info:  # bwrap writes it once the sandbox is up
-            set_up = bool(info.read())
-        if not set_up and verdict is None:
-            raise SandboxUnavailable(
-                f"bubblewrap could not start the sandbox: {stderr.decode(errors='replace')[:300]}")
-        if verdict is None:
-            verdict = _exit_verdict(returncode)
-        return SandboxResult(verdict, returncode, stdout.decode(errors="replace"),
-                             stderr.decode(errors="replace"), time.monotonic() - started)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+            writer.close()
+
+    over = asyncio.Event()
+    reads = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes, over),
+                           _read_capped(proc.stderr, limits.max_output_bytes, over))
+    feeding = asyncio.ensure_future(feed())
+    waiter = asyncio.ensure_future(proc.wait())
+    overflow = asyncio.ensure_future(over.wait())
+    done, _ = await asyncio.wait({waiter, overflow}, timeout=limits.wall_s,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    verdict: Verdict | None = None
+    if waiter not in done:
+        verdict = Verdict.OUTPUT_LIMIT if overflow in done else Verdict.WALL_TIMEOUT
+        _kill_whole(proc.pid)
+    overflow.cancel()
+    returncode = await waiter
+    feeding.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await feeding
+    stdout, stderr = await reads
+    return SandboxResult(verdict or _exit_verdict(returncode), returncode,
+                         stdout.decode(errors="replace"), stderr.decode(errors="replace"), 0.0)
 
 
 def _exit_verdict(returncode: int) -> Verdict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +85,12 @@ def test_the_hub_builds_it_from_the_config() -> None:
     sample = Sample(index=0, group_index=0, prompt="", label=TESTS, response="def f(x):\n    return x + 1\n")
     assert asyncio.run(RewardHub.from_config(cfg).score(None, sample)) == 0.0
     assert sample.metadata[RESULT_KEY]["passed"] == 1
+
+
+def test_a_program_that_never_reads_its_input_is_killed_at_the_deadline() -> None:
+    """The input is fed beside the deadline, not before it: 1 MB is more than a pipe holds."""
+    started = time.monotonic()
+    result = asyncio.run(run_sandboxed("import time\ntime.sleep(3600)\n", stdin="x" * 2**20,
+                                       limits=SandboxLimits(wall_s=2)))
+    assert result.verdict is Verdict.WALL_TIMEOUT
+    assert time.monotonic() - started < 5
