@@ -13,72 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from engines.process import free_port
 from engines.rollout.rewards import RewardHub
 from engines.rollout.rewards.judge import JUDGE_ERROR, UNPARSED, judge_error_kind
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config.run import RolloutConfig
 from storage.sample import Sample
-from tests.support.procs import REPO_ROOT
+from tests.support.engines import EngineCommand as Engine
 
 TEMPLATE = "q: {prompt} a: {response}. score 0-9:"
 MAX_TOKENS = 16
-MODEL = "judge"
-
-
-class Engine:
-    """`rollflow engine` serving the tiny model on one port, stopped and started at will."""
-
-    def __init__(self, model: Path, log: Path) -> None:
-        self.model, self.log, self.port = model, log, free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "engine", "--model-path", str(self.model),
-                 "--port", str(self.port), "--served-model-name", MODEL, "--device", "cpu"],
-                env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{self.base_url}/models", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the engine never answered"
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        self.proc = None
-
-    def answer(self, filled: str) -> str:
-        """The engine's own answer to a judge prompt, asked outside the judge."""
-        body = {"model": MODEL, "prompt": filled, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-        reply = httpx.post(f"{self.base_url}/completions", json=body, timeout=60.0)
-        reply.raise_for_status()
-        return str(reply.json()["choices"][0]["text"])
+MODEL = "judge"  # tests.support.engines.EngineCommand serves it by this name
 
 
 @pytest.fixture(scope="module")
