@@ -123,25 +123,19 @@ def builtin_reward(
     sample in errors."""
     boxed = name.startswith(BOXED_PREFIX)
     base = name[len(BOXED_PREFIX) :] if boxed else name
+    if boxed and base in (CODE_TESTS, JUDGE, REMOTE, *SAMPLE_REWARDS):
+        raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
     if base == CODE_TESTS:
-        if boxed:
-            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
         return code_tests_reward(sandbox)
     if base == JUDGE:
-        if boxed:
-            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
         if judge is None:
             raise RewardConfigError(f"{where}: judge needs rollout.judge (base_url, model)")
         return judge.score
     if base == REMOTE:
-        if boxed:
-            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
         if remote is None:
             raise RewardConfigError(f"{where}: remote_rm needs rollout.rm_url")
         return remote.score
     if base in SAMPLE_REWARDS:
-        if boxed:
-            raise RewardConfigError(f"{where}: the boxed_ prefix applies to rule rewards only")
         return SAMPLE_REWARDS[base](rule_timeout_s)
     if base not in RULES:
         raise RewardConfigError(
