@@ -49,7 +49,11 @@ def test_task_raising_once_is_retried(prefect_api, make_config, fault_matrix):
 def test_engine_killed_mid_generate(prefect_api, make_config, fault_matrix):
     from flows.train import train
 
-    slow = ["rollout.rollout_batch_size=32", "rollout.max_response_len=48"]
+    # 16 samples in flight of 128: the step generates in waves, so a kill timed from its
+    # first finished groups lands while most are still to come (with all 128 in one batch
+    # they ended together, and under load the kill could land after generate)
+    slow = ["rollout.rollout_batch_size=32", "rollout.max_response_len=48",
+            "rollout.sglang_server_concurrency=16"]
     reference = make_config("ref", *THREE_STEPS, *slow, backend="embedded")
     train(reference)
     cfg = make_config("engine-kill", *THREE_STEPS, *slow, "cluster.keep_actors=true",
