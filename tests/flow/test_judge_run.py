@@ -16,21 +16,16 @@ from engines.rollout.rewards.judge import JUDGE_ERROR
 from examples.arithmetic.build_model import save_tiny_model
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from tests.support.engines import MODEL, EngineCommand
+from tests.support.engines import MODEL, EngineCommand, engine_command
 
 TEMPLATE = "q: {prompt} a: {response}. score 0-9:"
 
 
 @pytest.fixture()
 def judge(tmp_path: Path) -> Iterator[EngineCommand]:
-    engine = EngineCommand(Path(save_tiny_model(str(tmp_path / "judge-model"))),
-                           tmp_path / "judge.log")
-    engine.start()
-    try:
-        engine.wait_ready()
+    model = Path(save_tiny_model(str(tmp_path / "judge-model")))
+    with engine_command(model, tmp_path / "judge.log") as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def test_a_judge_rewarded_run_trains_on_the_judges_scores(

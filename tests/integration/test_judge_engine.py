@@ -28,6 +28,7 @@ from examples.arithmetic.build_model import save_tiny_model
 from flows.config.run import RolloutConfig
 from storage.sample import Sample
 from tests.support.engines import EngineCommand as Engine
+from tests.support.engines import engine_command
 
 TEMPLATE = "q: {prompt} a: {response}. score 0-9:"
 MAX_TOKENS = 16
@@ -41,13 +42,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def judge_engine(tiny_model: Path, tmp_path: Path) -> Iterator[Engine]:
-    engine = Engine(tiny_model, tmp_path / "engine.log")
-    engine.start()
-    try:
-        engine.wait_ready()
+    with engine_command(tiny_model, tmp_path / "engine.log") as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def candidates() -> list[Sample]:

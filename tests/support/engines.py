@@ -76,3 +76,15 @@ class EngineCommand:
         reply = httpx.post(f"{self.base_url}/completions", json=body, timeout=60.0)
         reply.raise_for_status()
         return str(reply.json()["choices"][0]["text"])
+
+
+@contextmanager
+def engine_command(model: Path, log: Path) -> Iterator[EngineCommand]:
+    """`rollflow engine` serving `model` for the block, ready before it starts."""
+    engine = EngineCommand(model, log)
+    engine.start()
+    try:
+        engine.wait_ready()
+        yield engine
+    finally:
+        engine.stop()
