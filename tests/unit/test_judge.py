@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -32,71 +30,8 @@ from engines.rollout.rewards.judge import (
 from engines.rollout.step_groups import GenerationStats, LoopTally
 from flows.config.run import RolloutConfig
 from storage.sample import Sample
-
-
-def grade(response: str) -> str:
-    """The fake judge's answer: the response is the score it gives (`7` -> `Score: 7`)."""
-    return f"The response reads {response!r}, so.\nScore: {response}"
-
-
-class JudgeServer:
-    """An OpenAI-compatible judge on 127.0.0.1: answers `/v1/chat/completions` and
-    `/v1/completions` with `answer(user_text)`; fails the first `fail_first` requests with
-    `fail_status`; records each request body and Authorization header, and the most
-    requests it ever had in flight at once."""
-
-    def __init__(self, answer: Callable[[str], str] = grade, fail_first: int = 0,
-                 fail_status: int = 503, delay_s: float = 0.0) -> None:
-        self.answer, self.fail_first, self.fail_status = answer, fail_first, fail_status
-        self.delay_s = delay_s
-        self.requests: list[dict[str, Any]] = []
-        self.auth: list[str | None] = []
-        self.in_flight = self.max_in_flight = 0
-        lock, server = threading.Lock(), self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
-                    server.requests.append({"path": self.path, **body})
-                    server.auth.append(self.headers.get("Authorization"))
-                    failing = len(server.requests) <= server.fail_first
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                try:
-                    time.sleep(server.delay_s)
-                    if failing:
-                        return self._send(server.fail_status, {"error": "busy"})
-                    chat = self.path == "/v1/chat/completions"
-                    if not chat and self.path != "/v1/completions":
-                        return self._send(404, {"error": "no route"})
-                    text = server.answer(body["messages"][-1]["content"] if chat
-                                         else body["prompt"])
-                    choice = ({"message": {"role": "assistant", "content": text}} if chat
-                              else {"text": text})
-                    self._send(200, {"choices": [{"index": 0, **choice}]})
-                finally:
-                    with lock:
-                        server.in_flight -= 1
-
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                out = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from tests.support.fakes import JudgeServer
+from tests.support.fakes import judge_grade as grade
 
 
 @pytest.fixture()
