@@ -3,12 +3,12 @@ train flow: embedded engine, torch trainer, real Ray and Prefect, and every samp
 run in bubblewrap against its row's tests (`rm_type: code_tests`).
 
 An untrained tiny model writes a passing expression too rarely to test the reward with, so
-the run uses a test copy of it rewired into a bigram model (as tests/flow/test_tool_agent_flow
-does): its layers add nothing to the residual stream, so the logits depend only on the last
-token; after `=` (the prompt's end) or `*` it writes `x`, after `x` either `*` or EOS, one
-chance in two. Its answers are `x`, `x*x`, `x*x*x`, ... and a truncated `x*x*x*x*` (a syntax
-error), whose passes this test counts itself: `x` to the power of the count of x's, against
-each assert of the label. The functions are the example's rows (make_data.make_row) for
+the run uses a test copy of it rewired into a bigram model (tests/support/bigram_model.py,
+as tests/flow/test_tool_agent_flow does): its logits depend only on the last token; after
+`=` (the prompt's end) or `*` it writes `x`, after `x` either `*` or EOS, one chance in two.
+Its answers are `x`, `x*x`, `x*x*x`, ... and a truncated `x*x*x*x*` (a syntax error), whose
+passes this test counts itself: `x` to the power of the count of x's, against each assert of
+the label. The functions are the example's rows (make_data.make_row) for
 `x`, `x*x`, `2*x` and `x+5`, so the rewards spread from 0 to 1.
 """
 
@@ -21,8 +21,7 @@ import uuid
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from examples.code_tests.make_data import make_row
 from flows.config.loader import load_config
@@ -30,36 +29,20 @@ from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample
 from tests.support import REPO_ROOT
+from tests.support.bigram_model import save_bigram_model
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap is not installed (scripts/test.sh installs it)")
 
-LOGIT = 24.0  # a token the bigram does not write: p < 1e-8
 FUNCTIONS = [("linear", 1, 0), ("square", 1, 0), ("linear", 2, 0), ("linear", 1, 5)]
 ASSERT = re.compile(r"assert f\((-?\d+)\) == (-?\d+)")
 
 
 @pytest.fixture(scope="module")
 def power_model(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    hidden = model.config.hidden_size
-    x, star = (tokenizer.convert_tokens_to_ids(t) for t in ("x", "*"))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        embed[:, 0] = 1.0  # feature 0: any other last token (`=`, `*`): write x
-        embed[x, 0], embed[x, 1] = 0.0, 1.0  # feature 1: the last token is x
-        head.zero_()  # RMSNorm scales a one-hot feature to sqrt(hidden)
-        head[x, 0] = LOGIT / hidden**0.5
-        head[[star, tokenizer.eos_token_id], 1] = LOGIT / hidden**0.5
-    out = str(tmp_path_factory.mktemp("model") / "power-bigram")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token
+    return save_bigram_model(tiny_model_dir, str(tmp_path_factory.mktemp("model") / "power-bigram"),
+                             marked=["x"], after_unmarked=["x"], after_marked=["*", eos])
 
 
 def expected_passes(s: Sample) -> int:

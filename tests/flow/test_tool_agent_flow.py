@@ -24,32 +24,15 @@ from examples.tool_agent.calculator import observe
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
+from tests.support.bigram_model import save_bigram_model
 from tests.support.configs import arithmetic_config
-
-LOGIT = 24.0  # any other token after a digit (or a non-digit after anything): p < 1e-8
 
 
 @pytest.fixture(scope="module")
 def calculator_model(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
-    hidden = model.config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        embed[:, 0] = 1.0  # feature 0: "the last token is not a digit"
-        embed[digits, 0], embed[digits, 1] = 0.0, 1.0  # feature 1: "it is a digit"
-        head.zero_()  # RMSNorm scales a one-hot feature to sqrt(hidden)
-        head[digits, 0] = LOGIT / hidden**0.5
-        head[tokenizer.convert_tokens_to_ids("="), 1] = LOGIT / hidden**0.5
-    out = str(tmp_path_factory.mktemp("model") / "calculator-bigram")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    digits = list("0123456789")  # after a digit `=`, after anything else a digit
+    return save_bigram_model(tiny_model_dir, str(tmp_path_factory.mktemp("model") / "calculator-bigram"),
+                             marked=digits, after_unmarked=digits, after_marked=["="])
 
 
 @pytest.fixture(scope="module")
