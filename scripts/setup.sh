@@ -11,7 +11,7 @@ want="$( (cat pyproject.toml scripts/setup.sh; pwd) | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,router]"
+  .venv/bin/python -m pip install -q -e ".[dev,router,envs]"
   echo "$want" > "$stamp"
 fi
 # The embedded engine's compiled decode step, built once per machine (~30 s) rather than in a

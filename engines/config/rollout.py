@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_serializer, model_validator
@@ -12,6 +13,15 @@ from engines.config.judge import JudgeConfig
 from engines.config.sandbox import SandboxConfig
 from storage.config import Section
 from storage.secrets import redact_url
+
+ENVIRONMENT_SCHEMES = ("verifiers://", "openenv://")
+_ENVIRONMENT_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\?.*)?$")
+
+
+def is_environment_uri(value: str) -> bool:
+    """What `rollout.environment` takes: a `verifiers://` or `openenv://` URI, or a
+    `pkg.module:factory[?args]` import string (engines/environments/registry.py opens it)."""
+    return value.startswith(ENVIRONMENT_SCHEMES) or bool(_ENVIRONMENT_FACTORY.match(value))
 
 
 class RolloutConfig(Section):
@@ -169,6 +179,16 @@ class RolloutConfig(Section):
         "token-capturing gateway (engines/rollout/agent_gateway.py) and the sample is built "
         "from the exact tokens of its calls. Excludes custom_generate_function_path.",
     )
+    environment: str | None = Field(
+        None,
+        description="An environment brought from outside (docs/environments.md): "
+        "`verifiers://<env_id>?<arg>=<value>`, `openenv://<module:Class or URL>?...`, or "
+        "`pkg.module:factory?<arg>=<value>` for one you wrote. Its tasks are the prompts "
+        "(data.prompt_data defaults to this URI; an eval.datasets entry with this path and "
+        "split 'eval' is its held-out set), each sample is one episode through the agent "
+        "gateway, and the episode's reward is the sample's. Excludes agent_path, "
+        "custom_generate_function_path, function_path and rm_type.",
+    )
     agent_gateway_host: str = Field(
         "127.0.0.1", description="Address the agent gateway listens on (the agent's side)."
     )
@@ -253,9 +273,22 @@ class RolloutConfig(Section):
         if self.agent_path and self.custom_generate_function_path:
             raise ValueError("rollout.agent_path and rollout.custom_generate_function_path "
                              "exclude each other: the agent gateway is the generate function")
+        if self.environment is not None:
+            self._check_environment(self.environment)
         if self.mode == "async":
             self._check_async()
         return self
+
+    def _check_environment(self, uri: str) -> None:
+        """An environment runs the episodes and gives the rewards: nothing else may."""
+        if not is_environment_uri(uri):
+            raise ValueError(f"rollout.environment: {uri!r} is not verifiers://<env_id>, "
+                             "openenv://<module:Class or URL>, or pkg.module:factory")
+        for key in ("agent_path", "custom_generate_function_path", "function_path",
+                    "rm_type", "custom_rm_path"):
+            if getattr(self, key):
+                raise ValueError(f"rollout.environment excludes rollout.{key}: the "
+                                 "environment runs each episode and gives its reward")
 
     def _check_async(self) -> None:
         """What async mode cannot combine with: each step takes groups as they finish, from

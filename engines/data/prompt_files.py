@@ -4,9 +4,10 @@ A prompt set is one file (`.jsonl`/`.json`, `.parquet`, `.arrow`), a directory o
 shards (read in sorted path order, so the row order never depends on a listing), a Hugging
 Face `datasets` dataset written by `save_to_disk` (a `DatasetDict` by split), or a dataset in
 the local hub cache (`hf://datasets/org/name[/config]`), or a reasoning-gym task generated
-when read (`reasoning_gym://<task>?seed=S`, `engines.data.reasoning_gym`). Local paths and
-`s3://...` URIs alike go through `storage.object_store.open_store` with the run's endpoint and
-options.
+when read (`reasoning_gym://<task>?seed=S`, `engines.data.reasoning_gym`), or the tasks of an
+environment (`verifiers://...`, `openenv://...`, `pkg.module:factory`: engines/environments/).
+Local paths and `s3://...` URIs alike go through `storage.object_store.open_store` with the
+run's endpoint and options.
 
 Why lazy: a multi-million-row set as `Sample` objects costs gigabytes and minutes before the
 first step. Arrow shards stay Arrow (memory-mapped where the file allows: `.arrow` and
@@ -28,7 +29,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engines.config.rollout import is_environment_uri
 from engines.data.reasoning_gym import TaskShard, TaskUriError, is_task_uri
+from engines.environments.base import EnvironmentError
+from engines.environments.rows import EnvironmentShard
 from storage.object_store import ObjectStore, open_store
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -204,6 +208,8 @@ def open_rows(spec: DatasetSpec) -> PromptRows:
         return PromptRows(spec.path, [_hub_dataset(spec)])
     if is_task_uri(spec.path):
         return PromptRows(spec.path, [_task_shard(spec)])
+    if is_environment_uri(spec.path):
+        return PromptRows(spec.path, [_environment_shard(spec)])
     store = open_store(spec.path, spec.endpoint_url, **dict(spec.storage_options))
     fs, root = store.fs, store.path()
     if any(c in spec.path for c in "*?["):
@@ -331,6 +337,21 @@ def _task_shard(spec: DatasetSpec) -> Shard:
     try:
         return TaskShard(spec.path, spec.input_key, spec.label_key, spec.metadata_key)
     except TaskUriError as e:
+        key = "data.prompt_data" if spec.config_key == "data" else f"{spec.config_key}.path"
+        raise DatasetError(spec.path, 0, "(file)", f"{e.problem} ({key})") from None
+
+
+def _environment_shard(spec: DatasetSpec) -> Shard:
+    """An environment's tasks (`rollout.environment`): split 'train' for data.prompt_data,
+    'eval' for an eval.datasets entry, unless the entry names its split."""
+    split = spec.split or ("train" if spec.config_key == "data" else "eval")
+    if split not in ("train", "eval"):
+        raise DatasetError(spec.path, 0, "(file)", f"split {split!r}: an environment has "
+                           f"'train' and 'eval' tasks (set {spec.config_key}.split)")
+    try:
+        return EnvironmentShard(spec.path, "train" if split == "train" else "eval",
+                                spec.input_key, spec.label_key, spec.metadata_key)
+    except EnvironmentError as e:
         key = "data.prompt_data" if spec.config_key == "data" else f"{spec.config_key}.path"
         raise DatasetError(spec.path, 0, "(file)", f"{e.problem} ({key})") from None
 

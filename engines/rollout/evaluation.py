@@ -9,13 +9,13 @@ rewarded > 0). A custom `eval.eval_function_path` (`protocols.EvalFn`) adds its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engines.config.rollout import EvalDataset, RolloutConfig
 from engines.data.prompt_dataset import DatasetSpec, load_prompt_samples
 from engines.hooks.loader import bad_return
-from engines.hooks.protocols import EvalFn, RewardFn
+from engines.hooks.protocols import EvalFn, GenerateFn, RewardFn
 from engines.rollout.dispatch import EngineClient
 from engines.rollout.generation import build_generation_loop
 from engines.rollout.rewards.hub import RewardHub
@@ -110,11 +110,15 @@ async def evaluate_datasets(
     reward_fn: RewardHub | RewardFn | None,
     hook_args: Any,
     storage: StorageConfig | None = None,
+    generate_for: Callable[[EvalDataset], GenerateFn | None] = lambda ds: None,
 ) -> dict[str, float]:
+    """Each held-out set generated and scored; `generate_for(ds)` replaces the HTTP call per
+    sample where a set needs it (an environment's episodes through the agent gateway)."""
     metrics: dict[str, float] = {}
     for index, ds in enumerate(datasets):
         rewards = eval_reward_fn(ds, reward_fn, rollout_cfg)
-        loop = build_generation_loop(eval_rollout_config(ds, rollout_cfg), clients, rewards, hook_args)
+        loop = build_generation_loop(eval_rollout_config(ds, rollout_cfg), clients, rewards,
+                                     hook_args, custom_generate=generate_for(ds))
         groups, stats = await loop.run(eval_groups(ds, tokenizer, index, storage))
         metrics.update(dataset_metrics(ds.name, groups, rollout_cfg.reward_key))
         metrics[f"eval/{ds.name}/seconds"] = stats.seconds

@@ -14,7 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from engines.config.rollout import EvalDataset, is_environment_uri
 from engines.config.run import RunConfig
+from engines.environments.rows import environment_agent
 from engines.hooks.protocols import AgentFn, EvalFn, GenerateFn
 from engines.rollout.agent_gateway import AgentGateway
 from engines.rollout.dispatch import Dispatch, RouterDispatch
@@ -123,15 +125,30 @@ async def run_evaluation(
     cfg: RunConfig, urls: list[str], router_url: str | None, tokenizer: Any,
     rewards: RewardHub, eval_fn: EvalFn | None, weight_version: int,
 ) -> dict[str, float]:
-    """The held-out sets' metrics, then the custom eval function's (`eval.eval_function_path`)."""
+    """The held-out sets' metrics, then the custom eval function's (`eval.eval_function_path`).
+    An environment's held-out set (its URI in `eval.datasets`) plays its episodes through an
+    agent gateway, as training does."""
     clients = [SGLangClient(url) for url in urls]
+    args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
+    episodes = any(is_environment_uri(d.path) for d in cfg.eval.datasets)
+    gateway = AgentGateway(args, tokenizer, cfg.rollout.agent_gateway_host) if episodes else None
+
+    def generate_for(ds: EvalDataset) -> GenerateFn | None:
+        if gateway is None or not is_environment_uri(ds.path):
+            return None
+        return gateway.generate_fn(environment_agent(ds.path))
+
     try:
+        if gateway is not None:
+            await gateway.start()
         metrics = await evaluate_datasets(
-            cfg.eval.datasets, clients, tokenizer, cfg.rollout, rewards, cfg, cfg.storage
+            cfg.eval.datasets, clients, tokenizer, cfg.rollout, rewards, cfg, cfg.storage,
+            generate_for=generate_for,
         )
         if eval_fn is not None:
-            args = HookArgs(cfg, router_url or (urls[0] if urls else ""), list(urls), tokenizer)
             metrics.update(await custom_eval_metrics(eval_fn, args, weight_version))
         return metrics
     finally:
+        if gateway is not None:
+            await gateway.stop()
         await asyncio.gather(*(c.aclose() for c in clients))

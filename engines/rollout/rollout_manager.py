@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from engines.config.rollout import RolloutConfig
 from engines.config.run import RunConfig
 from engines.data.data_source import (
     RolloutDataSourceWithBuffer,
@@ -23,6 +24,8 @@ from engines.data.data_source import (
     save_source_state,
 )
 from engines.data.prompt_dataset import data_spec, model_context, open_prompt_dataset, prompt_limit
+from engines.environments.registry import close_environments
+from engines.environments.rows import environment_agent
 from engines.hooks.loader import load_hook, load_user_hook, returned_groups
 from engines.hooks.protocols import AgentFn, EvalFn, GenerateFn, RolloutFn, SampleFilterFn
 from engines.process import freeze_actor_heap
@@ -166,8 +169,7 @@ class RolloutManager:
                           "rollout.custom_generate_function_path", GenerateFn)
                 if r.custom_generate_function_path else None
             ),
-            agent=load_hook(r.agent_path, "rollout.agent_path", AgentFn)
-            if r.agent_path else None,
+            agent=run_agent(r),
         )
         self.rewards = self.hooks.rewards
         self.eval_fn: EvalFn | None = (
@@ -221,6 +223,7 @@ class RolloutManager:
         if self.router is not None:
             self.router.shutdown()
             self.router = None
+        close_environments()
 
     def _compression(self) -> str | None:
         return self.cfg.storage.compression
@@ -497,3 +500,11 @@ class RolloutManager:
         ))
         self.layout.save_eval(weight_version, metrics)
         return metrics
+
+
+def run_agent(r: RolloutConfig) -> AgentFn | None:
+    """The agent each sample runs through the gateway: the environment's episode
+    (`rollout.environment`) or the user's agent (`rollout.agent_path`)."""
+    if r.environment:
+        return environment_agent(r.environment)
+    return load_hook(r.agent_path, "rollout.agent_path", AgentFn) if r.agent_path else None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.cluster.head import warn_if_public
+from engines.config.rollout import is_environment_uri
 from engines.data.prompt_checks import FieldReport
 from engines.data.prompt_dataset import (
     DatasetCheck,
@@ -216,9 +217,9 @@ def check_storage(cfg: RollflowConfig) -> RunLayout:
 
 def check_rewards(cfg: RollflowConfig, hub: RewardHub, fields: FieldReport) -> None:
     """Every training row has a reward function: the run's, or its metadata.rm_type (an
-    agent, `rollout.agent_path`, may return the reward itself)."""
+    agent, `rollout.agent_path`, or an environment's episode may return the reward itself)."""
     r = cfg.rollout
-    if r.function_path or r.agent_path or r.debug_train_only or hub.configured:
+    if r.function_path or r.agent_path or r.environment or r.debug_train_only or hub.configured:
         return
     if fields.without_rm_type is not None:
         raise ConfigError(
@@ -265,7 +266,7 @@ def check_eval_reward(ds: EvalDataset, index: int, hub: RewardHub) -> None:
         load_hook(ds.custom_rm_path, f"{key}.custom_rm_path", RewardFn)
     elif ds.rm_type:
         builtin_reward(ds.rm_type, f"{key}.rm_type", hub.remote)
-    elif not hub.configured:
+    elif not hub.configured and not is_environment_uri(ds.path):  # (episodes score themselves)
         raise ConfigError(f"{key}.rm_type: no reward function for eval set {ds.name!r} (set "
                           "it, or rollout.rm_type / rollout.custom_rm_path)")
 

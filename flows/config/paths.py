@@ -4,7 +4,7 @@ Actors run in Ray worker processes whose working directory is wherever the Ray h
 started, so a relative `data/train.jsonl` or `./runs` would name a different file there than
 in the user's shell (one run split across two directories). `resolve_paths` anchors every
 path at the directory the command was run from before the config leaves the driver. URIs
-(`s3://...`) are left alone, and so are model names that are not local directories
+(`s3://...`) and environments (`pkg.module:factory`) are left alone, and so are model names that are not local directories
 (`Qwen/Qwen2-0.5B` is a Hugging Face hub id, not a path).
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from engines.config.rollout import is_environment_uri
 from flows.config.run import RollflowConfig
 
 # section -> fields that always name a local file or directory (unless a URI)
@@ -35,7 +36,9 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def is_uri(path: str) -> bool:
-    return "://" in path
+    """A URI (`s3://`, `reasoning_gym://`, ...) or an environment's import string
+    (`pkg.module:factory`): nothing to anchor."""
+    return "://" in path or is_environment_uri(path)
 
 
 def absolute_file(path: str, base: Path) -> str:

@@ -19,7 +19,7 @@ from engines.config.algorithm import AlgorithmConfig
 from engines.config.cluster import ClusterConfig
 from engines.config.data import DataConfig
 from engines.config.engine import EngineConfig
-from engines.config.rollout import EvalConfig, EvalDataset, RolloutConfig
+from engines.config.rollout import EvalConfig, EvalDataset, RolloutConfig, is_environment_uri
 from engines.config.train import TrainConfig, check_parallel_sizes
 from flows.config.logging import LoggingConfig
 from storage.config import ConfigError, Section, StorageConfig
@@ -55,9 +55,30 @@ class RollflowConfig(Section):
             found |= url_secrets(url)
         return found
 
+    @model_validator(mode="before")
+    @classmethod
+    def _environment_prompts(cls, values: Any) -> Any:
+        """`rollout.environment` alone names the prompts too: data.prompt_data defaults to
+        its URI (its 'train' tasks)."""
+        if not isinstance(values, dict):
+            return values
+        rollout = values.get("rollout")
+        env = (rollout.get("environment") if isinstance(rollout, dict)
+               else getattr(rollout, "environment", None))
+        data = values.get("data", {})
+        if env and isinstance(data, dict) and data.get("prompt_data") is None:
+            values = {**values, "data": {**data, "prompt_data": env}}
+        return values
+
     @model_validator(mode="after")
     def _check_cross_section(self) -> RollflowConfig:
         self.eval.inherit_data_keys(self.data)
+        env = self.rollout.environment
+        if env and not is_environment_uri(self.data.prompt_data):
+            raise ValueError(
+                f"rollout.environment plays the tasks of an environment, but data.prompt_data "
+                f"names {self.data.prompt_data!r}, whose rows carry no task of it; leave "
+                f"data.prompt_data unset (it defaults to {env!r}) or name an environment")
         if self.engine.backend == "embedded" and not self.engine.model_path:
             self.engine.model_path = self.train.model_path
         if self.engine.batch_invariant is None:  # (train.deterministic's half in the engine)
