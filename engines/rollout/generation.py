@@ -109,6 +109,7 @@ class RolloutResult:
     resent_samples: int = 0  # sent again after the engine they were on was lost
     engines: int = 0  # the engines the step started with (the run's pool)
     engine_requests: dict[str, int] = field(default_factory=dict)  # by URL (round-robin only)
+    first_failure: str | None = None  # why the first failed group failed (step_groups)
 
     @classmethod
     def of_step(
@@ -124,7 +125,7 @@ class RolloutResult:
         return cls(groups.kept, groups.returned, stats, counts,
                    lost_engines=dict(loop.watch.lost) if loop.watch is not None else {},
                    resent_samples=loop.resent_samples, engines=loop.dispatch.num_engines,
-                   engine_requests=loop.engine_requests)
+                   engine_requests=loop.engine_requests, first_failure=groups.first_failure)
 
     def metrics(self) -> dict[str, float]:
         healing = {"rollout/engines_lost": float(len(self.lost_engines)),

@@ -66,6 +66,21 @@ from storage.sample import Group, Status, flatten
 log = logging.getLogger(__name__)
 
 
+class EveryGroupFailed(RuntimeError):
+    """A step whose every finished group failed (an agent or environment that raises, a
+    server it needs that is down): nothing to train, and the first failure says why."""
+
+    def __init__(self, rollout_id: int, counts: dict[str, int], first: str | None) -> None:
+        self.args_ = rollout_id, counts, first
+        super().__init__(
+            f"rollout {rollout_id}: every group failed ({counts.get('failed', 0)} of "
+            f"{counts.get('drawn', 0)} drawn), so there is nothing to train; the first: "
+            f"{first or 'see the rollout actor log'}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (Ray pickles it across to the driver)
+        return type(self), self.args_
+
+
 class StepDataSource:
     """What a rollout function sees as `data_source` during one step: the groups drawn by
     sample_prompts first, then further draws from the real source (dynamic sampling)."""
@@ -303,6 +318,11 @@ class RolloutManager:
                 journal=step_log, restored=restored,
                 router_workers=self.router.sync_workers if self.router is not None else None,
             ))
+            if not result.kept and result.counts.get("failed"):
+                # A retry or a rerun (the server it needed back up) plays the step again from
+                # its committed draw, not the journal's record of failures.
+                journal.clear()
+                raise EveryGroupFailed(rollout_id, result.counts, result.first_failure)
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
             # (generated samples only: a custom rollout function's, e.g. SFT's, were not)

@@ -142,6 +142,7 @@ class StepGroups:
     surplus: list[Group] = field(default_factory=list)
     counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(("drawn", "dropped", "failed", "aborted", "surplus"), 0))
+    first_failure: str | None = None  # why the first failed group failed, for the step's error
 
     @classmethod
     def restored(cls, r: Restored) -> StepGroups:
@@ -159,6 +160,8 @@ class StepGroups:
             self.returned.append(group)
         else:
             self.counts[outcome] += 1
+            if outcome == Outcome.FAILED and self.first_failure is None:
+                self.first_failure = failure_reason(group)
             if outcome == Outcome.ABORTED:  # partial tokens, kept for the next step
                 self.returned.append(group)
 
@@ -177,3 +180,11 @@ class StepGroups:
             for s in (s for g in self.returned for s in g):
                 reset_to_prompt(s)
         self.returned.sort(key=first_index)
+
+
+def failure_reason(group: Group) -> str:
+    """The first failed sample of `group`, and why: its agent's (or environment's) error, or
+    an engine answer with no finish reason rollflow knows."""
+    failed = next(s for s in group if s.status == Status.FAILED)
+    why = failed.metadata.get("agent_error") or "the engine's answer had no known finish reason"
+    return f"{failed.describe()}: {why}"

@@ -38,3 +38,14 @@ def make(uri: str, size: str = "4", **unknown: Any) -> Additions:
     if unknown:
         raise TypeError(f"unknown arguments {sorted(unknown)}")
     return Additions(uri, int(size))
+
+
+class Unreachable(Additions):
+    """Its episodes fail as one whose server is down."""
+
+    async def run_episode(self, base_url: str, task: EnvironmentTask, seed: int) -> EpisodeResult:
+        raise ConnectionError("the environment server at 127.0.0.1:9 refused the connection")
+
+
+def unreachable(uri: str, size: str = "4") -> Unreachable:
+    return Unreachable(uri, int(size))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 from typing import Any
 
 import numpy as np
@@ -14,9 +15,12 @@ from engines.data.prompt_files import DatasetError, DatasetSpec, open_rows
 from engines.environments.base import EnvironmentError, EnvironmentTask, EpisodeResult
 from engines.environments.registry import close_environments, open_environment
 from engines.environments.rows import environment_agent
+from engines.rollout.restore import Outcome
+from engines.rollout.rollout_manager import EveryGroupFailed
+from engines.rollout.step_groups import StepGroups
 from flows.config.loader import config_from_dict
 from flows.config.run import ConfigError
-from storage.sample import Sample
+from storage.sample import Sample, Status
 
 USER_ENV = "tests.support.user_environment:make?size=3"
 
@@ -131,3 +135,22 @@ def test_a_sample_from_elsewhere_fails_naming_it():
     sample = Sample(index=7, group_index=0, prompt="1+1=", metadata={"source_line": 3})
     with pytest.raises(EnvironmentError, match=r"sample 7 \(prompt line 3\) has no metadata"):
         asyncio.run(environment_agent(USER_ENV)("http://gw", sample))
+
+
+def test_a_step_remembers_why_its_first_failed_group_failed():
+    """What `EveryGroupFailed` reports when a step keeps nothing: the first failed sample and
+    its agent's error, not "train() got no samples" three task attempts later."""
+    ok = Sample(index=0, group_index=0, prompt="p", status=Status.COMPLETED)
+    bad = [Sample(index=i, group_index=1, prompt="p", status=Status.FAILED,
+                  metadata={"source_line": 4, "agent_error": f"ConnectionError('down {i}')"})
+           for i in (2, 3)]
+    groups = StepGroups()
+    groups.add([ok], Outcome.KEPT)
+    groups.add([ok, bad[0]], Outcome.FAILED)
+    groups.add([bad[1]], Outcome.FAILED)
+    assert groups.counts["failed"] == 2
+    assert groups.first_failure == "sample 2 (prompt line 4): ConnectionError('down 2')"
+    error = EveryGroupFailed(3, {"failed": 2, "drawn": 2}, groups.first_failure)
+    assert str(pickle.loads(pickle.dumps(error))) == (
+        "rollout 3: every group failed (2 of 2 drawn), so there is nothing to train; the "
+        "first: sample 2 (prompt line 4): ConnectionError('down 2')")
