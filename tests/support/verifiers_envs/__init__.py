@@ -1,0 +1,2 @@
+"""verifiers environments written for the tests (import verifiers: only the verifiers tests
+use them)."""
