@@ -55,11 +55,13 @@ def code_digest() -> str:
 def actor_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     """The Ray runtime_env of the run's actors: the driver's working directory, its
     PYTHONPATH and rollflow itself on PYTHONPATH (so a hook next to the user's config imports
-    in every actor, wherever the Ray head was started), plus `cluster.runtime_env`."""
-    entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep), str(ROOT)]
-    paths = list(dict.fromkeys(p for p in entries if p))
+    in every actor, wherever the Ray head was started), plus `cluster.runtime_env` (a
+    PYTHONPATH in its env_vars goes first, not replaced)."""
     user = dict(cfg.cluster.runtime_env)
-    env_vars = {**user.pop("env_vars", {}), "PYTHONPATH": os.pathsep.join(paths)}
+    env_vars = dict(user.pop("env_vars", {}))
+    entries = [*str(env_vars.get("PYTHONPATH", "")).split(os.pathsep), os.getcwd(),
+               *os.environ.get("PYTHONPATH", "").split(os.pathsep), str(ROOT)]
+    env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p))
     return {**user, "env_vars": env_vars}
 
 

@@ -85,6 +85,9 @@ def test_actors_import_from_the_drivers_directory(tmp_path, monkeypatch):
     paths = env["env_vars"]["PYTHONPATH"].split(":")
     assert paths[:2] == [str(tmp_path), "/opt/mine"]
     assert env["env_vars"]["A"] == "1" and env["py_modules"] == ["/x"]
+    cfg = _cfg(("cluster", "runtime_env", {"env_vars": {"PYTHONPATH": "/envs:/more"}}))
+    paths = actor_runtime_env(cfg)["env_vars"]["PYTHONPATH"].split(":")
+    assert paths[:4] == ["/envs", "/more", str(tmp_path), "/opt/mine"]  # the user's first
 
 
 def test_a_head_of_another_environment_is_named_not_joined():
