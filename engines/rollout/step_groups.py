@@ -42,15 +42,17 @@ class LoopTally:
     reward_timeouts: int = 0  # every group scored, kept or not: each one stalled the step
     judge_failures: int = 0  # samples the judge scored 0, unreachable (on_failure: zero)
     judge_unparsed: int = 0  # samples the judge scored 0, its answer held no score
+    judge_retries: int = 0  # requests sent again after the judge gave no answer
 
     def generated(self, sample: Sample, tokens: int) -> None:
         self.generated_tokens += tokens
         self.group_tokens[sample.group_index] += tokens
 
     def judged(self, group: Group) -> None:
-        failed, unparsed = count_judge_errors(group)
+        failed, unparsed, retried = count_judge_errors(group)
         self.judge_failures += failed
         self.judge_unparsed += unparsed
+        self.judge_retries += retried
 
 
 @dataclass
@@ -65,6 +67,7 @@ class GenerationStats:
     reward_timeouts: int = 0  # samples whose rule reward passed rollout.rm_rule_timeout_s
     judge_failures: int = 0  # samples scored 0 by rollout.judge.on_failure: zero, by kind
     judge_unparsed: int = 0
+    judge_retries: int = 0
     tokens_restored: int = 0  # held by groups an earlier attempt committed
     tokens_regenerated: int = 0  # for groups an earlier attempt or a lost engine had in flight
     journal: dict[str, float] = field(default_factory=dict)
@@ -82,6 +85,7 @@ class GenerationStats:
         stats = cls(seconds=seconds, abort_seconds=abort_seconds,
                     generated_tokens=tally.generated_tokens, reward_timeouts=tally.reward_timeouts,
                     judge_failures=tally.judge_failures, judge_unparsed=tally.judge_unparsed,
+                    judge_retries=tally.judge_retries,
                     tokens_restored=tokens_restored, tokens_regenerated=tokens_regenerated,
                     journal=journal or {})
         stats.add_groups(groups)
@@ -116,6 +120,7 @@ class GenerationStats:
             "rollout/reward_timeouts": float(self.reward_timeouts),
             "rollout/judge_failures": float(self.judge_failures),
             "rollout/judge_unparsed": float(self.judge_unparsed),
+            "rollout/judge_retries": float(self.judge_retries),
             "rollout/tokens_restored": float(self.tokens_restored),
             "rollout/tokens_regenerated": float(self.tokens_regenerated),
             **self.journal,

@@ -70,6 +70,13 @@ class EngineCommand:
             self.proc.wait(timeout=30)
         self.proc = None
 
+    def kill(self) -> None:
+        """Gone at once (SIGKILL): the next request is refused, none is answered on the way."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
     def answer(self, filled: str, max_tokens: int = 16) -> str:
         """The engine's own greedy answer to a prompt, through /v1/completions."""
         body = {"model": MODEL, "prompt": filled, "max_tokens": max_tokens, "temperature": 0.0}

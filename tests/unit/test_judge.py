@@ -18,6 +18,7 @@ from engines.config.judge import DEFAULT_SCORE_PATTERN, DEFAULT_TEMPLATE, JudgeC
 from engines.rollout.rewards import RewardConfigError, RewardHub
 from engines.rollout.rewards.judge import (
     JUDGE_ERROR,
+    JUDGE_RETRIES,
     JudgeConfigError,
     JudgeError,
     JudgeReward,
@@ -177,6 +178,11 @@ def test_a_busy_judge_is_retried_with_backoff_until_it_answers(judge_server: Any
     assert run(judge(server, backoff_s=0.05).score(None, s)) == 0.9
     assert len(server.requests) == 3 and JUDGE_ERROR not in s.metadata
     assert time.perf_counter() - start >= 0.05 + 0.1  # backoff 0.05, then 0.1
+    assert s.metadata[JUDGE_RETRIES] == 2  # counted per step: rollout/judge_retries
+    tally = LoopTally()
+    tally.judged([s, sample("1", i=5)])
+    metrics = GenerationStats.of([[s]], tally, seconds=1.0).as_metrics()
+    assert metrics["rollout/judge_retries"] == 2.0
 
 
 @pytest.mark.parametrize("mode", ["retry_then_fail", "fail", "zero"])

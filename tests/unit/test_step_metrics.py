@@ -30,7 +30,7 @@ ROLLOUT_KEYS = {
     "rollout/groups_returned", "rollout/groups_stale_dropped",
     "rollout/groups_stale_regenerated_samples",
     "rollout/groups_restored", "rollout/groups_surplus", "rollout/journal_bytes",
-    "rollout/judge_failures", "rollout/judge_unparsed",
+    "rollout/judge_failures", "rollout/judge_retries", "rollout/judge_unparsed",
     "rollout/journal_encode_seconds", "rollout/journal_entries", "rollout/journal_write_seconds",
     "rollout/response_len_max", "rollout/response_len_mean",
     "rollout/response_len_min", "rollout/response_len_std", "rollout/reward_timeouts",

@@ -49,6 +49,8 @@ from storage.secrets import redact_url
 log = logging.getLogger(__name__)
 
 JUDGE_ERROR = "judge_error"
+JUDGE_RETRIES = "judge_retries"
+"""`sample.metadata` key: requests for this sample sent again after the judge gave no answer."""
 """`sample.metadata` key of a sample the judge scored 0 (`on_failure: zero`): `"<kind>:
 <reason>"`, kind `failed` or `unparsed`; cleared when the sample is judged."""
 FAILED, UNPARSED = "failed", "unparsed"
@@ -129,10 +131,13 @@ def judge_error_kind(metadata: Mapping[str, Any]) -> str | None:
     return str(flag).split(":", 1)[0] if flag else None
 
 
-def count_judge_errors(samples: Iterable[Sample]) -> tuple[int, int]:
-    """(failed, unparsed): the samples the judge scored 0, by kind."""
+def count_judge_errors(samples: Iterable[Sample]) -> tuple[int, int, int]:
+    """(failed, unparsed, retried): the samples the judge scored 0, by kind, and the requests
+    sent again after the judge did not answer (an outage it rode out shows here)."""
+    samples = list(samples)
     kinds = [judge_error_kind(s.metadata) for s in samples]
-    return kinds.count(FAILED), kinds.count(UNPARSED)
+    retried = sum(int(s.metadata.get(JUDGE_RETRIES, 0)) for s in samples)
+    return kinds.count(FAILED), kinds.count(UNPARSED), retried
 
 
 # -- the reward ----------------------------------------------------------------------------
@@ -239,6 +244,7 @@ class JudgeReward:
         if cached is not None:
             sample.metadata.pop(JUDGE_ERROR, None)
             return cached
+        sample.metadata.pop(JUDGE_RETRIES, None)
         result = await self._ask(sample, body)
         if isinstance(result, Failure):
             return self._failed(sample, result)
@@ -256,6 +262,7 @@ class JudgeReward:
                 if failure is not None and failure.kind == FAILED:
                     await asyncio.sleep(backoff_delay(waits, cfg.backoff_s, MAX_BACKOFF_S))
                     waits += 1
+                    sample.metadata[JUDGE_RETRIES] = waits
                 try:
                     answer = await self._post(client, body)
                 except _Unreachable as e:
