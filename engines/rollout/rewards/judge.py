@@ -49,10 +49,10 @@ from storage.secrets import redact_url
 log = logging.getLogger(__name__)
 
 JUDGE_ERROR = "judge_error"
-JUDGE_RETRIES = "judge_retries"
-"""`sample.metadata` key: requests for this sample sent again after the judge gave no answer."""
 """`sample.metadata` key of a sample the judge scored 0 (`on_failure: zero`): `"<kind>:
 <reason>"`, kind `failed` or `unparsed`; cleared when the sample is judged."""
+JUDGE_RETRIES = "judge_retries"
+"""`sample.metadata` key: requests for this sample sent again after the judge gave no answer."""
 FAILED, UNPARSED = "failed", "unparsed"
 ANSWER_CHARS = 200  # of a judge's answer quoted in an error
 MAX_BACKOFF_S = 30.0
