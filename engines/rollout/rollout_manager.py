@@ -70,15 +70,14 @@ class EveryGroupFailed(RuntimeError):
     """A step whose every finished group failed (an agent or environment that raises, a
     server it needs that is down): nothing to train, and the first failure says why."""
 
-    def __init__(self, rollout_id: int, counts: dict[str, int], first: str | None) -> None:
-        self.args_ = rollout_id, counts, first
+    def __init__(self, rollout_id: int, failed: int, drawn: int, first: str | None) -> None:
         super().__init__(
-            f"rollout {rollout_id}: every group failed ({counts.get('failed', 0)} of "
-            f"{counts.get('drawn', 0)} drawn), so there is nothing to train; the first: "
-            f"{first or 'see the rollout actor log'}")
+            f"rollout {rollout_id}: every group failed ({failed} of {drawn} drawn), so there "
+            f"is nothing to train; the first: {first or 'see the rollout actor log'}")
+        self.rollout_id, self.failed, self.drawn, self.first = rollout_id, failed, drawn, first
 
     def __reduce__(self) -> tuple[Any, ...]:  # (Ray pickles it across to the driver)
-        return type(self), self.args_
+        return type(self), (self.rollout_id, self.failed, self.drawn, self.first)
 
 
 class StepDataSource:
@@ -322,7 +321,8 @@ class RolloutManager:
                 # A retry or a rerun (the server it needed back up) plays the step again from
                 # its committed draw, not the journal's record of failures.
                 journal.clear()
-                raise EveryGroupFailed(rollout_id, result.counts, result.first_failure)
+                raise EveryGroupFailed(rollout_id, result.counts["failed"],
+                                       result.counts.get("drawn", 0), result.first_failure)
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
             # (generated samples only: a custom rollout function's, e.g. SFT's, were not)

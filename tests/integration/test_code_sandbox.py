@@ -39,7 +39,7 @@ def test_a_right_program_scores_1_and_a_half_right_one_its_share() -> None:
     assert grade(GOOD, CFG)[0] == 1.0
     half = "def f(x):\n    return x + 1\n"  # right at 1 only
     reward, meta, _ = grade(half, CFG)
-    assert reward == pytest.approx(1 / 3)
+    assert reward == pytest.approx(1 / 3), meta  # (what the sandbox said, if not)
     assert meta["passed"] == 1 and meta["total"] == 3 and "test 1: AssertionError" in meta["reason"]
     assert grade(half, SandboxConfig(reward="all_pass"))[0] == 0.0
     fenced = f"Here it is:\n```python\n{GOOD}```\nDone."

@@ -150,7 +150,7 @@ def test_a_step_remembers_why_its_first_failed_group_failed():
     groups.add([bad[1]], Outcome.FAILED)
     assert groups.counts["failed"] == 2
     assert groups.first_failure == "sample 2 (prompt line 4): ConnectionError('down 2')"
-    error = EveryGroupFailed(3, {"failed": 2, "drawn": 2}, groups.first_failure)
+    error = EveryGroupFailed(3, groups.counts["failed"], 2, groups.first_failure)
     assert str(pickle.loads(pickle.dumps(error))) == (
         "rollout 3: every group failed (2 of 2 drawn), so there is nothing to train; the "
         "first: sample 2 (prompt line 4): ConnectionError('down 2')")
