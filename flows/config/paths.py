@@ -4,8 +4,8 @@ Actors run in Ray worker processes whose working directory is wherever the Ray h
 started, so a relative `data/train.jsonl` or `./runs` would name a different file there than
 in the user's shell (one run split across two directories). `resolve_paths` anchors every
 path at the directory the command was run from before the config leaves the driver. URIs
-(`s3://...`) and environments (`pkg.module:factory`) are left alone, and so are model names that are not local directories
-(`Qwen/Qwen2-0.5B` is a Hugging Face hub id, not a path).
+(`s3://...`) and environments (`pkg.module:factory`) are left alone, and so are model names
+that are not local directories (`Qwen/Qwen2-0.5B` is a Hugging Face hub id, not a path).
 """
 
 from __future__ import annotations
