@@ -14,24 +14,21 @@ command, must train the same samples (tokens, loss masks, rewards) as an uninter
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engines.inference.engine_actor import EngineActor
-from engines.rollout.agent_gateway import SEED_STRIDE
-from flows.config.loader import dump_config
-from flows.config.run import EngineConfig
-from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
-from storage.sample import Sample
+from tests.support.agent_runs import (
+    assert_kill_and_rerun_trains_the_same,
+    assert_step_0_turns_are_the_engines,
+    model_turns,
+    trained,
+)
 from tests.support.configs import arithmetic_config
 from tests.support.openenv_envs import GuessAction, GuessDigit, guess_model
-from tests.support.procs import start_driver
 
 URI = "openenv://tests.support.openenv_envs:GuessDigit?size=8&max_turns=4"
 
@@ -52,20 +49,6 @@ def config(name: str, model: str, tmp_path: Any, ray_address: str) -> Any:
     )
 
 
-def trained(layout: RunLayout) -> list[Sample]:
-    return [s for k in layout.committed_steps()
-            for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
-
-
-def model_turns(s: Sample) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, m in enumerate([*s.loss_mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((s.prompt_length + start, s.prompt_length + i))
-            start = None
-    return runs
 
 
 def game_reward(seed: int, guesses: list[str]) -> float:
@@ -102,44 +85,8 @@ def test_openenv_env_trains_with_exact_tokens_and_resumes_after_kill(
         assert metrics["rollout/agent_turns_mean"] >= 1.0
         assert metrics["train/weight_version"] == k + 1
 
-    # Each model turn of step 0 is what the untrained model gives for the tokens before it,
-    # with that turn's seed: regenerate them on an engine of our own.
-    engine = EngineActor(EngineConfig(backend="embedded", model_path=model), 0, num_threads=1)
-    try:
-        for s in read_samples(layout.store, "steps/000000", "train.arrow"):
-            seed = reference.rollout.seed + s.index
-            logprobs = dict(enumerate(s.rollout_log_probs, start=s.prompt_length))
-            for turn, (start, end) in enumerate(model_turns(s)):
-                body = {"input_ids": s.tokens[:start], "return_logprob": True,
-                        "sampling_params": {"temperature": 1.0, "max_new_tokens": end - start,
-                                            "sampling_seed": seed + SEED_STRIDE * turn}}
-                native = httpx.post(engine.url() + "/generate", json=body, timeout=60).json()
-                assert native["output_ids"] == s.tokens[start:end]
-                assert [x[0] for x in native["meta_info"]["output_token_logprobs"]] == \
-                    pytest.approx([logprobs[i] for i in range(start, end)], abs=1e-4)
-            masked = [lp for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if not m]
-            assert masked == [0.0] * len(masked)
-    finally:
-        engine.shutdown()
+    assert_step_0_turns_are_the_engines(layout, model, reference.rollout.seed)
 
     # kill -9 of the driver once step 0 committed, then the same command
     cfg = config("openenv-kill", model, tmp_path, ray_address)
-    path = tmp_path / "kill.yaml"
-    path.write_text(dump_config(cfg))
-    killed = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
-    driver = start_driver(str(path), prefect_api)
-    deadline = time.time() + 240
-    while not killed.is_committed(0):
-        assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
-        assert time.time() < deadline, "step 0 never committed"
-        time.sleep(0.05)
-    driver.kill()
-    driver.communicate(timeout=120)
-    assert killed.committed_steps()[-1] < 2, "the driver finished before it was killed"
-    rerun = start_driver(str(path), prefect_api)
-    out, _ = rerun.communicate(timeout=400)
-    assert rerun.returncode == 0, out
-    assert killed.committed_steps() == [0, 1, 2]
-    again = trained(killed)
-    assert [(s.index, s.tokens, s.loss_mask, s.reward) for s in again] == [
-        (s.index, s.tokens, s.loss_mask, s.reward) for s in samples]
+    assert_kill_and_rerun_trains_the_same(cfg, tmp_path, prefect_api, samples)
