@@ -39,6 +39,7 @@ from engines.inference.engine_actor import EngineActor
 from engines.rollout.agent_gateway import SEED_STRIDE, AgentGateway
 from flows.config.run import EngineConfig
 from storage.sample import Sample, Status
+from tests.support.agent_runs import model_turns
 from tests.support.openenv_envs import (
     GUESSES,
     GuessAction,
@@ -96,16 +97,6 @@ def play_samples(engine: EngineActor, uri: str, tasks: Sequence[EnvironmentTask]
 
     return asyncio.run(go())
 
-
-def model_turns(s: Sample) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, m in enumerate([*s.loss_mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((s.prompt_length + start, s.prompt_length + i))
-            start = None
-    return runs
 
 
 def check_episode(engine: EngineActor, s: Sample) -> None:

@@ -27,6 +27,7 @@ from engines.inference.engine_actor import EngineActor
 from engines.rollout.agent_gateway import SEED_STRIDE, AgentGateway
 from flows.config.run import EngineConfig
 from storage.sample import Sample, Status
+from tests.support.agent_runs import model_turns
 
 pytest.importorskip("verifiers.v1")  # rollflow[envs]
 from tests.support.verifiers_envs.model import taught_sum_retry_model  # noqa: E402
@@ -79,16 +80,6 @@ def fresh(n: int) -> list[Sample]:
                        "task": tasks[i % len(tasks)].to_json()}})
             for i in range(n)]
 
-
-def model_turns(sample: Sample) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, m in enumerate([*sample.loss_mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((sample.prompt_length + start, sample.prompt_length + i))
-            start = None
-    return runs
 
 
 def assert_engine_tokens(engine: EngineActor, sample: Sample, sampling: dict[str, Any]) -> None:
