@@ -46,11 +46,17 @@ def test_a_judge_rewarded_run_trains_on_the_judges_scores_through_an_outage(
         "rollout.judge.max_retries=12", "rollout.judge.backoff_s=0.5",
         "eval.before_train=false", "eval.datasets=[]")
 
+    restart = threading.Timer(OUTAGE_S, judge.start)
+
     def outage() -> None:
         judge.kill()
-        threading.Timer(OUTAGE_S, judge.start).start()
+        restart.start()
 
-    run_with_fault(cfg, lambda lay: lay.is_committed(0), outage)  # before step 1 asks
+    try:
+        run_with_fault(cfg, lambda lay: lay.is_committed(0), outage)  # before step 1 asks
+    finally:  # restarted before the fixture stops it, however the run ended
+        if restart.ident is not None:
+            restart.join()
 
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     assert layout.committed_steps() == [0, 1]
