@@ -374,6 +374,21 @@ class ExportingBackend:
         return self.export_weights()
 
 
+class _JsonHandler(BaseHTTPRequestHandler):
+    """A fake server's request handler: JSON answers, no access log."""
+
+    def send_json(self, status: int, payload: dict[str, Any]) -> None:
+        out = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a: Any) -> None:
+        pass
+
+
 class _LocalServer:
     """A fake's threaded HTTP server on 127.0.0.1, on a free port; `close()` stops it."""
 
@@ -401,14 +416,9 @@ class RecordingEngine(_LocalServer):
         self.version = "0"
         engine = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_JsonHandler):
             def _answer(self, payload: dict[str, Any]) -> None:
-                out = json.dumps(payload).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
+                self.send_json(200, payload)
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 length = int(self.headers.get("Content-Length") or 0)
@@ -426,9 +436,6 @@ class RecordingEngine(_LocalServer):
                 else:
                     self._answer({"weight_version": engine.version})
 
-            def log_message(self, *a: Any) -> None:
-                pass
-
         self.url = f"http://127.0.0.1:{self._serve(Handler)}"
 
 
@@ -444,7 +451,7 @@ class RewardServer(_LocalServer):
         self.refused = 0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_JsonHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
@@ -455,15 +462,7 @@ class RewardServer(_LocalServer):
                     self.wfile.write(b"busy")
                     return
                 time.sleep(server.delay_s)
-                out = json.dumps({"score": float(len(body["response"])), "ok": 1}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a: Any) -> None:
-                pass
+                self.send_json(200, {"score": float(len(body["response"])), "ok": 1})
 
         self.url = f"http://127.0.0.1:{self._serve(Handler)}/score"
 
@@ -488,7 +487,7 @@ class JudgeServer(_LocalServer):
         self.in_flight = self.max_in_flight = 0
         lock, server = threading.Lock(), self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_JsonHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
@@ -500,28 +499,18 @@ class JudgeServer(_LocalServer):
                 try:
                     time.sleep(server.delay_s)
                     if failing:
-                        return self._send(server.fail_status, {"error": "busy"})
+                        return self.send_json(server.fail_status, {"error": "busy"})
                     chat = self.path == "/v1/chat/completions"
                     if not chat and self.path != "/v1/completions":
-                        return self._send(404, {"error": "no route"})
+                        return self.send_json(404, {"error": "no route"})
                     text = server.answer(body["messages"][-1]["content"] if chat
                                          else body["prompt"])
                     choice = ({"message": {"role": "assistant", "content": text}} if chat
                               else {"text": text})
-                    self._send(200, {"choices": [{"index": 0, **choice}]})
+                    self.send_json(200, {"choices": [{"index": 0, **choice}]})
                 finally:
                     with lock:
                         server.in_flight -= 1
 
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                out = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a: Any) -> None:
-                pass
 
         self.base_url = f"http://127.0.0.1:{self._serve(Handler)}/v1"
