@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import ray
@@ -18,7 +17,7 @@ from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.compare import compare_runs
 from tests.support.faults import reference_run
-from tests.support.procs import start_driver
+from tests.support.procs import start_driver, wait_until_committed
 
 SETTINGS = ("rollout.num_rollout=5", "cluster.keep_actors=true")
 
@@ -51,11 +50,7 @@ def test_killed_driver_resumes_after_last_committed_step(
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
 
     driver = start_driver(str(path), prefect_api)
-    deadline = time.time() + 180
-    while not layout.is_committed(1):
-        assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
-        assert time.time() < deadline, "step 1 never committed"
-        time.sleep(0.05)
+    wait_until_committed(driver, layout, 1, timeout_s=180)
     driver.send_signal(stop)
     stopped_out, _ = driver.communicate(timeout=120)
     assert driver.returncode == (143 if stop == signal.SIGTERM else -signal.SIGKILL), stopped_out

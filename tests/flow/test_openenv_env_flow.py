@@ -14,7 +14,6 @@ command, must train the same samples (tokens, loss masks, rewards) as an uninter
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -24,10 +23,10 @@ from storage.run_layout import RunLayout
 from tests.support.agent_runs import (
     assert_kill_and_rerun_trains_the_same,
     assert_step_0_turns_are_the_engines,
+    environment_config,
     model_turns,
     trained,
 )
-from tests.support.configs import arithmetic_config
 from tests.support.openenv_envs import GuessAction, GuessDigit, guess_model
 
 URI = "openenv://tests.support.openenv_envs:GuessDigit?size=8&max_turns=4"
@@ -39,14 +38,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def config(name: str, model: str, tmp_path: Any, ray_address: str) -> Any:
-    return arithmetic_config(
-        run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
-        data={"train": URI}, model_dir=model, ray_address=ray_address, backend="embedded",
-        overrides=[f"rollout.environment={URI}", "rollout.rm_type=null",
-                   "rollout.max_response_len=72", "rollout.rollout_batch_size=2",
-                   "rollout.num_rollout=3", "rollout.use_router=false",
-                   "cluster.keep_actors=true"],
-    )
+    return environment_config(name, URI, model, tmp_path, ray_address, max_response_len=72)
 
 
 

@@ -5,7 +5,7 @@ the driver after step 0 and the same command train the same samples."""
 
 from __future__ import annotations
 
-import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,22 @@ from flows.config.run import EngineConfig
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from storage.sample import Sample
-from tests.support.procs import start_driver
+from tests.support.configs import arithmetic_config
+from tests.support.procs import start_driver, wait_until_committed
+
+
+def environment_config(name: str, uri: str, model: str, tmp_path: Path, ray_address: str,
+                       max_response_len: int) -> Any:
+    """A 3-step run of the environment `uri` (its tasks the prompts, its reward the reward),
+    2 groups a step, on the embedded engine and torch trainer."""
+    return arithmetic_config(
+        run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
+        data={"train": uri}, model_dir=model, ray_address=ray_address, backend="embedded",
+        overrides=[f"rollout.environment={uri}", "rollout.rm_type=null",
+                   f"rollout.max_response_len={max_response_len}",
+                   "rollout.rollout_batch_size=2", "rollout.num_rollout=3",
+                   "rollout.use_router=false", "cluster.keep_actors=true"],
+    )
 
 
 def trained(layout: RunLayout) -> list[Sample]:
@@ -71,11 +86,7 @@ def assert_kill_and_rerun_trains_the_same(cfg: Any, tmp_path: Path, prefect_api:
     path.write_text(dump_config(cfg))
     killed = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     driver = start_driver(str(path), prefect_api)
-    deadline = time.time() + 240
-    while not killed.is_committed(0):
-        assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
-        assert time.time() < deadline, "step 0 never committed"
-        time.sleep(0.05)
+    wait_until_committed(driver, killed, 0, timeout_s=240)
     driver.kill()
     driver.communicate(timeout=120)
     assert killed.committed_steps()[-1] < 2, "the driver finished before it was killed"

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from storage.run_layout import RunLayout
 from tests.support import REPO_ROOT
 
 
@@ -22,6 +24,17 @@ def rollflow_env(home: Path, **extra: str) -> dict[str, str]:
 def python(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_until_committed(driver: subprocess.Popen[str], layout: RunLayout, step: int,
+                         timeout_s: float) -> None:
+    """Until `layout` has committed `step`; fails with the driver's output if it
+    exits first, or after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while not layout.is_committed(step):
+        assert driver.poll() is None, driver.stdout.read() if driver.stdout else ""
+        assert time.time() < deadline, f"step {step} never committed"
+        time.sleep(0.05)
 
 
 def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen[str]:
