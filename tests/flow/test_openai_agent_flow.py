@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from storage.run_layout import RunLayout
 from tests.support.agent_model import taught_agent_model
 from tests.support.agent_runs import (
+    assert_every_step_without_drift,
     assert_kill_and_rerun_trains_the_same,
     assert_step_0_turns_are_the_engines,
-    trained,
+    train_three_steps,
 )
 from tests.support.configs import arithmetic_config
 
@@ -57,23 +57,13 @@ def config(name: str, agent_model: str, questions: str, tmp_path: Any, ray_addre
 def test_openai_agent_trains_with_exact_tokens_and_resumes_after_kill(
     prefect_api: str, ray_address: str, agent_model: str, questions: str, tmp_path: Any
 ) -> None:
-    from flows.train import train
-
     reference = config("agent", agent_model, questions, tmp_path, ray_address)
-    train(reference)
-    layout = RunLayout.open(reference.storage.uri, reference.storage.run_name)
-    assert layout.committed_steps() == [0, 1, 2]
-    samples = trained(layout)
-    assert len(samples) == 3 * 2 * reference.rollout.n_samples_per_prompt
+    layout, samples = train_three_steps(reference)
     rewards = [s.reward for s in samples]
     assert set(rewards) == {0.0, 1.0}, rewards  # the policy gradient is not zero
     assert all(s.metadata["agent_turns"] >= 1 for s in samples)
     assert any(s.metadata["agent_turns"] == 2 for s in samples)  # called the tool, answered
-    for k in range(3):
-        metrics = layout.step_metrics(k)
-        assert metrics["rollout/token_drift_turns"] == 0.0
-        assert metrics["rollout/agent_turns_mean"] >= 1.0
-        assert metrics["train/weight_version"] == k + 1
+    assert_every_step_without_drift(layout)
 
     assert_step_0_turns_are_the_engines(layout, agent_model, reference.rollout.seed)
 

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from storage.run_layout import RunLayout
 from tests.support.agent_runs import (
+    assert_every_step_without_drift,
     assert_kill_and_rerun_trains_the_same,
     assert_step_0_turns_are_the_engines,
     environment_config,
     model_turns,
-    trained,
+    train_three_steps,
 )
 from tests.support.openenv_envs import GuessAction, GuessDigit, guess_model
 
@@ -53,14 +53,8 @@ def game_reward(seed: int, guesses: list[str]) -> float:
 def test_openenv_env_trains_with_exact_tokens_and_resumes_after_kill(
     prefect_api: str, ray_address: str, model: str, tmp_path: Any
 ) -> None:
-    from flows.train import train
-
     reference = config("openenv", model, tmp_path, ray_address)
-    train(reference)
-    layout = RunLayout.open(reference.storage.uri, reference.storage.run_name)
-    assert layout.committed_steps() == [0, 1, 2]
-    samples = trained(layout)
-    assert len(samples) == 3 * 2 * reference.rollout.n_samples_per_prompt
+    layout, samples = train_three_steps(reference)
     assert {s.reward for s in samples} == {0.0, 1.0}  # the policy gradient is not zero
     tok = AutoTokenizer.from_pretrained(model)
     for s in samples:
@@ -71,11 +65,7 @@ def test_openenv_env_trains_with_exact_tokens_and_resumes_after_kill(
         assert s.reward == game_reward(env["task"]["data"]["seed"], guesses)
         assert s.metadata["agent_turns"] == env["metrics"]["env_steps"] == len(turns)
     assert max(s.metadata["agent_turns"] for s in samples) > 1  # the environment spoke again
-    for k in range(3):
-        metrics = layout.step_metrics(k)
-        assert metrics["rollout/token_drift_turns"] == 0.0
-        assert metrics["rollout/agent_turns_mean"] >= 1.0
-        assert metrics["train/weight_version"] == k + 1
+    assert_every_step_without_drift(layout)
 
     assert_step_0_turns_are_the_engines(layout, model, reference.rollout.seed)
 

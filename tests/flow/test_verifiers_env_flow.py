@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from storage.run_layout import RunLayout
 from tests.support.agent_runs import (
+    assert_every_step_without_drift,
     assert_kill_and_rerun_trains_the_same,
     assert_step_0_turns_are_the_engines,
     environment_config,
     model_turns,
-    trained,
+    train_three_steps,
 )
 
 pytest.importorskip("verifiers.v1")  # rollflow[envs]
@@ -47,14 +47,8 @@ def config(name: str, model: str, tmp_path: Any, ray_address: str) -> Any:
 def test_verifiers_env_trains_with_exact_tokens_and_resumes_after_kill(
     prefect_api: str, ray_address: str, model: str, tmp_path: Any
 ) -> None:
-    from flows.train import train
-
     reference = config("verifiers", model, tmp_path, ray_address)
-    train(reference)
-    layout = RunLayout.open(reference.storage.uri, reference.storage.run_name)
-    assert layout.committed_steps() == [0, 1, 2]
-    samples = trained(layout)
-    assert len(samples) == 3 * 2 * reference.rollout.n_samples_per_prompt
+    layout, samples = train_three_steps(reference)
     assert len({s.reward for s in samples}) > 1, [s.reward for s in samples]
     for s in samples:
         env = s.metadata["environment"]
@@ -63,11 +57,7 @@ def test_verifiers_env_trains_with_exact_tokens_and_resumes_after_kill(
         # a turn past the budget (max_response_len) is answered with no tokens
         assert len(model_turns(s)) <= s.metadata["agent_turns"] == env["metrics"]["turns"]
     assert any(s.metadata["agent_turns"] == 2 for s in samples)  # the environment spoke again
-    for k in range(3):
-        metrics = layout.step_metrics(k)
-        assert metrics["rollout/token_drift_turns"] == 0.0
-        assert metrics["rollout/agent_turns_mean"] >= 1.0
-        assert metrics["train/weight_version"] == k + 1
+    assert_every_step_without_drift(layout)
 
     assert_step_0_turns_are_the_engines(layout, model, reference.rollout.seed)
 

@@ -43,6 +43,29 @@ def trained(layout: RunLayout) -> list[Sample]:
             for s in read_samples(layout.store, f"steps/{k:06d}", "train.arrow")]
 
 
+def train_three_steps(cfg: Any) -> tuple[RunLayout, list[Sample]]:
+    """`cfg` trained in this process (its 3 steps all committed): its layout and the samples
+    it trained, 2 groups a step."""
+    from flows.train import train
+
+    train(cfg)
+    layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
+    assert layout.committed_steps() == [0, 1, 2]
+    samples = trained(layout)
+    assert len(samples) == 3 * 2 * cfg.rollout.n_samples_per_prompt
+    return layout, samples
+
+
+def assert_every_step_without_drift(layout: RunLayout) -> None:
+    """Each of the 3 steps: no call rewrote its history, every sample made a model call, and
+    the trainer moved one version."""
+    for k in range(3):
+        metrics = layout.step_metrics(k)
+        assert metrics["rollout/token_drift_turns"] == 0.0
+        assert metrics["rollout/agent_turns_mean"] >= 1.0
+        assert metrics["train/weight_version"] == k + 1
+
+
 def model_turns(s: Sample) -> list[tuple[int, int]]:
     """[start, end) token positions of each run of loss-mask 1: the model's turns."""
     runs, start = [], None
