@@ -22,6 +22,7 @@ Figures: bench/RESULTS.md, "Async RL".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +40,13 @@ from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
 
 REPO = Path(__file__).resolve().parents[1]
+# Where a step's time goes, per mode (the means of each step's metrics): the generate task
+# (in async mode, the wait for the step's groups: `rollout/async_wait_s` of it), the train
+# task, the weight push, the commit; "interval" is commit to commit, and what it has beyond
+# the tasks is the flow's own work and evaluation. Also the samples of stale groups started over.
+BREAKDOWN = {"generate": "time/generate", "async wait": "rollout/async_wait_s",
+             "train": "time/train", "w-sync": "time/broadcast_weights",
+             "commit": "time/commit", "stale samples redone": "rollout/groups_stale_regenerated_samples"}
 
 
 @dataclass
@@ -49,6 +57,7 @@ class ModeRun:
     accuracy: dict[int, float]  # weight version -> held-out accuracy (%)
     lengths: list[int]  # every trained response's length
     wall_s: float  # step 0's start to the last commit
+    per_step: dict[str, float]  # mean seconds per step: the interval and each task (BREAKDOWN)
 
     def time_to(self, target: float) -> float | None:
         hits = [self.reached_s[v] for v, acc in sorted(self.accuracy.items())
@@ -142,7 +151,12 @@ def measure(layout: RunLayout, mode: str, eta: int) -> ModeRun:
     accuracy = {v: 100.0 * m["eval/test"] for v, m in layout.evals().items()}
     lengths = [s.response_length for k in steps
                for s in read_samples(layout.store, step_dir(k), "train.arrow")]
-    return ModeRun(mode, eta, reached, accuracy, lengths, max(reached.values()))
+    metrics = [layout.step_metrics(k) for k in steps]
+    per_step = {name: statistics.fmean(m.get(key, 0.0) for m in metrics)
+                for name, key in BREAKDOWN.items()}
+    ends = sorted(reached.values())
+    per_step["interval"] = statistics.fmean(b - a for a, b in itertools.pairwise([0.0, *ends]))
+    return ModeRun(mode, eta, reached, accuracy, lengths, max(reached.values()), per_step)
 
 
 def report(runs: list[ModeRun], target: float | None) -> None:
@@ -165,6 +179,13 @@ def report(runs: list[ModeRun], target: float | None) -> None:
         ratio = f"{hit / sync_hit:.2f}x" if hit is not None and sync_hit else "-"
         print(f"| {r.mode} | {eta} | {r.wall_s:.1f} | {'not reached' if hit is None else f'{hit:.1f}'} "
               f"| {ratio} | {final:.1f}% | {p[49]:.0f} / {p[98]:.0f} / {lengths[-1]} |")
+    print("\nper step, mean (s; the stale samples redone: a count)")
+    names = ["interval", *BREAKDOWN]
+    print("| mode | η | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for r in runs:
+        eta = "-" if r.mode == "sync" else str(r.staleness)
+        print(f"| {r.mode} | {eta} | " + " | ".join(f"{r.per_step[n]:.2f}" for n in names) + " |")
 
 
 def main() -> None:

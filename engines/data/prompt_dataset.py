@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engines.chat.tokenizer import max_positions
 from engines.config.data import DataConfig
 from engines.data.prompt_checks import FieldReport, check_fields
 from engines.data.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
@@ -244,10 +245,7 @@ def model_context(model_path: str | None) -> int | None:
     say)."""
     if model_path is None:
         return None
-    from transformers import AutoConfig
-
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    return int(context) if context else None
+    return max_positions(model_path)
 
 
 def prompt_limit(configured: int | None, context: int | None, max_response_len: int) -> int | None:

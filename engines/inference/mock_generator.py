@@ -17,8 +17,8 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
+from engines.chat.tokenizer import load_tokenizer
 from engines.inference.gen_types import (
     GeneratorIdentity,
     GenRequest,
@@ -60,7 +60,7 @@ class MockGenerator(GeneratorIdentity):
         self.eos_token_id = eos_token_id
         self.tokenizer_path = tokenizer_path
         self.tokenizer: Any = (
-            AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else _IdsTokenizer()
+            load_tokenizer(tokenizer_path) if tokenizer_path else _IdsTokenizer()
         )
         self._logprob = -math.log(vocab_size)
         self._version = 0

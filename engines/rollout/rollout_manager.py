@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from engines.chat.tokenizer import load_tokenizer
 from engines.config.rollout import RolloutConfig
 from engines.config.run import RunConfig
 from engines.data.data_source import (
@@ -204,9 +205,7 @@ class RolloutManager:
         path = tokenizer_path(self.cfg)
         if path is None:
             return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(path)
 
     # -- engines and the router ----------------------------------------------------------
     def set_engines(self, urls: list[str]) -> None:

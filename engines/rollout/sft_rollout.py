@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from engines.chat.tokenizer import load_tokenizer
 from engines.data.prompt_dataset import DatasetSpec, data_spec
 from engines.data.prompt_files import open_rows
 from engines.rollout.loss_mask import chat_loss_mask
@@ -23,9 +24,7 @@ from storage.sample import Group, Sample, Status
 
 @lru_cache(maxsize=4)
 def _tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 @lru_cache(maxsize=2)

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.chat.tokenizer import load_tokenizer
 from engines.cluster.head import warn_if_public
 from engines.config.rollout import is_environment_uri
 from engines.data.prompt_checks import FieldReport
@@ -73,10 +74,8 @@ def load_tokenizer_and_context(cfg: RollflowConfig) -> tuple[Any, int | None]:
     if found is None:
         return None, None
     key, path = found
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path), model_context(path)
+        return load_tokenizer(path), model_context(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a tokenizer and model config from {path!r}: "
                           f"{str(e).splitlines()[0]}") from None

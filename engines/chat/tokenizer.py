@@ -1,0 +1,63 @@
+"""Loading a model's tokenizer and reading its context length without importing torch.
+
+`AutoTokenizer.from_pretrained` goes through transformers' config classes, which import
+torch: about 2.7 s of CPU in a process that has neither (the rollout actor, a mock engine,
+the driver's preflight), against 0.8 s for the same tokenizer loaded as the generic fast
+tokenizer. Every run starts such processes, so the generic class is loaded directly where
+the directory's tokenizer_config.json names it; a model-specific class (Qwen2Tokenizer,
+...), a hub id or anything unusual still goes through AutoTokenizer, so the object is the
+one transformers would build. Figures: bench/RESULTS.md, "CI cost".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# tokenizer_config.json classes that are the plain `tokenizers` backend (transformers 5
+# names it TokenizersBackend; older saves say PreTrainedTokenizerFast)
+GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_generic_tokenizer_dir(path: str) -> bool:
+    """A local directory whose tokenizer is the generic fast one, saved as tokenizer.json."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return False
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    return config is not None and config.get("tokenizer_class") in GENERIC_CLASSES
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer AutoTokenizer.from_pretrained(path) gives, without torch where the
+    directory holds the generic fast tokenizer."""
+    if is_generic_tokenizer_dir(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def max_positions(model_path: str) -> int | None:
+    """`max_position_embeddings` of the model's config (None: it does not say). A local
+    config.json is read as JSON; a hub id or a config without the key at its top level
+    (a multimodal one nests it) goes through AutoConfig."""
+    config = _read_json(os.path.join(model_path, "config.json"))
+    if config is not None and "max_position_embeddings" in config:
+        value = config["max_position_embeddings"]
+    else:
+        from transformers import AutoConfig
+
+        value = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return int(value) if value else None
