@@ -64,7 +64,8 @@ def test_two_steps_show_up_in_the_prefect_server(
     assert httpx.get(prefect_server.url, timeout=10).status_code == 200  # the UI is served
     run = f"ui-{uuid.uuid4().hex[:6]}"
     cfg = arithmetic_config(run_name=run, runs_root=str(tmp_path / "runs"), data=arithmetic_data,
-                            model_dir=tiny_model_dir, ray_address=ray_address)
+                            model_dir=tiny_model_dir, ray_address=ray_address,
+                            overrides=["logging.plot=true"])
     path = tmp_path / "ui.yaml"
     path.write_text(dump_config(cfg))
     env = {**os.environ, "PREFECT_API_URL": prefect_server.api_url, "PYTHONPATH": str(REPO_ROOT)}

@@ -33,7 +33,7 @@ def make_cfg(prefect_api, ray_address, arithmetic_data, tiny_model_dir, tmp_path
         return arithmetic_config(
             run_name=f"{name}-{uuid.uuid4().hex[:6]}", runs_root=str(tmp_path / "runs"),
             data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-            overrides=list(overrides),
+            overrides=["logging.plot=true", *overrides],
         )
     return make
 

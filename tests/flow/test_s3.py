@@ -68,7 +68,7 @@ def test_train_list_and_resume_on_s3(s3_config, s3_server, capsys):
     from flows.train import train
 
     run = f"s3-{uuid.uuid4().hex[:6]}"
-    cfg = s3_config(run, ["train.save_interval=1", "cluster.keep_actors=true"])
+    cfg = s3_config(run, ["train.save_interval=1", "cluster.keep_actors=true", "logging.plot=true"])
     result = train(cfg)
     assert result["run_dir"] == f"{cfg.storage.uri}/{run}" and result["resumed_at"] == 0
     layout = RunLayout(s3_store(s3_server, cfg.storage.uri).child(run))

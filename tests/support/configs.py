@@ -35,7 +35,9 @@ def arithmetic_config(
         "train": {"backend": trainer, "model_path": model_dir, "lr": 1e-4},
         "storage": {"uri": runs_root, "run_name": run_name},
         "eval": {"before_train": False},
-        "logging": {"progress": False},
+        # no curve PNGs (matplotlib's import and two plots cost a driver about a CPU second;
+        # the tests of the curves turn them on)
+        "logging": {"progress": False, "plot": False},
     }
     return config_from_dict(apply_overrides(raw, overrides or []))
 
