@@ -1,14 +1,15 @@
 """Where the CPU of the main job's GRPO phase goes: by process, and inside each by what it does.
 
 The GRPO phase of the main job (examples/arithmetic/grpo.yaml from the SFT checkpoint that
-`scripts/main.sh` wrote under `--runs`) runs in a child process under py-spy
-(`record --subprocesses --format raw`). That process starts the Ray head itself (`ray.init`)
-and a local Prefect server, so every actor and the server are processes py-spy follows. Each sample is one
-stack of one Python thread on a CPU (py-spy leaves idle threads out), so samples / rate is
-seconds of Python threads running; torch's own worker threads are not Python threads, so each
-process's CPU seconds are also read from the OS (psutil, every half second), and its parts
-are given as shares of its samples. Ray's C++ daemons (raylet, GCS) are in the OS figures
-only.
+`scripts/main.sh` wrote under `--runs`) runs in a child process, which starts the Ray head
+itself (`ray.init`) and a local Prefect server. This process reads the CPU seconds of every
+process under it from the OS (psutil, every half second) and attaches a `py-spy record` to
+each Python process that does the run's work (the driver, the Prefect server, and each Ray
+actor once it is one: Ray starts a worker through an exec, which `py-spy --subprocesses`
+does not follow). A py-spy sample is one stack of one running Python thread, so a part's
+share of a process's samples is the share of its Python time; torch's own worker threads
+are not Python threads, so the CPU seconds are the OS's. Ray's C++ daemons (raylet, GCS)
+are in the OS figures only.
 
 Inside a process, a sample goes to the first part whose frame is on its stack (PARTS below:
 the trainer's forward, backward, old log-probs, optimizer; the engine's prefill, decode,
@@ -35,7 +36,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,82 +75,94 @@ PARTS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 KINDS = [("TrainActor", "trainer"), ("EngineActor", "engine"), ("RolloutManager", "rollout"),
-         ("prefect.server", "prefect server"), ("grpo_profile", "driver")]
+         ("prefect_app", "prefect server"), ("grpo_profile", "driver")]
 
 
-def kind_of(process: str) -> str:
-    for key, kind in KINDS:
-        if key in process:
-            return kind
-    return "ray worker start-up" if "workers/" in process else "other"
+def kind_of(command_line: str, name: str = "") -> str:
+    """A process's kind from its command line (a Ray worker's is its title, ray::<class>...)."""
+    if command_line.startswith("ray::"):
+        return next((k for key, k in KINDS[:3] if key in command_line), "ray worker start-up")
+    if "ray/_private/workers/" in command_line:
+        return "ray worker start-up"
+    if name in ("raylet", "gcs_server") or "/ray/" in command_line:
+        return "ray daemons"
+    return next((k for key, k in KINDS[3:] if key in command_line), "other")
 
 
-def aggregate(raw: Path, rate: float) -> dict[str, collections.Counter[str]]:
-    """(process kind -> part -> CPU seconds) from py-spy's raw output. A Ray worker keeps
-    the command line it started with (setup_worker.py ...), so its kind comes from the
-    actor class in its frames."""
-    out: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+def parts_of(raw: Path, kind: str, rate: float) -> collections.Counter[str]:
+    """Seconds of Python time per part (PARTS[kind]) from one process's py-spy raw stacks."""
+    out: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        process = [f for f in frames if f.startswith("process ")][-1]
-        code = [f for f in frames if not f.startswith("process ")]
-        kind = kind_of(process)
-        if kind in ("ray worker start-up", "other"):
-            for frame in code:
-                actor = next((k for name, k in KINDS[:3] if frame.startswith(f"{name}.")), None)
-                if actor:
-                    kind = actor
-                    break
+        frames = [f for f in stack.split(";") if not f.startswith("process ")]
         part = next((name for name, pattern in PARTS.get(kind, [])
-                     if any(re.search(pattern, f) for f in code)), "other")
-        out[kind][part] += int(count) / rate
+                     if any(re.search(pattern, f) for f in frames)), "other")
+        out[part] += int(count) / rate
     return out
 
 
-class CpuByKind:
-    """CPU seconds (user + system) of every process under `root`, by kind, read every
-    `interval_s` (a process that starts and ends between two reads is missed)."""
+class Watcher:
+    """Every `interval_s`: each process under `root` (its CPU seconds, by kind), and a py-spy
+    attached to each new one of the kinds in PARTS (a start-up's CPU stays start-up; a
+    process that starts and ends between two looks is missed)."""
 
-    def __init__(self, root: int, interval_s: float = 0.5) -> None:
-        self.root, self.interval_s = root, interval_s
-        self.last: dict[tuple[int, float], tuple[str, float]] = {}
-
-    def _kind(self, proc: Any) -> str:
-        line = " ".join(proc.cmdline())
-        if line.startswith("ray::"):  # a Ray worker's title: ray::<actor class>.<method>
-            return next((k for name, k in KINDS[:3] if name in line), "ray worker start-up")
-        if "workers/" in line:
-            return "ray worker start-up"
-        if proc.name() in ("raylet", "gcs_server"):
-            return "ray daemons"
-        if "ray/" in line:
-            return "ray daemons"
-        return kind_of(line)
+    def __init__(self, root: int, spy: str, rate: int, work: Path, interval_s: float = 0.5) -> None:
+        self.root, self.spy, self.rate, self.work, self.interval_s = root, spy, rate, work, interval_s
+        self.kinds: dict[tuple[int, float], str] = {}  # process -> its kind
+        self.cpu: dict[tuple[int, float], float] = {}  # process -> CPU seconds at the last look
+        self.startup: dict[tuple[int, float], float] = {}  # an actor's worker start-up seconds
+        self.spies: list[tuple[str, Path, subprocess.Popen[bytes]]] = []
 
     def poll(self) -> None:
         import psutil
 
         try:
-            procs = psutil.Process(self.root).children(recursive=True)
+            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
         except psutil.NoSuchProcess:
             return
         for proc in procs:
             try:
                 key = (proc.pid, proc.create_time())
                 times = proc.cpu_times()
-                kind = self._kind(proc)
+                kind = kind_of(" ".join(proc.cmdline()), proc.name())
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            old = self.last.get(key)
-            # a worker becomes an actor: its start-up stays start-up, the rest is the actor's
-            self.last[key] = (kind if old is None or old[0] == "ray worker start-up" else old[0],
-                              times.user + times.system)
+            total = times.user + times.system
+            seen = self.kinds.get(key)
+            if seen is None or (seen == "ray worker start-up" and kind != seen):
+                if seen is not None:  # a worker became an actor: its start-up stays apart
+                    self.startup[key] = self.cpu.get(key, 0.0)
+                self.kinds[key] = kind
+                self._attach(proc.pid, kind)
+            self.cpu[key] = total
 
-    def totals(self) -> collections.Counter[str]:
+    def _attach(self, pid: int, kind: str) -> None:
+        if kind not in PARTS:
+            return
+        out = self.work / f"{kind.replace(' ', '_')}-{pid}.raw"
+        self.spies.append((kind, out, subprocess.Popen(
+            [self.spy, "record", "--pid", str(pid), "--rate", str(self.rate), "--format", "raw",
+             "--nonblocking", "-o", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+
+    def cpu_by_kind(self) -> collections.Counter[str]:
         out: collections.Counter[str] = collections.Counter()
-        for kind, seconds in self.last.values():
-            out[kind] += seconds
+        for key, seconds in self.cpu.items():
+            start = self.startup.get(key, 0.0)
+            out[self.kinds[key]] += seconds - start
+            out["ray worker start-up"] += start
+        return out
+
+    def parts_by_kind(self) -> dict[str, collections.Counter[str]]:
+        out: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        for kind, raw, spying in self.spies:
+            try:
+                spying.wait(timeout=30)  # it writes its file once its process has exited
+            except subprocess.TimeoutExpired:
+                spying.terminate()
+                spying.wait()
+            if raw.exists():
+                out[kind].update(parts_of(raw, kind, self.rate))
         return out
 
 
@@ -211,7 +223,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: grpo.yaml's)")
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--keep", default=None, help="also copy py-spy's raw stacks here")
+    parser.add_argument("--keep", default=None, help="also copy py-spy's raw stacks to this folder")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--wall-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,22 +234,21 @@ def main() -> None:
     if spy is None:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     work = Path(tempfile.mkdtemp(prefix="rf-grpo-profile-"))
-    raw, wall = work / "stacks.raw", work / "wall_s"
+    wall = work / "wall_s"
     inner = [sys.executable, "-m", "bench.grpo_profile", "--inner", "--runs", args.runs,
              "--wall-file", str(wall), *(["--steps", str(args.steps)] if args.steps else []),
              *(x for s in args.set for x in ("--set", s))]
-    spying = subprocess.Popen([spy, "record", "--subprocesses", "--format", "raw", "--rate",
-                               str(args.rate), "--nonblocking", "-o", str(raw), "--", *inner],
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
-    cpu = CpuByKind(spying.pid)
-    while spying.poll() is None:
-        cpu.poll()
-        time.sleep(cpu.interval_s)
-    if spying.returncode != 0:
-        raise SystemExit(f"the profiled GRPO phase exited {spying.returncode}")
+    running = subprocess.Popen(inner, env={**os.environ, "PYTHONPATH": str(REPO)})
+    watcher = Watcher(running.pid, spy, args.rate, work)
+    while running.poll() is None:
+        watcher.poll()
+        time.sleep(watcher.interval_s)
+    if running.returncode != 0:
+        raise SystemExit(f"the profiled GRPO phase exited {running.returncode}")
+    parts = watcher.parts_by_kind()
     if args.keep:
-        shutil.copy(raw, args.keep)
-    report(aggregate(raw, args.rate), cpu.totals(), float(wall.read_text()))
+        shutil.copytree(work, args.keep, dirs_exist_ok=True)
+    report(parts, watcher.cpu_by_kind(), float(wall.read_text()))
 
 
 if __name__ == "__main__":
