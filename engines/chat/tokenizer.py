@@ -1,4 +1,4 @@
-"""Loading a model's tokenizer and reading its context length without importing torch.
+"""Loading a model's tokenizer without importing torch.
 
 `AutoTokenizer.from_pretrained` goes through transformers' config classes, which import
 torch: about 2.7 s of CPU in a process that has neither (the rollout actor, a mock engine,
@@ -20,7 +20,8 @@ from typing import Any
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
+def read_json_object(path: str) -> dict[str, Any] | None:
+    """The JSON object in `path`; None if it is missing, unreadable or not an object."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -33,7 +34,7 @@ def is_generic_tokenizer_dir(path: str) -> bool:
     """A local directory whose tokenizer is the generic fast one, saved as tokenizer.json."""
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return False
-    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    config = read_json_object(os.path.join(path, "tokenizer_config.json"))
     return config is not None and config.get("tokenizer_class") in GENERIC_CLASSES
 
 
@@ -47,17 +48,3 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def max_positions(model_path: str) -> int | None:
-    """`max_position_embeddings` of the model's config (None: it does not say). A local
-    config.json is read as JSON; a hub id or a config without the key at its top level
-    (a multimodal one nests it) goes through AutoConfig."""
-    config = _read_json(os.path.join(model_path, "config.json"))
-    if config is not None and "max_position_embeddings" in config:
-        value = config["max_position_embeddings"]
-    else:
-        from transformers import AutoConfig
-
-        value = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    return int(value) if value else None

@@ -11,13 +11,14 @@ A bad row fails with its file, line and field whenever it is read.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from engines.chat.tokenizer import max_positions
+from engines.chat.tokenizer import read_json_object
 from engines.config.data import DataConfig
 from engines.data.prompt_checks import FieldReport, check_fields
 from engines.data.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
@@ -242,10 +243,19 @@ def data_spec(data: DataConfig, storage: StorageConfig, max_prompt_len: int | No
 
 def model_context(model_path: str | None) -> int | None:
     """Positions the model at `model_path` can attend over (None: no model, or it does not
-    say)."""
+    say): `max_position_embeddings` of a local config.json, read as JSON (AutoConfig would
+    import torch); a hub id or a config without the key at its top level (a multimodal one
+    nests it) goes through AutoConfig."""
     if model_path is None:
         return None
-    return max_positions(model_path)
+    config = read_json_object(os.path.join(model_path, "config.json"))
+    if config is not None and "max_position_embeddings" in config:
+        value = config["max_position_embeddings"]
+    else:
+        from transformers import AutoConfig
+
+        value = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return int(value) if value else None
 
 
 def prompt_limit(configured: int | None, context: int | None, max_response_len: int) -> int | None:

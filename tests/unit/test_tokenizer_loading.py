@@ -1,6 +1,7 @@
 """`engines.chat.tokenizer`: the generic fast tokenizer is loaded without torch, and it is the
 tokenizer AutoTokenizer builds (same class, same ids, same chat template); any other
-tokenizer class still goes through AutoTokenizer."""
+tokenizer class still goes through AutoTokenizer. The model's context length
+(`model_context`) is read without torch too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engines.chat.tokenizer import is_generic_tokenizer_dir, load_tokenizer, max_positions
+from engines.chat.tokenizer import is_generic_tokenizer_dir, load_tokenizer
+from engines.data.prompt_dataset import model_context
 from tests.support import REPO_ROOT
 
 TEXTS = ["12+34=", "What is 7 + 8?\n<bos> 15 <eos>", ""]
@@ -39,8 +41,9 @@ def test_the_generic_tokenizer_is_the_one_autotokenizer_builds(model_dir: str) -
 
 
 def test_loading_it_and_reading_the_context_import_no_torch(model_dir: str) -> None:
-    code = ("import sys; from engines.chat.tokenizer import load_tokenizer, max_positions; "
-            f"load_tokenizer({model_dir!r}); print(max_positions({model_dir!r})); "
+    code = ("import sys; from engines.chat.tokenizer import load_tokenizer; "
+            "from engines.data.prompt_dataset import model_context; "
+            f"load_tokenizer({model_dir!r}); print(model_context({model_dir!r})); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True).stdout.split()
@@ -65,10 +68,10 @@ def test_another_tokenizer_class_goes_through_autotokenizer(model_dir: str, tmp_
 
 def test_a_config_without_the_key_at_its_top_goes_through_autoconfig(model_dir: str, tmp_path: Path) -> None:
     config = json.loads(Path(model_dir, "config.json").read_text())
-    assert max_positions(model_dir) == config["max_position_embeddings"]
+    assert model_context(model_dir) == config["max_position_embeddings"]
     del config["max_position_embeddings"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     # AutoConfig fills in the model type's default
     from transformers import AutoConfig
 
-    assert max_positions(str(tmp_path)) == AutoConfig.from_pretrained(str(tmp_path)).max_position_embeddings
+    assert model_context(str(tmp_path)) == AutoConfig.from_pretrained(str(tmp_path)).max_position_embeddings
