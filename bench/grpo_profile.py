@@ -117,7 +117,8 @@ class Watcher:
         import psutil
 
         try:
-            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
+            root = psutil.Process(self.root)
+            procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
         for proc in procs:
