@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import secrets
 import socket
 import time
@@ -123,37 +122,8 @@ def long_lived_frozen() -> Iterator[None]:
 
 # --- servers it starts -------------------------------------------------------
 
-#: Below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default).
-_SERVER_PORTS_LOW = 20000
-
-
-def _ephemeral_low() -> int:
-    """First port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now ("" = every interface), for a server about to start.
-
-    Chosen at random below the kernel's ephemeral range: a port from `bind(0)` is one the
-    kernel may give, the moment it is closed, to any outgoing connection on the machine
-    (a Ray call, a Prefect client), and the server that then binds it fails with EADDRINUSE
-    (CI lost a gloo rendezvous that way). Outgoing connections never take a port below
-    the range, so only another `free_port` caller picking the same one of ~12,000 can."""
-    high = _ephemeral_low() - 1
-    if high > _SERVER_PORTS_LOW:
-        rng = random.SystemRandom()
-        for _ in range(64):
-            port = rng.randint(_SERVER_PORTS_LOW, high)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
+    """A port free on `host` now ("" = every interface), for a server about to start."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
