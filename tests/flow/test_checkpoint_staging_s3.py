@@ -14,19 +14,19 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.process import free_port
 from engines.train.checkpoint_staging import fetch_and_load
 from storage.object_store import open_store
 from tests.support.fakes import CountingStore
+from tests.support.rendezvous import file_rendezvous
 
 PARTS = ("checkpoints", "000003")
 FILES = {"meta.json": "{}", "dist_ckpt/__0_0.distcp": "shard 0", "dist_ckpt/__1_0.distcp": "shard 1"}
 
 
-def _rank(rank: int, port: int, uri: str, options: dict[str, Any], workdirs: list[str],
+def _rank(rank: int, init: str, uri: str, options: dict[str, Any], workdirs: list[str],
           out: str) -> None:
     os.chdir(workdirs[rank])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2)
     try:
         store = CountingStore(uri, options)
@@ -57,7 +57,7 @@ def _run(s3_server: Any, tmp_path: Path, bucket: str, disks: int) -> tuple[list[
     workdirs = [tmp_path / f"node{i % disks}" for i in range(2)]
     for d in (out, *workdirs):
         d.mkdir(exist_ok=True)
-    mp.spawn(_rank, args=(free_port(), uri, store.storage_options,
+    mp.spawn(_rank, args=(file_rendezvous(tmp_path), uri, store.storage_options,
                           [str(w) for w in workdirs], str(out)), nprocs=2, join=True)
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return seen, sorted(p.name for p in out.glob("download-*"))

@@ -37,10 +37,10 @@ CASES = [
 ]
 
 
-def _rank(rank: int, port: int, cfgs: list[Any], urls: list[list[str]], out: str) -> None:
+def _rank(rank: int, init: str, cfgs: list[Any], urls: list[list[str]], out: str) -> None:
     os.environ.update(NCCL_SAFE_ENV)
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("nccl", init_method=init, rank=rank,
                             world_size=2, device_id=torch.device("cuda", rank))
     try:
         for cfg, engine_urls in zip(cfgs, urls, strict=True):

@@ -15,12 +15,12 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.process import free_port
 from engines.train.checkpoint_io import write_manifest
 from engines.train.checkpoint_staging import GroupCheckpointError, save_and_store
 from storage import integrity
 from storage.object_store import ObjectStore
 from tests.support.fakes import FullDiskStore
+from tests.support.rendezvous import file_rendezvous
 
 
 def _collective_save(path: str) -> None:
@@ -38,10 +38,10 @@ def _collective_save(path: str) -> None:
 
 
 def _rank(
-    rank: int, port: int, store_dir: str, workdirs: list[str], out: str, failing_rank: int
+    rank: int, init: str, store_dir: str, workdirs: list[str], out: str, failing_rank: int
 ) -> None:
     os.chdir(workdirs[rank])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2)
     try:
         root = "staging"  # under the rank's working directory: one per simulated disk
@@ -66,7 +66,7 @@ def _run(tmp_path: Path, disks: int, failing_rank: int = -1) -> tuple[ObjectStor
     workdirs = [tmp_path / f"node{i % disks}" for i in range(2)]
     for d in (store_dir, out, *workdirs):
         d.mkdir(exist_ok=True)
-    mp.spawn(_rank, args=(free_port(), str(store_dir), [str(w) for w in workdirs], str(out),
+    mp.spawn(_rank, args=(file_rendezvous(tmp_path), str(store_dir), [str(w) for w in workdirs], str(out),
                           failing_rank), nprocs=2, join=True)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return ObjectStore(str(store_dir)), results

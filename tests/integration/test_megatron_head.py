@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,14 +10,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from engines.process import free_port
 from engines.train.megatron.token_stats import token_stats
+from tests.support.rendezvous import file_rendezvous
 from tests.support.samples import HEAD_VOCAB, reference_token_stats, weighted_grads
 
 
-def _tp_rank(rank: int, port: int, logits: Tensor, targets: Tensor, w: Tensor, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _tp_rank(rank: int, init: str, logits: Tensor, targets: Tensor, w: Tensor, out: Any) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         half = HEAD_VOCAB // 2
         shard = logits[..., rank * half:(rank + 1) * half].clone().requires_grad_(True)
@@ -28,13 +27,13 @@ def _tp_rank(rank: int, port: int, logits: Tensor, targets: Tensor, w: Tensor, o
         dist.destroy_process_group()
 
 
-def test_token_stats_over_a_vocab_split_in_two() -> None:
+def test_token_stats_over_a_vocab_split_in_two(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 5, HEAD_VOCAB, generator=gen) * 2
     targets = torch.randint(0, HEAD_VOCAB, (3, 5), generator=gen)
     w = torch.randn(3, 5, generator=gen)
     out = mp.Manager().dict()
-    mp.spawn(_tp_rank, args=(free_port(), logits, targets, w, out), nprocs=2, join=True)
+    mp.spawn(_tp_rank, args=(file_rendezvous(tmp_path), logits, targets, w, out), nprocs=2, join=True)
     lp, h, grad = weighted_grads(logits, lambda x: reference_token_stats(x, targets, 0.9), w, w)
     for rank in (0, 1):
         torch.testing.assert_close(out[rank][0], lp, atol=1e-5, rtol=1e-5)

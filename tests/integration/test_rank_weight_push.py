@@ -31,8 +31,8 @@ CASES = [
 ]
 
 
-def _rank(rank: int, port: int, cfgs: list[Any], urls: list[list[str]], out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def _rank(rank: int, init: str, cfgs: list[Any], urls: list[list[str]], out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2)
     try:
         results = []

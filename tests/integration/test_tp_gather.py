@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.process import free_port
 from engines.train.megatron.hf_convert import shard_tp
 from engines.train.megatron.parallel import gather_tp
+from tests.support.rendezvous import file_rendezvous
 
 LAYER = "decoder.layers.0."
 
@@ -33,8 +33,8 @@ def full_state() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def _rank(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2)
     try:
         local = shard_tp(full_state(), rank, 2)
@@ -47,7 +47,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_gets_the_full_state(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(file_rendezvous(tmp_path), str(tmp_path)), nprocs=2, join=True)
     expected = full_state()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
