@@ -302,14 +302,31 @@ def _kill_local_process(actor: Any) -> None:
     exit, which a stopped (SIGSTOP) or wedged one never does, and it would hold its memory
     and its name until Ray gives up on it. The pid comes from the GCS's actor table, which
     every head has (`ray.util.state` asks the dashboard, which a head without `ray[default]`
-    lacks: there the kill waited for Ray)."""
+    lacks: there the kill waited for Ray).
+
+    Only a live actor's own worker is killed: the table keeps a dead actor's pid, which the
+    machine may since have given to any process (pids wrap at 32768 here), so a dead actor
+    (nothing left to kill), this process, or a process that is not a Ray worker is left
+    alone."""
     try:
         info = ray._private.state.actors(actor._actor_id.hex())  # pinned ray==2.60.0
         pid, node = int(info.get("Pid") or 0), info.get("Address", {}).get("NodeID")
-        if pid and node == ray.get_runtime_context().get_node_id():
+        if (info.get("State") == "ALIVE" and pid and pid != os.getpid()
+                and node == ray.get_runtime_context().get_node_id() and _is_ray_worker(pid)):
             os.kill(pid, signal.SIGKILL)
     except Exception:  # best effort: ray.kill below still frees the name and resources
         pass
+
+
+def _is_ray_worker(pid: int) -> bool:
+    """Whether `pid` is a Ray worker process (Ray names them `ray::<Actor>`, `ray::IDLE`)."""
+    import psutil
+
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False
+    return bool(cmdline) and cmdline[0].startswith("ray::")
 
 
 def kill_run_actors(cfg: RunConfig) -> int:
