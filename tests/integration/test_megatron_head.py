@@ -33,7 +33,8 @@ def test_token_stats_over_a_vocab_split_in_two(tmp_path: Path) -> None:
     targets = torch.randint(0, HEAD_VOCAB, (3, 5), generator=gen)
     w = torch.randn(3, 5, generator=gen)
     out = mp.Manager().dict()
-    mp.spawn(_tp_rank, args=(file_rendezvous(tmp_path), logits, targets, w, out), nprocs=2, join=True)
+    mp.spawn(_tp_rank, args=(file_rendezvous(tmp_path), logits, targets, w, out), nprocs=2,
+             join=True)
     lp, h, grad = weighted_grads(logits, lambda x: reference_token_stats(x, targets, 0.9), w, w)
     for rank in (0, 1):
         torch.testing.assert_close(out[rank][0], lp, atol=1e-5, rtol=1e-5)

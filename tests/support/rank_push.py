@@ -14,7 +14,8 @@ from tests.support.fakes import RecordingEngine
 from tests.support.rendezvous import file_rendezvous
 
 RankMain = Callable[[int, str, list[Any], list[list[str]], str], None]
-"""(rank, rendezvous init_method, each case's config, each case's engine URLs, output dir), run per rank."""
+"""(rank, rendezvous init_method, each case's config, each case's engine URLs, output dir),
+run per rank."""
 
 
 def push_from_two_ranks(
@@ -30,8 +31,9 @@ def push_from_two_ranks(
                                  "train.update_weight_buffer_size=8"))  # a bucket per tensor
         engines.append([RecordingEngine() for _ in range(num_engines)])
     try:
-        mp.spawn(rank_main, args=(file_rendezvous(tmp_path), cfgs, [[e.url for e in case] for case in engines],
-                                  str(tmp_path)), nprocs=2, join=True)
+        urls = [[e.url for e in case] for case in engines]
+        mp.spawn(rank_main, args=(file_rendezvous(tmp_path), cfgs, urls, str(tmp_path)),
+                 nprocs=2, join=True)
     finally:
         for case in engines:
             for engine in case:
