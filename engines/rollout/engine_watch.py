@@ -7,10 +7,10 @@
       │  refused / reset      -> dead
       │  no answer in time    -> hung (SIGSTOPped, deadlocked, a stuck GPU)
       ▼
- dispatch.lose(url): out of the rotation (and the router's worker set); its in-flight
- requests are cancelled and sent again to the engines left, which answer them exactly as the
- lost one would have (a sample's tokens depend on its seed and the weights, not on where it
- runs). The step's record names the lost engines; the generate task replaces them.
+ dispatch.lose(url, why): out of the rotation (and the router's worker set); its in-flight
+ requests are sent again to the engines left, which answer them exactly as the lost one
+ would have (a sample's tokens depend on its seed and the weights, not on where it runs).
+ The step's record names the lost engines; the generate task replaces them.
 ```
 A request that fails in transit asks the watch to probe its engine at once (`suspect`), so a
 killed engine is noticed at its first failed request, not at the next round.
@@ -47,6 +47,12 @@ async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
         return f"hung: /health did not answer in {timeout_s:g} s"
     except aiohttp.ClientError as err:
         return f"dead: {type(err).__name__}: {err}"
+
+
+def refused_connection(why: str) -> bool:
+    """Whether a verdict of `probe` says the engine's process is gone (its connections,
+    those of requests in flight too, are refused or reset), not hung or unhealthy."""
+    return why.startswith("dead:")
 
 
 @dataclass

@@ -263,7 +263,7 @@ class GenerationLoop:
     async def lose_engine(self, url: str, why: str) -> None:
         """The watch's verdict: go on without `url` (the step fails if it was the last)."""
         if isinstance(self.dispatch, Healing):
-            await self.dispatch.lose(url)
+            await self.dispatch.lose(url, why)
 
     @property
     def resent_samples(self) -> int:

@@ -215,7 +215,11 @@ class RolloutManager:
         if not (self.cfg.rollout.use_router and urls):
             return
         if self.router is None:
-            self.router = RouterProcess(urls, policy=self.cfg.rollout.router_policy)
+            # With the engine watch on, rollflow resends a lost engine's requests itself
+            # (RouterDispatch): the router's own retries would hide them from its counts.
+            watched = self.cfg.rollout.engine_health_interval_s > 0
+            self.router = RouterProcess(urls, policy=self.cfg.rollout.router_policy,
+                                        retries=not watched)
             self.router.start()
         else:
             self.router.ensure_alive()

@@ -61,14 +61,17 @@ class RouterProcess:
         host: str = "127.0.0.1",
         startup_timeout_s: float = 60.0,
         extra_args: list[str] | None = None,
+        retries: bool = True,
     ) -> None:
+        """`retries`: the router's own (it sends a request that failed on one worker to
+        another); off, a failed request's error reaches the caller."""
         if not worker_urls:
             raise RouterError("the router needs at least one engine URL")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
         self.startup_timeout_s = startup_timeout_s
-        self.extra_args = list(extra_args or [])
+        self.extra_args = list(extra_args or []) + ([] if retries else ["--disable-retries"])
         self.restarts = 0
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None

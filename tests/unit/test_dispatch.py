@@ -275,3 +275,89 @@ def test_only_the_groups_a_lost_engine_had_not_answered_are_resent() -> None:
         assert alive.requests == [["sample-100", "sample-101"]]
         assert dispatch.resent_samples == 2 and dispatch.resent_tokens == 2
     asyncio.run(go())
+
+
+class FakeRouter:
+    """The sglang-router in front of engines `a` and `b`, round-robin, its own retries off:
+    a request on an engine that dies fails with HTTP 500 and the engine's dead URL refuses
+    every later one; a request on a hung engine never answers. Records which engine got
+    each rid; every request ends `release` after it came, unless its engine died or hung."""
+
+    def __init__(self) -> None:
+        self.workers = ["http://a", "http://b"]
+        self.state = {"http://a": "up", "http://b": "up"}
+        self.turn = 0
+        self.got: dict[str, list[str]] = {"http://a": [], "http://b": []}
+        self.release = asyncio.Event()
+        self.died = {url: asyncio.Event() for url in self.workers}
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                       rid: str | None = None, return_logprob: bool = True) -> GenerateOutput:
+        from engines.rollout.sglang_client import SGLangError
+
+        url = self.workers[self.turn % len(self.workers)]
+        self.turn += 1
+        self.got[url].append(str(rid))
+        if self.state[url] == "dead":
+            raise SGLangError(500, "connection refused", "/generate")
+        await asyncio.wait({asyncio.ensure_future(self.release.wait()),
+                            asyncio.ensure_future(self.died[url].wait())},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if self.state[url] == "dead":
+            raise SGLangError(500, "connection reset by peer", "/generate")
+        if self.state[url] == "hung":
+            await asyncio.Event().wait()
+        return GenerateOutput([sampling_params["sampling_seed"]], "", [-0.5],
+                              {"type": "length"}, 3)
+
+
+class Engine:
+    def __init__(self, url: str) -> None:
+        self.base_url = url
+
+    async def abort_all(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fault", ["dead", "hung"])
+def test_through_the_router_only_a_dead_engine_s_requests_are_sent_again(fault: str) -> None:
+    """8 samples in flight, 4 on each engine; engine a is lost. Dead: its 4 fail and only
+    they are sent again (to b), after the probe took a out of the router; b's 4 are never
+    cancelled. Hung: nothing fails, so every request in flight is sent again."""
+    from engines.rollout.dispatch import RouterDispatch
+
+    async def go() -> tuple[list[Any], FakeRouter, RouterDispatch]:
+        router = FakeRouter()
+        dispatch = RouterDispatch(router, [Engine("http://a"), Engine("http://b")])
+
+        async def remove_worker(url: str) -> None:
+            router.workers.remove(url)
+        dispatch.remove_worker = remove_worker
+
+        async def suspect(url: str) -> bool:  # the watch's probe
+            if router.state[url] != "up" and url in router.workers:
+                why = "dead: ClientConnectorError" if fault == "dead" else "hung: no answer"
+                await dispatch.lose(url, why)
+            return router.state[url] != "up"
+        dispatch.suspect = suspect
+        sent = [asyncio.ensure_future(dispatch.generate([[1]], [{"sampling_seed": i}],
+                                                        [f"s{i}"])) for i in range(8)]
+        await asyncio.sleep(0.05)
+        router.state["http://a"] = fault
+        router.died["http://a"].set()
+        if fault == "hung":
+            await asyncio.sleep(0.05)
+            await suspect("http://a")  # the watch's round finds it
+        await asyncio.sleep(0.05)
+        router.release.set()
+        return await asyncio.gather(*sent), router, dispatch
+
+    outs, router, dispatch = asyncio.run(go())
+    assert [o[0].output_ids for o in outs] == [[i] for i in range(8)]
+    assert router.got["http://a"] == ["s0", "s2", "s4", "s6"]  # round-robin: the engine that was lost
+    resent_to_b = [r for r in router.got["http://b"] if "-resent" in r]
+    if fault == "dead":
+        assert sorted(resent_to_b) == ["s0-resent1", "s2-resent1", "s4-resent1", "s6-resent1"]
+        assert dispatch.resent_samples == 4 == dispatch.resent_tokens
+    else:
+        assert len(resent_to_b) == 8 and dispatch.resent_samples == 8
