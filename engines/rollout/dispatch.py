@@ -247,8 +247,9 @@ class RouterDispatch:
 
     The router does not say which engine serves a request, so rollflow cannot pick out a lost
     engine's requests; the connection does it instead. A killed engine's requests fail at
-    the router at once (its own retries are off, `RouterProcess`), and only those are sent
-    again, after a probe of every engine has taken the dead one out of the router's set; the
+    the router at once: the router sends them to another worker itself (its retries,
+    `rollout/router_retries`), and one it gives up on comes back failed and is sent again
+    here, after a probe of every engine has taken the dead one out of the router's set. The
     other engines' requests go on. A hung engine holds its requests open with no error, so
     when one is found every request in flight is cancelled and sent again."""
 

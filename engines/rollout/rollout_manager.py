@@ -215,11 +215,7 @@ class RolloutManager:
         if not (self.cfg.rollout.use_router and urls):
             return
         if self.router is None:
-            # With the engine watch on, rollflow resends a lost engine's requests itself
-            # (RouterDispatch): the router's own retries would hide them from its counts.
-            watched = self.cfg.rollout.engine_health_interval_s > 0
-            self.router = RouterProcess(urls, policy=self.cfg.rollout.router_policy,
-                                        retries=not watched)
+            self.router = RouterProcess(urls, policy=self.cfg.rollout.router_policy)
             self.router.start()
         else:
             self.router.ensure_alive()
@@ -313,6 +309,7 @@ class RolloutManager:
             )
         else:
             step_source, restored, step_log = self._resume(rollout_id, step_source, journal)
+            router_retries = self.router.generate_retries() if self.router is not None else None
             result = asyncio.run(run_generation(
                 self.cfg, self.engine_urls, self.router_url(), self.hooks, step_source, target,
                 self.tokenizer, progress=ProgressFile(self.layout, rollout_id),
@@ -328,6 +325,11 @@ class RolloutManager:
                                        result.counts.get("drawn", 0), result.first_failure)
             kept, returned = result.kept, result.returned
             metrics.update(result.metrics())
+            if router_retries is not None and self.router is not None:
+                # requests the router itself sent to another engine (a killed one's)
+                retried = self.router.generate_retries() - router_retries
+                if retried > 0 or result.lost_engines:
+                    metrics["rollout/router_retries"] = float(max(retried, 0))
             # (generated samples only: a custom rollout function's, e.g. SFT's, were not)
             metrics.update(staleness_metrics(flatten(kept), trained_version=rollout_id))
             lost = sorted(result.lost_engines)

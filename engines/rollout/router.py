@@ -47,6 +47,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+# sgl-model-gateway's Prometheus counter of requests it retried on another worker
+_RETRIES_METRIC = "smg_worker_retries_total{"
+
+
 class RouterError(RuntimeError):
     pass
 
@@ -61,19 +65,17 @@ class RouterProcess:
         host: str = "127.0.0.1",
         startup_timeout_s: float = 60.0,
         extra_args: list[str] | None = None,
-        retries: bool = True,
     ) -> None:
-        """`retries`: the router's own (it sends a request that failed on one worker to
-        another); off, a failed request's error reaches the caller."""
         if not worker_urls:
             raise RouterError("the router needs at least one engine URL")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
         self.startup_timeout_s = startup_timeout_s
-        self.extra_args = list(extra_args or []) + ([] if retries else ["--disable-retries"])
+        self.extra_args = list(extra_args or [])
         self.restarts = 0
         self.port = 0
+        self.metrics_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         fd, self._log_path = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
@@ -115,9 +117,24 @@ class RouterProcess:
             "--policy", self.policy, "--log-level", "warn",
             # The metrics exporter defaults to a fixed port: a second router on the machine
             # (another run, a test) would die with "Address already in use".
-            "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+            "--prometheus-host", self.host, "--prometheus-port", str(self._metrics_port()),
             *self.extra_args,
         ]
+
+    def _metrics_port(self) -> int:
+        self.metrics_port = free_port(self.host)
+        return self.metrics_port
+
+    def generate_retries(self) -> int:
+        """`/generate` requests the router sent again to another worker after one failed
+        (its own retries: a killed engine's requests), since it started; 0 if its metrics
+        do not answer."""
+        try:
+            text = httpx.get(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return 0
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(_RETRIES_METRIC) and 'endpoint="generate"' in line))
 
     def process_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
