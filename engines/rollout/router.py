@@ -51,6 +51,12 @@ def _die_with_parent() -> None:
 _RETRIES_METRIC = "smg_worker_retries_total{"
 
 
+def generate_retries_in(metrics: str) -> int:
+    """The router's `/generate` retries in its Prometheus text (summed over its series)."""
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith(_RETRIES_METRIC) and 'endpoint="generate"' in line))
+
+
 class RouterError(RuntimeError):
     pass
 
@@ -133,8 +139,7 @@ class RouterProcess:
             text = httpx.get(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5.0).text
         except httpx.HTTPError:
             return 0
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(_RETRIES_METRIC) and 'endpoint="generate"' in line))
+        return generate_retries_in(text)
 
     def process_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
