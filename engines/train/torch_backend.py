@@ -270,9 +270,16 @@ class TorchTrainBackend:
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Learn from one rollout batch (`TrainStep.train`); a no-op if already learned.
         Deterministic: on the thread count the backend was built with, in this thread too
-        (torch's count is per process, MKL's per calling thread)."""
+        (torch's count is per process, MKL's per calling thread), and with torch's
+        deterministic kernels. Without them the backward of the response logits' gather
+        (`index_put_` with accumulate) adds with atomic float adds from each thread's share
+        of the batch; a group's responses all read its prompt's last position, so where a
+        group spans two shares, the order of those adds follows the threads' timing, and
+        under load two runs differed in a step's weights (bench/RESULTS.md, "Busy
+        machine"). On a GPU they warn where they cannot hold."""
         if self.train_cfg.deterministic:
             torch.set_num_threads(self._threads)
+            torch.use_deterministic_algorithms(True, warn_only=self.device.type != "cpu")
         self.model.eval()
         if self.critic_model is not None:
             self.critic_model.eval()
