@@ -15,7 +15,10 @@
 # module fixtures), and modules start in the order tests/conftest.py gives them, costliest
 # first (`--no-loadscope-reorder`: xdist would otherwise start modules with many tests, the
 # quick unit ones, first and leave the long flow tests for the end). `-n 0` runs everything
-# in this process. The 15 slowest tests are listed at the end.
+# in this process. The 15 slowest tests are listed at the end. A worker that crashes (a
+# timeout ends it, pyproject's timeout_method) ends the run at once, naming the test
+# (`--max-worker-restart 0`): a replaced worker under `--dist loadfile` can wait for ever
+# (pytest-xdist 3.8; three CI runs hung so on 2026-11-29).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -25,4 +28,4 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_AUTH_MODE=disabled
 .venv/bin/mypy
 .venv/bin/lint-imports  # flows -> tasks -> engines -> storage (pyproject [tool.importlinter])
 exec .venv/bin/python -m pytest -q -m "not gpu" -n "${ROLLFLOW_TEST_WORKERS:-3}" \
-  --dist loadfile --no-loadscope-reorder --durations=15 "$@"
+  --dist loadfile --no-loadscope-reorder --max-worker-restart 0 --durations=15 "$@"

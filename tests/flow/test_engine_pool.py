@@ -27,7 +27,7 @@ from storage.run_layout import RunLayout
 from tests.support.faults import THREE_STEPS, run_with_fault
 
 TWO_ENGINES = ("engine.num_engines=2", "rollout.use_router=false",
-               "rollout.rollout_batch_size=32", "rollout.max_response_len=100",
+               "rollout.rollout_batch_size=16", "rollout.max_response_len=100",
                # one request at a time per engine, each of 100 tokens of a wider model
                # (`slower_model`): a step generates for seconds, long enough to lose an
                # engine in the middle
@@ -87,7 +87,8 @@ def reference(make_config: Any, model: tuple[str, str]) -> list[tuple[Any, ...]]
     (signal.SIGKILL, "dead", False), (signal.SIGSTOP, "hung", False),
     # the router does not say which engine serves a request; the killed engine's requests
     # fail at the router, and only they are sent again
-    (signal.SIGKILL, "dead", True),], ids=["kill-9", "sigstop", "router-kill-9"])
+    (signal.SIGKILL, "dead", True),
+], ids=["kill-9", "sigstop", "router-kill-9"])
 def test_a_lost_engine_is_replaced_without_failing_the_step(
     prefect_api: str, make_config: Any, fault_matrix: Any, fault: signal.Signals, why: str,
     router: bool, slower_model: tuple[str, str],
@@ -129,8 +130,8 @@ def check_run(cfg: Any, victim: dict[str, Any], expected: list[tuple[Any, ...]],
     assert generate["rollout/engines_lost"] == 1.0
     resent = generate["rollout/resent_samples"] + generate.get("rollout/router_retries", 0)
     assert resent > 0  # it had requests in flight, sent again (by the router, or the rollout)
-    if router:  # only the victim's: round-robin gave it half of the step's 32 x 4 requests
-        assert resent <= 32 * 4 // 2
+    if router:  # only the victim's: round-robin gave it half of the step's 16 x 4 requests
+        assert resent <= 16 * 4 // 2
     else:
         assert generate["rollout/tokens_regenerated"] > 0  # generated again from their prompt
     same = trained(cfg) == expected
@@ -148,5 +149,5 @@ def check_run(cfg: Any, victim: dict[str, Any], expected: list[tuple[Any, ...]],
     fault_matrix.add(f"one of two engines{via} {'killed' if why == 'dead' else 'SIGSTOPped'} "
                      "mid-generate", f"health probe finds it {why}",
                      f"its requests ({resent:.0f} of the step's "
-                     "128) go to the other engine, the step goes on, the engine is replaced",
+                     "64) go to the other engine, the step goes on, the engine is replaced",
                      same)
