@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,31 @@ def code_digest() -> str:
     return h.hexdigest()[:8]
 
 
+# How long torch's OpenMP threads (libgomp) spin at a barrier before they sleep. Its default
+# spin is long: beside other programs, the waiting thread of a 2-thread train step holds a
+# core its partner needs (a main-job train step beside two CPU burners: 4.4-10.1 s, against
+# 1.0-1.2 s idle). Passive waiting (no spin) brought that to 1.6-2.4 s but slowed the idle
+# step to 1.4-1.7 s; a spin of 1000 gave 2.1-2.8 s and 0.9-1.4 s (bench/RESULTS.md, "Busy
+# machine").
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "1000"}
+_OPENMP_WAIT_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def openmp_wait_env(driver_env: Mapping[str, str]) -> dict[str, str]:
+    """The actors' OpenMP wait settings: the driver's own, if its environment sets any (an
+    actor's environment is the Ray head's, not the driver's), else `OPENMP_WAIT`."""
+    own = {k: driver_env[k] for k in _OPENMP_WAIT_KEYS if k in driver_env}
+    return own or dict(OPENMP_WAIT)
+
+
 def actor_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     """The Ray runtime_env of the run's actors: the driver's working directory, its
     PYTHONPATH and rollflow itself on PYTHONPATH (so a hook next to the user's config imports
-    in every actor, wherever the Ray head was started), plus `cluster.runtime_env` (a
-    PYTHONPATH in its env_vars goes first, not replaced)."""
+    in every actor, wherever the Ray head was started), the OpenMP wait settings
+    (`openmp_wait_env`), plus `cluster.runtime_env` (its env_vars win; a PYTHONPATH there
+    goes first, not replaced)."""
     user = dict(cfg.cluster.runtime_env)
-    env_vars = dict(user.pop("env_vars", {}))
+    env_vars = {**openmp_wait_env(os.environ), **user.pop("env_vars", {})}
     entries = [*str(env_vars.get("PYTHONPATH", "")).split(os.pathsep), os.getcwd(),
                *os.environ.get("PYTHONPATH", "").split(os.pathsep), str(ROOT)]
     env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p))

@@ -8,6 +8,7 @@ import pytest
 
 from engines.cluster.head import ClusterMismatch, check_environment, environment
 from engines.cluster.registry import (
+    OPENMP_WAIT,
     RunActor,
     actor_name,
     actor_runtime_env,
@@ -88,6 +89,17 @@ def test_actors_import_from_the_drivers_directory(tmp_path, monkeypatch):
     cfg = _cfg(("cluster", "runtime_env", {"env_vars": {"PYTHONPATH": "/envs:/more"}}))
     paths = actor_runtime_env(cfg)["env_vars"]["PYTHONPATH"].split(":")
     assert paths[:4] == ["/envs", "/more", str(tmp_path), "/opt/mine"]  # the user's first
+
+
+def test_actors_get_a_short_openmp_spin_unless_told_otherwise(monkeypatch):
+    for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(key, raising=False)
+    assert actor_runtime_env(_cfg())["env_vars"]["GOMP_SPINCOUNT"] == OPENMP_WAIT["GOMP_SPINCOUNT"]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the driver's own setting goes on
+    env = actor_runtime_env(_cfg())["env_vars"]
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    cfg = _cfg(("cluster", "runtime_env", {"env_vars": {"GOMP_SPINCOUNT": "5"}}))
+    assert actor_runtime_env(cfg)["env_vars"]["GOMP_SPINCOUNT"] == "5"  # the config's wins
 
 
 def test_a_head_of_another_environment_is_named_not_joined():
