@@ -50,8 +50,9 @@ def start_driver(config_path: str, prefect_api: str) -> subprocess.Popen[str]:
 @contextmanager
 def cpu_burner(processes: int = 1) -> Iterator[None]:
     """`processes` processes spinning at normal priority for the block: a guarantee tested
-    under them holds on a busy machine, not only on an idle one (two burners on this 2-core
-    machine once broke determinism, with Ray's workers at nice 15)."""
+    under them holds on a busy machine, not only on an idle one (beside burners on this
+    2-core machine, train.deterministic held only once the trainer ran torch's
+    deterministic kernels)."""
     # each spins while its parent lives: a test process killed at its timeout leaves none
     spinning = [subprocess.Popen(
         [sys.executable, "-c", f"import os\nwhile os.getppid() == {os.getpid()}: pass"])
