@@ -26,8 +26,10 @@ from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.faults import THREE_STEPS, run_with_fault
 
+PROMPTS, SAMPLES_PER_PROMPT = 16, 4  # a step sends PROMPTS x SAMPLES_PER_PROMPT requests
 TWO_ENGINES = ("engine.num_engines=2", "rollout.use_router=false",
-               "rollout.rollout_batch_size=16", "rollout.max_response_len=100",
+               f"rollout.rollout_batch_size={PROMPTS}",
+               f"rollout.n_samples_per_prompt={SAMPLES_PER_PROMPT}", "rollout.max_response_len=100",
                # one request at a time per engine, each of 100 tokens of a wider model
                # (`slower_model`): a step generates for seconds, long enough to lose an
                # engine in the middle
@@ -130,8 +132,8 @@ def check_run(cfg: Any, victim: dict[str, Any], expected: list[tuple[Any, ...]],
     assert generate["rollout/engines_lost"] == 1.0
     resent = generate["rollout/resent_samples"] + generate.get("rollout/router_retries", 0)
     assert resent > 0  # it had requests in flight, sent again (by the router, or the rollout)
-    if router:  # only the victim's: round-robin gave it half of the step's 16 x 4 requests
-        assert resent <= 16 * 4 // 2
+    if router:  # only the victim's: round-robin gave it half of the step's requests
+        assert resent <= PROMPTS * SAMPLES_PER_PROMPT // 2
     else:
         assert generate["rollout/tokens_regenerated"] > 0  # generated again from their prompt
     same = trained(cfg) == expected
@@ -148,6 +150,6 @@ def check_run(cfg: Any, victim: dict[str, Any], expected: list[tuple[Any, ...]],
     via = " behind the sglang-router" if router else ""
     fault_matrix.add(f"one of two engines{via} {'killed' if why == 'dead' else 'SIGSTOPped'} "
                      "mid-generate", f"health probe finds it {why}",
-                     f"its requests ({resent:.0f} of the step's "
-                     "64) go to the other engine, the step goes on, the engine is replaced",
+                     f"its requests ({resent:.0f} of the step's {PROMPTS * SAMPLES_PER_PROMPT}) "
+                     "go to the other engine, the step goes on, the engine is replaced",
                      same)
