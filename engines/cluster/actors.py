@@ -46,7 +46,7 @@ from engines.inference.engine_actor import EngineActor
 from engines.inference.sglang_launcher import ExternalSGLangEngine, SGLangServerActor
 from engines.rollout.rollout_manager import RolloutManager
 from engines.train.null_trainer import NullTrainActor
-from engines.train.train_actor import COLLECTIVE_EXPORT, TrainActor
+from engines.train.train_actor import TrainActor, collective_export
 from storage.config import ConfigError
 from storage.engine_pool import read_pool_request
 from storage.run_layout import RunLayout
@@ -152,7 +152,7 @@ def _trainer(cfg: RunConfig, placement: Placement | None) -> Any:
     return get_or_create_group(
         names, cfg.cluster.namespace,
         lambda rank, world: _named(TrainActor, names[rank], cfg, cfg, rank, world, pin=pin(rank)),
-        collective_export=cfg.train.backend in COLLECTIVE_EXPORT,
+        collective_export=collective_export(cfg),
         collective_push=cfg.cluster.colocate and cfg.train.weight_sync == "tensor",
     )
 

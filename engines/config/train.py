@@ -85,6 +85,22 @@ class TrainConfig(Section):
         "num_experts and the data-parallel size (train ranks / (tensor x pipeline)); needs "
         "tensor_parallel 1."
     )
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="torch: how the train ranks share the model. ddp: every rank holds the "
+        "whole model, gradients and optimizer state, and gradients are all-reduced. fsdp2: "
+        "torch's fully_shard; parameters, gradients and AdamW state are split across the "
+        "ranks, each decoder layer gathered for its forward and backward (1/N of the "
+        "memory, for models one GPU cannot hold with their optimizer). Checkpoints are then "
+        "a sharded torch.distributed.checkpoint beside the HF export, and resume on any rank "
+        "count. One rank trains alike either way.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description="fsdp2: keep the sharded parameters, gradients and optimizer state in "
+        "CPU memory (torch's CPUOffloadPolicy); each layer is copied to the GPU for its "
+        "forward and backward, and the optimizer steps on the CPU.",
+    )
     model_path: str | None = Field(None, description="HF-format initial policy.")
     load: str | None = Field(None, description="Checkpoint directory (HF format) to start from.")
     critic_model_path: str | None = Field(
@@ -239,6 +255,18 @@ class TrainConfig(Section):
             raise ValueError(
                 "train.lora: LoRA is implemented by train.backend=torch only; set "
                 "train.lora.rank=0 for megatron"
+            )
+        if self.strategy == "fsdp2" and self.backend != "torch":
+            raise ValueError(
+                f"train.strategy=fsdp2 is the torch trainer's; train.backend={self.backend} "
+                "shards with its own settings (megatron: tensor_parallel, pipeline_parallel)"
+            )
+        if self.fsdp_cpu_offload and self.strategy != "fsdp2":
+            raise ValueError("train.fsdp_cpu_offload needs train.strategy=fsdp2")
+        if self.strategy == "fsdp2" and self.lora.enabled:
+            raise ValueError(
+                "train.strategy=fsdp2 with train.lora: not supported; LoRA trains a few "
+                "adapter weights, which ddp holds on every rank at little cost"
             )
         if self.lora.enabled and self.backend == "torch" and self.model_path is None:
             raise ValueError(

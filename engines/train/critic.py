@@ -55,11 +55,21 @@ class ValueModel(nn.Module):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self.value_head(out.last_hidden_state).squeeze(-1).float()
 
-    def save(self, local_dir: str) -> None:
+    def save(self, local_dir: str, state: dict[str, Tensor] | None = None) -> None:
+        """The critic under `local_dir/critic/`; from `state` (this model's whole state
+        dict, as a sharded trainer gathers it) instead of its own tensors when given."""
         path = os.path.join(local_dir, CRITIC_DIR)
         os.makedirs(path, exist_ok=True)
-        self.backbone.save_pretrained(path)
-        torch.save(self.value_head.state_dict(), os.path.join(path, HEAD_FILE))
+        if state is None:
+            self.backbone.save_pretrained(path)
+            torch.save(self.value_head.state_dict(), os.path.join(path, HEAD_FILE))
+            return
+        parts: dict[str, dict[str, Tensor]] = {"backbone": {}, "value_head": {}}
+        for name, tensor in state.items():
+            part, _, key = name.partition(".")
+            parts[part][key] = tensor.detach().cpu()
+        self.backbone.save_pretrained(path, state_dict=parts["backbone"])
+        torch.save(parts["value_head"], os.path.join(path, HEAD_FILE))
 
 
 def response_values(model: nn.Module, batch: PaddedBatch) -> Tensor:

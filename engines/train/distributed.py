@@ -8,8 +8,10 @@ computes the step's denominator from the whole step (it has all samples), so
     sum over ranks and micro-batches of (micro-batch loss)  ==  the step's loss.
 
 DDP *averages* gradients over ranks, so each rank's loss is multiplied by the world size to
-turn that average back into the sum. Without an initialised group (the CPU default) all of
-this collapses to one rank and no wrapping.
+turn that average back into the sum; FSDP2 (`train.strategy: fsdp2`, `fsdp.py`) averages
+its reduce-scattered gradients alike. Without an initialised group (the CPU default) all of
+this collapses to one rank and no wrapping; FSDP2 shards whenever a group is initialised,
+on one rank too (a one-GPU check of its code path).
 
 `init_data_parallel` is what a train-group rank (`train_group.py`) calls before building its
 backend: gloo on CPU, NCCL on GPU (Ray gives each rank one GPU, so it is device 0), with
@@ -33,18 +35,34 @@ from torch.nn.parallel import DistributedDataParallel
 class DataParallel:
     rank: int = 0
     world_size: int = 1
+    strategy: str = "ddp"  # train.strategy: ddp | fsdp2
+    grouped: bool = False  # a process group is initialised
 
     @classmethod
-    def current(cls) -> DataParallel:
+    def current(cls, strategy: str = "ddp") -> DataParallel:
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
+            return cls(dist.get_rank(), dist.get_world_size(), strategy, grouped=True)
+        return cls(strategy=strategy)
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def wrap(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: parameters, gradients and optimizer state split across the group."""
+        return self.strategy == "fsdp2" and self.grouped
+
+    def wrap(
+        self, module: torch.nn.Module, device: torch.device,
+        param_dtype: torch.dtype | None = None, cpu_offload: bool = False,
+    ) -> torch.nn.Module:
+        """`module` as the ranks train it: sharded in place (fsdp2; the optimizer must be
+        built after, over its sharded parameters), DDP-wrapped, or as is on one rank."""
+        if self.sharded:
+            from engines.train.fsdp import shard_model
+
+            return shard_model(module, param_dtype, cpu_offload)
         if not self.enabled:
             return module
         ids = [device.index] if device.type == "cuda" else None

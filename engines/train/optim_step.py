@@ -65,7 +65,9 @@ def optimizer_step(
         for key, value in terms.items():
             totals[prefix + key] += float(value) if mb.counted else 0.0
     params = [p for p in opt.module.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opt.clip_grad))
+    total = torch.nn.utils.clip_grad_norm_(params, opt.clip_grad)
+    # FSDP2's is a DTensor, already reduced over the shards: `full_tensor` reads it whole
+    grad_norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     lr = opt.optimizer.param_groups[0]["lr"]
     out = dp.sum_metrics(dict(totals), device)
     loss_value = out.pop(TRAINED_LOSS, 0.0)

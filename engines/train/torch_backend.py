@@ -4,8 +4,8 @@
 metrics); this module is its `StepModel`: HF models for the actor, the frozen reference and
 teacher and the critic (`critic.py`), scored in token-budgeted micro-batches, and per
 optimizer step a forward/backward per micro-batch, clip, AdamW and the LR schedule
-(`optim_step.py`), with DDP across ranks (`distributed.py`: each rank's loss times the world
-size turns DDP's gradient average back into the step's sum).
+(`optim_step.py`), with DDP or FSDP2 across ranks (`distributed.py`: each rank's loss times
+the world size turns the gradient average back into the step's sum; `fsdp.py`).
 
 Dropout stays off (slime's RL recipes set it to 0): on-policy the importance ratio must be
 exactly 1. Checkpoints: see `checkpoint_io.py`.
@@ -24,11 +24,11 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 from engines.config.algorithm import AlgorithmConfig
 from engines.config.train import TrainConfig
 from engines.train import checkpoint_io as ckpt
-from engines.train import lora
+from engines.train import fsdp, lora
 from engines.train.batching import PaddedBatch, build_padded_batch, effective_temperature
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
-from engines.train.finite import check_finite
+from engines.train.finite import NonFiniteError, check_finite
 from engines.train.lr_schedule import make_scheduler, retarget
 from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
@@ -79,7 +79,7 @@ class TorchTrainBackend:
         self.temperature = effective_temperature(rollout_temperature)
         self.reward_key = reward_key
         self.device = resolve_device(train_cfg.device)
-        self.dp = DataParallel.current()
+        self.dp = DataParallel.current(train_cfg.strategy)
         self._amp = getattr(torch, train_cfg.dtype)
         self._initial = train_cfg.model_path or source
         if train_cfg.load:
@@ -139,16 +139,25 @@ class TorchTrainBackend:
 
     def _frozen(self, path: str | None) -> PreTrainedModel:
         assert path is not None
-        model = load_causal_lm(path, self.device)
-        return model.requires_grad_(False).eval()
+        model = load_causal_lm(path, self.device).requires_grad_(False).eval()
+        if self.dp.sharded:  # every rank scores every sample: the gathers stay in step
+            self._shard(model)
+        return model
+
+    def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
+        cfg = self.train_cfg
+        param_dtype = self._amp if self._amp != torch.float32 else None
+        return self.dp.wrap(module, self.device, param_dtype, cfg.fsdp_cpu_offload)
 
     def _optimized(self, module: torch.nn.Module, lr: float) -> OptimizedModel:
         cfg = self.train_cfg
+        # wrapped first: FSDP2 replaces the parameters with their shards, which the
+        # optimizer must hold (DDP keeps the module's own)
+        wrapped = self._shard(module)
         opt = torch.optim.AdamW(
             lora.trainable_parameters(module), lr=lr, betas=cfg.adam_betas,
             weight_decay=cfg.weight_decay,
         )
-        wrapped = self.dp.wrap(module, self.device)
         return OptimizedModel(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad,
                          cfg.max_consecutive_skipped_steps)
 
@@ -291,6 +300,9 @@ class TorchTrainBackend:
     ) -> dict[str, float]:
         opt = self.critic if part == "critic" else self.actor
         assert opt is not None, f"no {part} to train"
+        if self.dp.sharded:  # each forward and backward is a collective: as many on every rank
+            count = fsdp.max_over_ranks(len(micro_batches), self._collective_device)
+            micro_batches = fsdp.pad_micro_batches(micro_batches, count)
         return optimizer_step(
             opt, micro_batches, lambda rows: loss_fn(rows, self._forward(part, samples, rows)),
             self.dp, self.device, PREFIX[part],
@@ -316,7 +328,21 @@ class TorchTrainBackend:
                        aux_loss=None if aux is None else aux * aux_coef)
 
     def check_weights_finite(self) -> None:
-        check_finite(self._named_weights(), "weights after training")
+        self._check_finite("weights after training")
+
+    def _check_finite(self, what: str) -> None:
+        """Every trained tensor finite, or `NonFiniteError` (sharded: on every rank alike)."""
+        if not self.dp.sharded:
+            check_finite(self._named_weights(), what)
+            return
+        bad = fsdp.nonfinite_names(self._named_weights(), self._collective_device)
+        if bad:
+            raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN/inf ({', '.join(bad[:5])})")
+
+    @property
+    def _collective_device(self) -> torch.device:
+        """Where the group's collectives take tensors: the GPU under NCCL, else the CPU."""
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def _named_weights(self) -> list[tuple[str, Tensor]]:
         """Every trained tensor (actor, then critic), as a checkpoint would hold them."""
@@ -347,12 +373,21 @@ class TorchTrainBackend:
     # -- weights and checkpoints ----------------------------------------------------------
     def export_weights(self) -> dict[str, Tensor]:
         """The policy's weights as engines load them, on its device, named like the HF
-        model's own state_dict (merged when training LoRA adapters)."""
+        model's own state_dict (merged when training LoRA adapters). Sharded, a collective:
+        every rank gathers each tensor whole."""
+        if self.dp.sharded:
+            return fsdp.full_state_dict(self.model, self._collective_device)
         return hf_export.engine_state_dict(self.model)
 
     def save_hf(self, path: str) -> None:
-        """`export_weights` as an HF model directory (disk weight sync)."""
-        hf_export.save_hf(self.model, path)
+        """`export_weights` as an HF model directory (disk weight sync); sharded, rank 0
+        writes it from the gathered weights."""
+        if not self.dp.sharded:
+            hf_export.save_hf(self.model, path)
+            return
+        state = self.export_weights()
+        if self.dp.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
 
     def state_dict_for_engine(self) -> dict[str, Tensor]:
         """A detached CPU copy of `export_weights`; never NaN/inf."""
@@ -361,6 +396,9 @@ class TorchTrainBackend:
         return state
 
     def save_checkpoint(self, local_dir: str) -> None:
+        if self.dp.sharded:
+            self._save_sharded_checkpoint(local_dir)
+            return
         if self.dp.rank != 0:
             return  # every rank holds the same weights and states
         check_finite(self._named_weights(), f"checkpoint {local_dir}")
@@ -383,6 +421,35 @@ class TorchTrainBackend:
         ckpt.write_meta(local_dir, self.version)
         ckpt.write_manifest(local_dir)
 
+    def _save_sharded_checkpoint(self, local_dir: str) -> None:
+        """FSDP2: the HF model (gathered; rank 0 writes it) and every rank's shard of the
+        optimizer state (DCP); rank 0 the rest, and the manifest once all are written."""
+        self._check_finite(f"checkpoint {local_dir}")
+        os.makedirs(local_dir, exist_ok=True)
+        self.save_hf(local_dir)
+        fsdp.save_optimizer(self.model, self.actor.optimizer,
+                            os.path.join(local_dir, fsdp.OPTIMIZER_DCP_DIR))
+        critic_state = None
+        if self.critic is not None and self.critic_model is not None:
+            critic_state = fsdp.full_state_dict(self.critic_model, self._collective_device)
+            fsdp.save_optimizer(self.critic_model, self.critic.optimizer,
+                                os.path.join(local_dir, fsdp.CRITIC_OPTIMIZER_DCP_DIR))
+        if self.dp.rank == 0:
+            tokenizer = self._load_tokenizer()
+            if tokenizer is not None:
+                tokenizer.save_pretrained(local_dir)
+            ckpt.save_state(local_dir, ckpt.SCHEDULER_FILE, self.actor.scheduler.state_dict())
+            if self.critic is not None and self.critic_model is not None:
+                self.critic_model.save(local_dir, critic_state)
+                ckpt.save_state(
+                    local_dir, ckpt.CRITIC_SCHEDULER_FILE, self.critic.scheduler.state_dict()
+                )
+            ckpt.save_state(local_dir, ckpt.RNG_FILE, ckpt.rng_state(self._shuffle))
+            ckpt.write_meta(local_dir, self.version)
+        torch.distributed.barrier()
+        if self.dp.rank == 0:  # last, once every rank's shards are written
+            ckpt.write_manifest(local_dir)
+
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore weights, optimizers, schedulers, RNG and version from `save_checkpoint`,
         after checking its files against its manifest."""
@@ -391,16 +458,43 @@ class TorchTrainBackend:
         self._restore_state(local_dir)
 
     def _restore_state(self, local_dir: str) -> None:
-        self.actor.optimizer.load_state_dict(ckpt.load_state(local_dir, ckpt.OPTIMIZER_FILE))
+        """The optimizer, schedules, shuffle and version of the checkpoint at `local_dir`
+        (its weights were loaded with the models)."""
+        self._check_strategy(local_dir)
+        if self.dp.sharded:
+            fsdp.load_optimizer(self.model, self.actor.optimizer,
+                                os.path.join(local_dir, fsdp.OPTIMIZER_DCP_DIR))
+        else:
+            opt = ckpt.load_state(local_dir, ckpt.OPTIMIZER_FILE)
+            self.actor.optimizer.load_state_dict(opt)
         self.actor.scheduler.load_state_dict(ckpt.load_state(local_dir, ckpt.SCHEDULER_FILE))
         if self.critic is not None:
-            opt = ckpt.load_state(local_dir, ckpt.CRITIC_OPTIMIZER_FILE)
-            self.critic.optimizer.load_state_dict(opt)
+            assert self.critic_model is not None
+            if self.dp.sharded:
+                fsdp.load_optimizer(self.critic_model, self.critic.optimizer,
+                                    os.path.join(local_dir, fsdp.CRITIC_OPTIMIZER_DCP_DIR))
+            else:
+                opt = ckpt.load_state(local_dir, ckpt.CRITIC_OPTIMIZER_FILE)
+                self.critic.optimizer.load_state_dict(opt)
             sched = ckpt.load_state(local_dir, ckpt.CRITIC_SCHEDULER_FILE)
             self.critic.scheduler.load_state_dict(sched)
         ckpt.restore_rng(ckpt.load_state(local_dir, ckpt.RNG_FILE), self._shuffle)
         self.version = ckpt.read_version(local_dir)
         self._apply_schedules()  # the restored schedulers carry the lr they were saved with
+
+    def _check_strategy(self, local_dir: str) -> None:
+        """A checkpoint's optimizer state is kept the way its strategy keeps it (one file, or
+        DCP shards): resuming it under the other strategy is refused in one line."""
+        sharded = os.path.isdir(os.path.join(local_dir, fsdp.OPTIMIZER_DCP_DIR))
+        if sharded == self.dp.sharded:
+            return
+        held = ("as FSDP2 shards (train.strategy=fsdp2 on a train group)" if sharded else
+                "in one file (an unsharded trainer: train.strategy=ddp, or one rank)")
+        raise ValueError(
+            f"checkpoint {local_dir} holds its optimizer state {held}, and this trainer "
+            f"{'does not shard' if sharded else 'shards'}: resume it the way it was saved, "
+            f"or start a new run from its HF weights with train.model_path={local_dir}"
+        )
 
     def _load_tokenizer(self) -> PreTrainedTokenizerBase | None:
         src = self._initial

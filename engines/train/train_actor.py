@@ -66,9 +66,13 @@ TRAIN_BACKENDS: dict[str, Callable[[RunConfig], Any]] = {
     "mock": _mock_backend,
 }
 
-COLLECTIVE_EXPORT: frozenset[str] = frozenset({"megatron"})
-"""Backends whose weight export every rank must join (`weights`, `push_weights`): a train
-group calls those on all its ranks, not only on rank 0."""
+def collective_export(cfg: RunConfig) -> bool:
+    """Whether every rank must join the weight export (`weights`, `push_weights`): a train
+    group then calls those on all its ranks, not only on rank 0. Megatron gathers TP shards
+    and PP stages; the torch trainer under FSDP2 gathers each parameter's shards."""
+    return cfg.train.backend == "megatron" or (
+        cfg.train.backend == "torch" and cfg.train.strategy == "fsdp2"
+    )
 
 
 class TrainActor:
@@ -150,7 +154,7 @@ class TrainActor:
 
     def _joins_export(self) -> bool:
         """A rank other than 0 whose backend's export is a collective it must take part in."""
-        return self.rank != 0 and self.cfg.train.backend in COLLECTIVE_EXPORT
+        return self.rank != 0 and collective_export(self.cfg)
 
     def push_weights(self, engine_urls: list[str]) -> list[int]:
         """Send the current weights to the engines over HTTP + a process group (or disk),

@@ -1,27 +1,35 @@
-"""Rollout steps with a two-rank data-parallel torch trainer (gloo, mock engine): the step
-tasks drive the group through their usual `trainer.<method>.remote(...)` calls; a rank lost
-between runs takes the group down and the rerun rebuilds it from the checkpoint."""
+"""Rollout steps with a two-rank data-parallel torch trainer (gloo, mock engine), under DDP
+and under FSDP2: the step tasks drive the group through their usual
+`trainer.<method>.remote(...)` calls, the engine ends with the trainer's weights (FSDP2
+gathers them from both ranks), and a rank lost between runs takes the group down and the
+rerun rebuilds it from the checkpoint (FSDP2: its sharded optimizer state)."""
 
 from __future__ import annotations
 
+import os
 import uuid
 
+import pytest
 import ray
+import torch
+from transformers import AutoModelForCausalLM
 
 from engines.cluster.actors import kill_run_actors, rank_names
 from engines.cluster.registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_steps_with_two_train_ranks_and_a_lost_rank(
-    prefect_api, make_config
+    prefect_api, make_config, strategy: str
 ):
     from flows.train import train
 
     def config(num_rollout: int):
         return make_config(run, "train.backend=torch", "cluster.actor_num_gpus_per_node=2",
                            "cluster.keep_actors=true", "train.save_interval=1",
-                           f"rollout.num_rollout={num_rollout}", unique=False)
+                           f"train.strategy={strategy}", f"rollout.num_rollout={num_rollout}",
+                           unique=False)
 
     run = f"dp-{uuid.uuid4().hex[:8]}"
     cfg = config(2)
@@ -36,6 +44,15 @@ def test_steps_with_two_train_ranks_and_a_lost_rank(
         assert ray.get([r.version.remote() for r in ranks]) == [2, 2]
         engine = get_run_actor(cfg.cluster.namespace, run, "engine-0")
         assert ray.get(engine.weight_version.remote()) == 2
+        # every rank joins the export (FSDP2 gathers the shards): the checkpoint's weights
+        weights = ray.get([r.weights.remote() for r in ranks])[0]
+        assert weights, "rank 0 exported no weights"
+        checkpoint = os.path.join(layout.uri, "checkpoints", "000001")
+        optimizer = {"ddp": "optimizer.pt", "fsdp2": "optimizer_dcp"}[strategy]
+        assert os.path.exists(os.path.join(checkpoint, optimizer)), os.listdir(checkpoint)
+        saved = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+        assert sorted(weights) == sorted(saved)
+        assert all(torch.equal(weights[k], saved[k]) for k in saved)
 
         ray.kill(ranks[1])  # a lost rank: the rerun must rebuild the whole group
         result = train(config(3))
