@@ -101,6 +101,12 @@ class TrainConfig(Section):
         "CPU memory (torch's CPUOffloadPolicy); each layer is copied to the GPU for its "
         "forward and backward, and the optimizer steps on the CPU.",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="torch: recompute each decoder layer's activations in the backward "
+        "instead of keeping them (actor and critic): a long sequence then needs one layer's "
+        "activations, for about one more forward of compute.",
+    )
     model_path: str | None = Field(None, description="HF-format initial policy.")
     load: str | None = Field(None, description="Checkpoint directory (HF format) to start from.")
     critic_model_path: str | None = Field(

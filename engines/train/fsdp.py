@@ -26,20 +26,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.train.step_model import MicroBatch
+from engines.train.torch_models import decoder_layers
 
 OPTIMIZER_DCP_DIR = "optimizer_dcp"
 CRITIC_OPTIMIZER_DCP_DIR = "critic_optimizer_dcp"
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks, each an FSDP unit: the classes an HF model names in
-    `_no_split_modules` (LlamaDecoderLayer, Qwen2DecoderLayer, ...), else any module whose
-    class name ends in DecoderLayer (a critic wraps an HF backbone)."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return [m for m in model.modules()
-            if type(m).__name__ in names or type(m).__name__.endswith("DecoderLayer")]
 
 
 def shard_model(

@@ -41,6 +41,7 @@ from engines.train.step_settings import FIXED_AT_BUILD, StepSettings
 from engines.train.torch_models import (
     BuildBatch,
     autocast,
+    checkpoint_activations,
     load_causal_lm,
     move_state,
     resolve_device,
@@ -151,6 +152,8 @@ class TorchTrainBackend:
 
     def _optimized(self, module: torch.nn.Module, lr: float) -> OptimizedModel:
         cfg = self.train_cfg
+        if cfg.activation_checkpointing:  # before sharding: FSDP2's units then hold it
+            checkpoint_activations(module)
         # wrapped first: FSDP2 replaces the parameters with their shards, which the
         # optimizer must hold (DDP keeps the module's own)
         wrapped = self._shard(module)

@@ -53,6 +53,31 @@ def load_causal_lm(path: str, device: torch.device) -> PreTrainedModel:
     return model
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, each an FSDP unit (`fsdp.py`) and a unit of activation
+    checkpointing: the classes an HF model names in `_no_split_modules` (LlamaDecoderLayer,
+    Qwen2DecoderLayer, ...), else any module whose class name ends in DecoderLayer (a
+    critic wraps an HF backbone)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules()
+            if type(m).__name__ in names or type(m).__name__.endswith("DecoderLayer")]
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """`train.activation_checkpointing`: each decoder layer keeps only its input for the
+    backward and runs its forward again there, so a long sequence's activations need one
+    layer's memory, for about one more forward of compute. torch's composable checkpoint
+    (hooks, not a wrapper: the parameter names stay the HF model's), which also holds in
+    eval mode, where HF's own gradient checkpointing is off (the trainer runs without
+    dropout, in eval mode)."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in decoder_layers(model):
+        checkpoint(layer)
+
+
 def response_log_probs(
     model: torch.nn.Module,
     batch: PaddedBatch,
