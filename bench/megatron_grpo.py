@@ -8,6 +8,8 @@ Qwen3-MoE of 2B parameters with 0.3B active outside the embeddings), torch vs me
     python -m bench.megatron_grpo --backend megatron --prompt-len 1024 --response-len 3072 --profile
     python -m bench.megatron_grpo --backend megatron --lengths longtail [--pack]   # RL-like lengths
     python -m bench.megatron_grpo --backend megatron --family qwen3_moe
+    torchrun --nproc-per-node 1 -m bench.megatron_grpo --backend torch --strategy fsdp2 \
+        [--activation-checkpointing] [--fsdp-cpu-offload]   # torch: FSDP2 (also on one GPU)
     torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --family qwen3_moe --ep 2
 
 Prints one JSON line per run: training tokens/s (prompt + response tokens of the batch per
@@ -151,6 +153,11 @@ def main() -> None:
                     help="train.share_prompts (torch; auto: on the CPU only)")
     ap.add_argument("--profile", action="store_true",
                     help="one more step under torch.profiler: the top CUDA kernels")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp",
+                    help="torch: train.strategy (fsdp2 shards even on one GPU: a group of one)")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="torch: train.activation_checkpointing")
+    ap.add_argument("--fsdp-cpu-offload", action="store_true", help="torch: train.fsdp_cpu_offload")
     ap.add_argument("--model-dir", default=None,
                     help="default: a random model of --family's shape in the temp directory")
     args = ap.parse_args()
@@ -161,13 +168,15 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if rank == 0 and not os.path.exists(os.path.join(args.model_dir, "config.json")):
         make_model(args.model_dir, args.family)
-    if world > 1:
+    if world > 1 or args.strategy == "fsdp2":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group("nccl")
         torch.distributed.barrier()
     train_cfg = TrainConfig(model_path=args.model_dir, lr=1e-6, dtype="bfloat16",
                             max_tokens_per_micro_batch=args.micro_tokens, seed=1,
-                            pack_sequences=args.pack, share_prompts={"auto": None, "on": True, "off": False}[args.share])
+                            pack_sequences=args.pack, share_prompts={"auto": None, "on": True, "off": False}[args.share],
+                            strategy=args.strategy, fsdp_cpu_offload=args.fsdp_cpu_offload,
+                            activation_checkpointing=args.activation_checkpointing)
     algo = AlgorithmConfig()
     backend: Any
     if args.backend == "torch":
@@ -197,6 +206,8 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({
             "backend": args.backend, "family": args.family, "tp": args.tp, "ep": args.ep,
+            "strategy": args.strategy, "activation_checkpointing": args.activation_checkpointing,
+            "fsdp_cpu_offload": args.fsdp_cpu_offload,
             "gpus": world, "samples": len(samples),
             "seq": args.prompt_len + args.response_len, "lengths": args.lengths,
             "pack": args.pack, "layout": layout, "tokens_per_step": tokens,

@@ -15,6 +15,10 @@
 #             bench.megatron_grpo --family qwen3_moe (megatron, one GPU), then both:
 #             megatron EP=2 (MOE_BENCH_ARGS adds flags to both); parts moe_parity,
 #             moe_bench, moe_ep2 one by one
+#   fsdp      every GPU (at most 2): tests/gpu/test_fsdp2.py, the torch trainer's FSDP2 against
+#             DDP (fp32 parity, CPU offload, bf16, offload/onload, checkpoint resume)
+#   fsdp_bench  the torch trainer on all GPUs: plain (DDP), FSDP2, FSDP2 with activation
+#             checkpointing, FSDP2 with CPU offload (BENCH_ARGS as for bench)
 #   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
 #             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072";
 #             BENCH_TORCH / BENCH_MEGATRON to one backend's runs, e.g. "--profile")
@@ -75,6 +79,10 @@ CUDA_VISIBLE_DEVICES=0 part moe_bench ${T_MOE_BENCH:-300} $PY $MOE_BENCH
 part group ${T_GROUP:-300} $PYTEST tests/gpu/test_megatron_group.py
 part parallel ${T_PARALLEL:-420} $PYTEST tests/gpu/test_megatron_parallel.py
 part nccl ${T_NCCL:-240} $PYTEST tests/gpu/test_nccl_weight_sync.py
+part fsdp ${T_FSDP:-300} $PYTEST tests/gpu/test_fsdp2.py
+RUN="$PY -m torch.distributed.run --standalone --nproc-per-node=$(( NGPU > 1 ? 2 : 1 )) $BENCH --backend torch"
+part fsdp_bench ${T_FSDP_BENCH:-600} bash -c "$RUN && $RUN --strategy fsdp2 && \
+  $RUN --strategy fsdp2 --activation-checkpointing && $RUN --strategy fsdp2 --fsdp-cpu-offload"
 TP2="$PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
 [ "$NGPU" -gt 1 ] || TP2=true  # TP=2 needs two GPUs
 part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=$LAST $PY $BENCH --backend torch ${BENCH_TORCH:-} && \
