@@ -111,6 +111,25 @@ def pad_micro_batches(micro_batches: list[MicroBatch], count: int) -> list[Micro
     return micro_batches + [stand_in] * (count - len(micro_batches))
 
 
+def move_sharded_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> None:
+    """A sharded model and its optimizer state to `device` (colocation's offload and onload).
+    `module.to` is FSDP2's own move: it reshards, and swaps each parameter's shard in place,
+    so the optimizer keeps holding the same parameters (setting `.data` of a sharded
+    parameter to another device is refused). The last step's gradients are dropped (the
+    next step zeroes them anyway)."""
+    for param in module.parameters():
+        param.grad = None
+    module.to(device)
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and key != "step":  # Adam's step stays on the CPU
+                state[key] = value.to(device, non_blocking=True)
+
+
 def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """Every rank writes its shard of the optimizer state to the DCP directory `path`."""
     import torch.distributed.checkpoint as dcp

@@ -366,12 +366,17 @@ class TorchTrainBackend:
         self._move(self.device)
 
     def _move(self, device: torch.device) -> None:
-        move_state(self.model, self.actor.optimizer, device)
+        """Sharded, each FSDP module moves its own shards (and with `fsdp_cpu_offload` they
+        live on the CPU already: nothing moves)."""
+        if self.dp.sharded and self.train_cfg.fsdp_cpu_offload:
+            return
+        move = fsdp.move_sharded_state if self.dp.sharded else move_state
+        move(self.model, self.actor.optimizer, device)
         for frozen in (self.ref_model, self.teacher_model):
             if frozen is not None:
-                move_state(frozen, None, device)
+                move(frozen, None, device)
         if self.critic is not None and self.critic_model is not None:
-            move_state(self.critic_model, self.critic.optimizer, device)
+            move(self.critic_model, self.critic.optimizer, device)
 
     # -- weights and checkpoints ----------------------------------------------------------
     def export_weights(self) -> dict[str, Tensor]:

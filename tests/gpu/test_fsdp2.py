@@ -28,7 +28,10 @@ pytestmark = [pytest.mark.gpu]
 
 
 def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
-    os.environ.update(NCCL_SAFE_ENV, LOCAL_RANK=str(rank))
+    # deterministic kernels (train.deterministic; cuBLAS then needs a fixed workspace): the
+    # order of CUDA's atomic adds (the embedding's backward) cannot then differ between the
+    # runs, where Adam's first steps (about lr x the gradient's sign) would magnify it
+    os.environ.update(NCCL_SAFE_ENV, LOCAL_RANK=str(rank), CUBLAS_WORKSPACE_CONFIG=":4096:8")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
     out_dir = Path(out)
@@ -37,7 +40,7 @@ def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
                  "fsdp2-offload": ("fsdp2", {"fsdp_cpu_offload": True}),
                  "fsdp2-bf16": ("fsdp2", {"dtype": "bfloat16"})}
         for name, (strategy, train) in cases.items():
-            trainer = runs.backend(model_dir, strategy, **train)
+            trainer = runs.backend(model_dir, strategy, deterministic=True, **train)
             assert trainer.device.type == "cuda"
             record = runs.train(trainer, range(1))
             if name == "fsdp2":  # colocated: the trainer gives the GPU up between steps
@@ -46,11 +49,13 @@ def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
             record2 = runs.train(trainer, range(1, 2))
             for key in record:
                 record[key] += record2[key]
-            weights = trainer.export_weights()
+            # a copy: on one GPU a gathered tensor is the live parameter, which trains on
+            weights = {k: v.detach().clone() for k, v in trainer.export_weights().items()}
             if name == "fsdp2":
                 trainer.save_checkpoint(str(out_dir / "ckpt"))
                 after = runs.train(trainer, range(2, 3))
-                resumed = runs.backend(model_dir, strategy, load=str(out_dir / "ckpt"))
+                resumed = runs.backend(model_dir, strategy, load=str(out_dir / "ckpt"),
+                                       deterministic=True)
                 again = runs.train(resumed, range(2, 3))
                 if rank == 0:
                     runs.save(out_dir / "step2", after, trainer.export_weights())

@@ -80,7 +80,8 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
                         tol: float = TOL) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=tol, rtol=0, msg=name)
+        torch.testing.assert_close(a[name], b[name], atol=tol, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def initial_weights(model_dir: str) -> dict[str, torch.Tensor]:
