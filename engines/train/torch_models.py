@@ -19,16 +19,16 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engines.algorithms.losses import entropy_from_logits
 from engines.train.batching import (
     PaddedBatch,
     build_padded_batch,
+    effective_temperature,
     gather_response_logits,
-    log_probs_from_logits,
     logit_positions,
     split_micro_batches,
 )
 from engines.train.routing_replay import replayed_routing
+from engines.train.token_stats import token_stats
 from storage.sample import Sample
 
 
@@ -112,11 +112,11 @@ def response_outputs(
     with replayed_routing(model, batch.routed_experts):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False, **kw)
-    logits = gather_response_logits(out.logits, index, batch.logit_row).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = log_probs_from_logits(logits, batch.targets)
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    # the response positions' logits in the head's own dtype: `token_stats` reads them in
+    # chunks (one fused kernel on a GPU) and keeps no float32 copy of the vocabulary
+    logits = gather_response_logits(out.logits, index, batch.logit_row)
+    log_probs, entropy = token_stats(logits, batch.targets, effective_temperature(temperature),
+                                     entropy_grad=entropy_grad)
     aux = getattr(out, "aux_loss", None) if router_aux_loss else None
     return log_probs, entropy, aux
 

@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from engines.algorithms.losses import entropy_from_logits
+from engines.train import token_stats as stats_module
 from engines.train.batching import log_probs_from_logits
-from engines.train.megatron import token_stats as stats_module
-from engines.train.megatron.token_stats import token_stats
+from engines.train.token_stats import token_stats
 
 pytestmark = pytest.mark.gpu
 

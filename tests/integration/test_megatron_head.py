@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from engines.train.megatron.token_stats import token_stats
+from engines.train.token_stats import token_stats
 from tests.support.rendezvous import file_rendezvous
 from tests.support.samples import HEAD_VOCAB, reference_token_stats, weighted_grads
 

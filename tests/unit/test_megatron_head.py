@@ -11,16 +11,16 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from engines.train import token_stats as stats_module
 from engines.train.batching import (
     PaddedBatch,
     build_padded_batch,
     gather_response_logits,
     log_probs_from_logits,
 )
-from engines.train.megatron import token_stats as stats_module
 from engines.train.megatron.response_head import ResponseSlots, select_positions
-from engines.train.megatron.token_stats import token_stats
 from engines.train.packing import build_packed_batch
+from engines.train.token_stats import token_stats
 from storage.sample import Sample
 from tests.support.samples import HEAD_VOCAB, grouped_samples, reference_token_stats, weighted_grads
 

@@ -23,10 +23,10 @@ from engines.train.batching import PaddedBatch, build_padded_batch
 from engines.train.megatron import parallel
 from engines.train.megatron.model import replayed_routing
 from engines.train.megatron.response_head import ResponseSlots, select_positions
-from engines.train.megatron.token_stats import token_stats
 from engines.train.packing import build_packed_batch
 from engines.train.routing_replay import build_replay_batch
 from engines.train.step_model import Forward, MicroBatch
+from engines.train.token_stats import token_stats
 from storage.sample import Sample
 
 OnOutput = Callable[[MicroBatch, PaddedBatch, ResponseSlots, Tensor], tuple[Tensor, Any]]

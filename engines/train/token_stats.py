@@ -1,4 +1,6 @@
-"""Response log-probs and entropy from (vocab-sharded) logits in one fused autograd step.
+"""Response log-probs and entropy from (vocab-sharded) logits in one fused autograd step, for
+both trainers: megatron's vocab-parallel head (`megatron/schedule.py`) and the torch
+trainer's HF head (`torch_models.response_outputs`).
 
 A small model with a large vocabulary (Qwen2-0.5B: hidden 896, vocab 151,936) spends most
 of a step's non-matmul GPU time on `[tokens, V]` logits: the unfused path made an fp32 copy,
