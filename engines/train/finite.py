@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from engines.weights.finite import NonFiniteError, check_finite, nonfinite_names
+from engines.weights.finite import NonFiniteError, check_finite, nonfinite_names, raise_nonfinite
 
-__all__ = ["STALE_VERSION", "NonFiniteError", "check_finite", "nonfinite_names", "stale_on_failure"]
+__all__ = ["STALE_VERSION", "NonFiniteError", "check_finite", "nonfinite_names",
+           "raise_nonfinite", "stale_on_failure"]
 
 STALE_VERSION = -1
 """The weight version of a backend whose train() failed after changing its weights."""

@@ -28,7 +28,7 @@ from engines.train import fsdp, lora
 from engines.train.batching import PaddedBatch, build_padded_batch, effective_temperature
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
-from engines.train.finite import NonFiniteError, check_finite
+from engines.train.finite import check_finite, raise_nonfinite
 from engines.train.lr_schedule import make_scheduler, retarget
 from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
@@ -338,9 +338,8 @@ class TorchTrainBackend:
         if not self.dp.sharded:
             check_finite(self._named_weights(), what)
             return
-        bad = fsdp.nonfinite_names(self._named_weights(), self._collective_device)
-        if bad:
-            raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN/inf ({', '.join(bad[:5])})")
+        raise_nonfinite(fsdp.nonfinite_names(self._named_weights(), self._collective_device),
+                        what)
 
     @property
     def _collective_device(self) -> torch.device:
@@ -469,26 +468,28 @@ class TorchTrainBackend:
         """The optimizer, schedules, shuffle and version of the checkpoint at `local_dir`
         (its weights were loaded with the models)."""
         self._check_strategy(local_dir)
-        if self.dp.sharded:
-            fsdp.load_optimizer(self.model, self.actor.optimizer,
-                                os.path.join(local_dir, fsdp.OPTIMIZER_DCP_DIR))
-        else:
-            opt = ckpt.load_state(local_dir, ckpt.OPTIMIZER_FILE)
-            self.actor.optimizer.load_state_dict(opt)
+        self._load_optimizer(self.model, self.actor.optimizer, local_dir,
+                             fsdp.OPTIMIZER_DCP_DIR, ckpt.OPTIMIZER_FILE)
         self.actor.scheduler.load_state_dict(ckpt.load_state(local_dir, ckpt.SCHEDULER_FILE))
         if self.critic is not None:
             assert self.critic_model is not None
-            if self.dp.sharded:
-                fsdp.load_optimizer(self.critic_model, self.critic.optimizer,
-                                    os.path.join(local_dir, fsdp.CRITIC_OPTIMIZER_DCP_DIR))
-            else:
-                opt = ckpt.load_state(local_dir, ckpt.CRITIC_OPTIMIZER_FILE)
-                self.critic.optimizer.load_state_dict(opt)
+            self._load_optimizer(self.critic_model, self.critic.optimizer, local_dir,
+                                 fsdp.CRITIC_OPTIMIZER_DCP_DIR, ckpt.CRITIC_OPTIMIZER_FILE)
             sched = ckpt.load_state(local_dir, ckpt.CRITIC_SCHEDULER_FILE)
             self.critic.scheduler.load_state_dict(sched)
         ckpt.restore_rng(ckpt.load_state(local_dir, ckpt.RNG_FILE), self._shuffle)
         self.version = ckpt.read_version(local_dir)
         self._apply_schedules()  # the restored schedulers carry the lr they were saved with
+
+    def _load_optimizer(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, local_dir: str,
+        sharded_dir: str, file: str,
+    ) -> None:
+        """One part's optimizer state: its DCP shards (sharded) or its one file."""
+        if self.dp.sharded:
+            fsdp.load_optimizer(module, optimizer, os.path.join(local_dir, sharded_dir))
+        else:
+            optimizer.load_state_dict(ckpt.load_state(local_dir, file))
 
     def _check_strategy(self, local_dir: str) -> None:
         """A checkpoint's optimizer state is kept the way its strategy keeps it (one file, or

@@ -30,7 +30,12 @@ def nonfinite_names(named: Iterable[tuple[str, Tensor]]) -> list[str]:
 
 def check_finite(named: Iterable[tuple[str, Tensor]], what: str) -> None:
     """Raise `NonFiniteError` naming (the first few of) the non-finite tensors of `what`."""
-    bad = nonfinite_names(named)
+    raise_nonfinite(nonfinite_names(named), what)
+
+
+def raise_nonfinite(bad: list[str], what: str) -> None:
+    """`NonFiniteError` naming (the first few of) `bad`, the non-finite tensors of `what`,
+    however they were found (a sharded trainer finds them on every rank together)."""
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN/inf ({shown})")
