@@ -101,6 +101,15 @@ class TrainConfig(Section):
         "CPU memory (torch's CPUOffloadPolicy); each layer is copied to the GPU for its "
         "forward and backward, and the optimizer steps on the CPU.",
     )
+    context_parallel: int = Field(
+        1, ge=1,
+        description="torch: split each sequence of a micro-batch across this many train "
+        "ranks (context parallelism: each holds 1/N of its tokens and activations, and "
+        "attention gathers the keys and values of the whole sequence), for sequences one "
+        "GPU's memory cannot train. The train ranks must be a multiple of it; the samples "
+        "are split over ranks / N data-parallel shares. Dense models, padded rows (no "
+        "pack_sequences or share_prompts), no critic or LoRA.",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="torch: recompute each decoder layer's activations in the backward "
@@ -274,10 +283,26 @@ class TrainConfig(Section):
                 "train.strategy=fsdp2 with train.lora: not supported; LoRA trains a few "
                 "adapter weights, which ddp holds on every rank at little cost"
             )
+        if self.context_parallel > 1:
+            self._check_context_parallel()
         if self.lora.enabled and self.backend == "torch" and self.model_path is None:
             raise ValueError(
                 "train.lora needs train.model_path: the base model the adapters are trained on "
                 "(train.load then names a checkpoint of the LoRA run)"
             )
         return self
+
+    def _check_context_parallel(self) -> None:
+        """What `context_parallel` > 1 cannot be combined with, named in one line."""
+        clash = [name for name, on in (
+            (f"train.backend={self.backend}", self.backend != "torch"),
+            ("train.pack_sequences", self.pack_sequences),
+            ("train.share_prompts", bool(self.share_prompts)),
+            ("train.lora", self.lora.enabled),
+        ) if on]
+        if clash:
+            raise ValueError(
+                f"train.context_parallel={self.context_parallel} is the torch trainer's, on "
+                f"padded rows of a dense model: not supported with {', '.join(clash)}"
+            )
 

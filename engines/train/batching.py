@@ -196,12 +196,21 @@ def logit_positions(batch: PaddedBatch) -> tuple[Tensor, Tensor]:
     valid = batch.response_mask.bool()
     needed = torch.zeros((rows, width), dtype=torch.bool, device=device)
     needed[row[valid], batch.logit_index[valid]] = True
+    keep, where = kept_positions(needed)
+    return keep, where[row, batch.logit_index]
+
+
+def kept_positions(needed: Tensor) -> tuple[Tensor, Tensor]:
+    """`[rows, L]` flags of the positions whose logits are needed -> `(keep [rows, K],
+    where [rows, L])`: the needed positions of each row first, in order (K the most any row
+    needs; a shorter row repeats others), and where each position sits in `keep`."""
+    rows, width = needed.shape
     k = max(int(needed.sum(dim=1).max()), 1)
     # needed positions first, in order (a stable sort of the "not needed" flags)
     keep = torch.sort((~needed).to(torch.uint8), dim=1, stable=True).indices[:, :k]
-    where = torch.zeros((rows, width), dtype=torch.long, device=device)
-    where.scatter_(1, keep, torch.arange(k, device=device).expand(rows, k))
-    return keep, where[row, batch.logit_index]
+    where = torch.zeros((rows, width), dtype=torch.long, device=needed.device)
+    where.scatter_(1, keep, torch.arange(k, device=needed.device).expand(rows, k))
+    return keep, where
 
 
 def pad_response_values(values: Sequence[Tensor], width: int, fill: float = 0.0) -> Tensor:

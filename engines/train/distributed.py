@@ -37,16 +37,34 @@ class DataParallel:
     world_size: int = 1
     strategy: str = "ddp"  # train.strategy: ddp | fsdp2
     grouped: bool = False  # a process group is initialised
+    context_parallel: int = 1  # train.context_parallel: consecutive ranks share samples
 
     @classmethod
-    def current(cls, strategy: str = "ddp") -> DataParallel:
+    def current(cls, strategy: str = "ddp", context_parallel: int = 1) -> DataParallel:
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), strategy, grouped=True)
-        return cls(strategy=strategy)
+            return cls(dist.get_rank(), dist.get_world_size(), strategy, grouped=True,
+                       context_parallel=context_parallel)
+        return cls(strategy=strategy, context_parallel=context_parallel)
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of a step's samples this rank trains: the ranks of a context group
+        (`context_parallel.py`) train the same samples, each its part of every sequence."""
+        return self.rank // self.context_parallel
+
+    @property
+    def data_size(self) -> int:
+        return max(self.world_size // self.context_parallel, 1)
+
+    @property
+    def counts_metrics(self) -> bool:
+        """Whether this rank's loss terms count in the step's metrics: a context group's
+        ranks all compute the whole loss of their samples, so its first rank speaks for it."""
+        return self.rank % self.context_parallel == 0
 
     @property
     def sharded(self) -> bool:

@@ -61,9 +61,10 @@ def optimizer_step(
             (loss * weight).backward()
         # every rank records the same keys (an uncounted stand-in adds 0): sum_metrics is a
         # collective, and a rank left with only a stand-in must join it too
-        totals[TRAINED_LOSS] += float(loss.detach()) if mb.counted else 0.0
+        counted = mb.counted and dp.counts_metrics
+        totals[TRAINED_LOSS] += float(loss.detach()) if counted else 0.0
         for key, value in terms.items():
-            totals[prefix + key] += float(value) if mb.counted else 0.0
+            totals[prefix + key] += float(value) if counted else 0.0
     params = [p for p in opt.module.parameters() if p.requires_grad]
     total = torch.nn.utils.clip_grad_norm_(params, opt.clip_grad)
     # FSDP2's is a DTensor, already reduced over the shards: `full_tensor` reads it whole

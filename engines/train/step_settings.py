@@ -24,7 +24,7 @@ from engines.config.train import TrainConfig
 
 FIXED_AT_BUILD: frozenset[str] = frozenset({
     "backend", "tensor_parallel", "pipeline_parallel", "expert_parallel", "model_path", "load",
-    "critic_model_path", "seed", "dtype", "device", "lora",
+    "critic_model_path", "seed", "dtype", "device", "lora", "strategy", "context_parallel",
 })
 """`train.*` keys every backend reads only when it is built (megatron adds its optimizer's:
 `clip_grad`, `weight_decay`, `adam_betas`). The seed only matters to a trainer that starts

@@ -26,6 +26,7 @@ from engines.config.train import TrainConfig
 from engines.train import checkpoint_io as ckpt
 from engines.train import fsdp, lora
 from engines.train.batching import PaddedBatch, build_padded_batch, effective_temperature
+from engines.train.context_parallel import ContextGroup, use_context_parallel
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel
 from engines.train.finite import check_finite, raise_nonfinite
@@ -80,7 +81,8 @@ class TorchTrainBackend:
         self.temperature = effective_temperature(rollout_temperature)
         self.reward_key = reward_key
         self.device = resolve_device(train_cfg.device)
-        self.dp = DataParallel.current(train_cfg.strategy)
+        self.dp = DataParallel.current(train_cfg.strategy, train_cfg.context_parallel)
+        self.context = ContextGroup.build(train_cfg.context_parallel)
         self._amp = getattr(torch, train_cfg.dtype)
         self._initial = train_cfg.model_path or source
         if train_cfg.load:
@@ -97,6 +99,12 @@ class TorchTrainBackend:
         # MoE: plain padded rows, whose 2-D mask HF's load-balancing loss reads and whose
         # tokens line up with the engine's recorded routing (routing_replay.py)
         self._moe = moe_layout(self.model.config)
+        if self.context is not None and (self._moe is not None or algo_cfg.uses_critic):
+            raise ValueError(
+                f"train.context_parallel={train_cfg.context_parallel}: supported for dense "
+                "models without a critic (this run has "
+                f"{'an MoE model' if self._moe is not None else 'a PPO critic'})"
+            )
         if train_cfg.pack_sequences and self._moe is not None:
             raise ValueError("train.pack_sequences is not supported for MoE models (their "
                              "router loss and routing replay need one padded row per sample)")
@@ -141,6 +149,8 @@ class TorchTrainBackend:
     def _frozen(self, path: str | None) -> PreTrainedModel:
         assert path is not None
         model = load_causal_lm(path, self.device).requires_grad_(False).eval()
+        if self.context is not None:
+            use_context_parallel(model)
         if self.dp.sharded:  # every rank scores every sample: the gathers stay in step
             self._shard(model)
         return model
@@ -169,6 +179,8 @@ class TorchTrainBackend:
         `critic_model_path` / the initial policy."""
         cfg = self.train_cfg
         self.model = lora.load_policy(cfg, self._initial, source, self.device)
+        if self.context is not None:
+            use_context_parallel(self.model)
         self.actor = self._optimized(self.model, cfg.lr)
         self.critic_model: ValueModel | None = None
         self.critic: OptimizedModel | None = None
@@ -202,7 +214,7 @@ class TorchTrainBackend:
         cfg = self.train_cfg
         if replay:
             return functools.partial(build_replay_batch, layout=replay_layout(model))
-        if moe_layout(getattr(model, "config", None)) is not None:
+        if moe_layout(getattr(model, "config", None)) is not None or self.context is not None:
             return build_padded_batch
         if cfg.pack_sequences:
             return functools.partial(build_packed_batch, share_prompts=self._share_prompts,
@@ -215,8 +227,10 @@ class TorchTrainBackend:
     ) -> Callable[[list[Sample]], list[Tensor]]:
         def scorer(samples: list[Sample]) -> list[Tensor]:
             model.eval()
-            return self._score(samples, lambda b: response_log_probs(model, b, self.temperature)[0],
-                               self._log_prob_batch(model, replay))
+            return self._score(
+                samples,
+                lambda b: response_log_probs(model, b, self.temperature, context=self.context)[0],
+                self._log_prob_batch(model, replay))
 
         return scorer
 
@@ -259,11 +273,11 @@ class TorchTrainBackend:
     # -- training (the algorithm is step.py's) ----------------------------------------------
     @property
     def dp_rank(self) -> int:
-        return self.dp.rank
+        return self.dp.data_rank
 
     @property
     def dp_size(self) -> int:
-        return self.dp.world_size
+        return self.dp.data_size
 
     @property
     def lazy_old_log_probs(self) -> bool:
@@ -273,6 +287,8 @@ class TorchTrainBackend:
     def _share_prompts(self) -> bool:
         """`train.share_prompts`, by default on the CPU only (see its description)."""
         share = self.train_cfg.share_prompts
+        if self.context is not None:  # context parallelism splits padded rows
+            return False
         return self.device.type == "cpu" if share is None else share
 
     @property
@@ -325,7 +341,7 @@ class TorchTrainBackend:
                 return Forward(batch, values=response_values(self.critic.module, batch))
             log_probs, entropy, aux = response_outputs(
                 self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0,
-                router_aux_loss=aux_coef > 0.0,
+                router_aux_loss=aux_coef > 0.0, context=self.context,
             )
         return Forward(batch, log_probs=log_probs, entropy=entropy,
                        aux_loss=None if aux is None else aux * aux_coef)

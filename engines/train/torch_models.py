@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from engines.train import context_parallel
 from engines.train.batching import (
     PaddedBatch,
     build_padded_batch,
@@ -27,6 +28,7 @@ from engines.train.batching import (
     logit_positions,
     split_micro_batches,
 )
+from engines.train.context_parallel import ContextGroup
 from engines.train.routing_replay import replayed_routing
 from engines.train.token_stats import token_stats
 from storage.sample import Sample
@@ -83,9 +85,11 @@ def response_log_probs(
     batch: PaddedBatch,
     temperature: float,
     entropy_grad: bool = False,
+    context: ContextGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`."""
-    log_probs, entropy, _ = response_outputs(model, batch, temperature, entropy_grad)
+    log_probs, entropy, _ = response_outputs(model, batch, temperature, entropy_grad,
+                                             context=context)
     return log_probs, entropy
 
 
@@ -95,14 +99,22 @@ def response_outputs(
     temperature: float,
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
+    context: ContextGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`, and
     with `router_aux_loss` an MoE model's load-balancing loss (HF's, unscaled; None for a
     dense model). A batch with `routed_experts` replays them (`routing_replay.py`).
+    `context`: the rows are split across this context-parallel group
+    (`context_parallel.py`; a padded batch of a dense model).
 
     Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
     and is computed off the graph.
     """
+    if context is not None:
+        log_probs, entropy = context_parallel.response_outputs(
+            model, batch, effective_temperature(temperature), context, entropy_grad,
+            trim_logits=trims_logits(model))
+        return log_probs, entropy, None
     kw: dict[str, Any] = {}
     index = batch.logit_index
     if trims_logits(model):

@@ -19,6 +19,10 @@
 #             DDP (fp32 parity, CPU offload, bf16, offload/onload, checkpoint resume)
 #   fsdp_bench  the torch trainer on all GPUs: plain (DDP), FSDP2, FSDP2 with activation
 #             checkpointing, FSDP2 with CPU offload (BENCH_ARGS as for bench)
+#   cp        tests/gpu/test_context_parallel.py: a 32k-token sequence split across two ranks
+#             (one GPU each, or both on one GPU through gloo) equals the unsplit one in fp32
+#   cp_bench  bench.context_parallel on the same ranks: per-rank memory and time, split vs
+#             unsplit, at CP_LENGTHS (default 32768,65536,131072) in bf16
 #   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
 #             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072";
 #             BENCH_TORCH / BENCH_MEGATRON to one backend's runs, e.g. "--profile")
@@ -58,7 +62,7 @@ part() {  # name, timeout (s), command...
   case " $PARTS " in *" $name "*) ;; *) return ;; esac
   timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
   echo "== $name rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
-  grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| |tokens_per_s" "$LOG/$name.log" | tail -n 40
+  grep -E "passed|failed|error|Error|resume |offload |packing |TP=2 group|^ +case|\| |tokens_per_s|context_parallel" "$LOG/$name.log" | tail -n 40
 }
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 part suite ${T_SUITE:-600} $PYTEST --durations=0 tests/gpu
@@ -83,6 +87,9 @@ part fsdp ${T_FSDP:-300} $PYTEST tests/gpu/test_fsdp2.py
 RUN="$PY -m torch.distributed.run --standalone --nproc-per-node=$(( NGPU > 1 ? 2 : 1 )) $BENCH --backend torch"
 part fsdp_bench ${T_FSDP_BENCH:-600} bash -c "$RUN && $RUN --strategy fsdp2 && \
   $RUN --strategy fsdp2 --activation-checkpointing && $RUN --strategy fsdp2 --fsdp-cpu-offload"
+part cp ${T_CP:-300} $PYTEST tests/gpu/test_context_parallel.py
+part cp_bench ${T_CP_BENCH:-600} $PY -m bench.context_parallel --world 2 --dtype bfloat16 \
+  --lengths ${CP_LENGTHS:-32768,65536,131072}
 TP2="$PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
 [ "$NGPU" -gt 1 ] || TP2=true  # TP=2 needs two GPUs
 part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=$LAST $PY $BENCH --backend torch ${BENCH_TORCH:-} && \

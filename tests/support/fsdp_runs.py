@@ -4,6 +4,7 @@ tests/integration/test_fsdp2.py (gloo, CPU) and tests/gpu/test_fsdp2.py (NCCL) s
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,14 @@ def backend(model_dir: str, strategy: str, load: str | None = None, **train: Any
     return TorchTrainBackend(cfg, AlgorithmConfig(), num_threads=1)
 
 
-def train(trainer: TorchTrainBackend, steps: range) -> dict[str, Any]:
+def train(trainer: TorchTrainBackend, steps: range,
+          make_batch: Callable[[int], list[Any]] = batch) -> dict[str, Any]:
     """Per step: the compared metrics and the log-probs of the step's batch after it."""
     record: dict[str, Any] = {"metrics": [], "log_probs": []}
     for k in steps:
-        metrics = trainer.train(batch(k), k)
+        metrics = trainer.train(make_batch(k), k)
         record["metrics"].append({key: metrics[key] for key in COMPARED})
-        record["log_probs"].append(trainer.compute_log_probs(batch(k)))
+        record["log_probs"].append(trainer.compute_log_probs(make_batch(k)))
     return record
 
 

@@ -57,6 +57,23 @@ def grouped_samples(groups: int, per_group: int, seed: int = 0) -> list[Sample]:
     return out
 
 
+def long_samples(groups: int, per_group: int, seed: int = 0) -> list[Sample]:
+    """Like `grouped_samples`, longer: prompts of 6 to 24 tokens and responses of 0 to 40,
+    for rows that a context-parallel split cuts into several chunks."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(VOCAB_LOW, VOCAB_HIGH, (int(torch.randint(6, 25, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(groups)]
+    out = []
+    for j in range(per_group):
+        for k, prompt in enumerate(prompts):
+            r = int(torch.randint(0, 41, (1,), generator=g))
+            response = torch.randint(VOCAB_LOW, VOCAB_HIGH, (r,), generator=g).tolist()
+            mask = [int(t % 5 != 0) for t in response]
+            out.append(Sample(index=len(out), group_index=k, tokens=prompt + response,
+                              response_length=r, loss_mask=mask, reward=float((j + k) % 2)))
+    return out
+
+
 def make_backend(
     model_dir: str,
     algo: dict[str, Any] | None = None,
