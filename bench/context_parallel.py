@@ -84,10 +84,10 @@ def loss_step(model: torch.nn.Module, batch: PaddedBatch, dtype: torch.dtype,
         loss.backward()
         if cuda:
             torch.cuda.synchronize(device)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
-        return {"oom": True}
+        return {"oom": str(exc).split(". ")[0]}
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
@@ -136,13 +136,13 @@ def report(rows: list[list[dict[str, Any]]], world: int, args: argparse.Namespac
             "gpus": torch.cuda.device_count(),
         }
         if any(s.get("oom") for s in splits):
-            line["split"] = "out of memory"
+            line["split"] = next(s["oom"] for s in splits if s.get("oom"))
         else:
             line["split_peak_gib_per_rank"] = [round(s["peak_gib"], 2) for s in splits
                                                if s["peak_gib"] is not None]
             line["split_time_s"] = round(max(s["time_s"] for s in splits), 3)
         if single.get("oom"):
-            line["unsplit"] = "out of memory"
+            line["unsplit"] = single["oom"]
         else:
             if single["peak_gib"] is not None:
                 line["unsplit_peak_gib"] = round(single["peak_gib"], 2)

@@ -164,18 +164,27 @@ def attention(
     `[B, H, T_local, D]` queries against the whole row's keys, each local chunk causal from
     the bottom right. The layout comes as the forward's `context_split` keyword, which
     transformers hands down to attention, and an activation-checkpointed layer's
-    recomputation gets again. Without it (the model used otherwise), sdpa."""
+    recomputation gets again. Without it (the model used otherwise), causal sdpa over the
+    whole row, or with a mask transformers' own sdpa."""
     from torch.nn.attention.bias import causal_lower_right
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     split = kwargs.pop(SPLIT_KEYWORD, None)
-    if split is None:
+    if split is None and attention_mask is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    keys = split.group.gather_sequence(key, split.order)
-    values = split.group.gather_sequence(value, split.order)
+    # keys and values with every query head's copy: sdpa's grouped-query option would take
+    # torch's math kernel here, with a [T, T] matrix a head (out of memory at 32k in fp32)
     groups = getattr(module, "num_key_value_groups", 1)
-    keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+    # one dtype: under autocast the rotary embedding leaves queries and keys in float32
+    query, key = query.to(value.dtype), key.to(value.dtype)
+    if split is None:  # the whole row here (an unsplit forward of a context-parallel model)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(key, groups), repeat_kv(value, groups), is_causal=True,
+            scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    keys = repeat_kv(split.group.gather_sequence(key, split.order), groups)
+    values = repeat_kv(split.group.gather_sequence(value, split.order), groups)
     outs, at = [], 0
     for start, end in split.chunks:
         q = query[:, :, at : at + end - start]
