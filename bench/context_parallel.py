@@ -91,8 +91,12 @@ def loss_step(model: torch.nn.Module, batch: PaddedBatch, dtype: torch.dtype,
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
-    return {"time_s": seconds, "peak_gib": peak, "loss": float(loss.detach()),
-            "log_probs": log_probs.detach().float().cpu()}
+    result = {"time_s": seconds, "peak_gib": peak, "loss": float(loss.detach()),
+              "log_probs": log_probs.detach().float().cpu()}
+    if cuda:  # ranks sharing one GPU: what this step cached is the next one's room
+        del log_probs, loss
+        torch.cuda.empty_cache()
+    return result
 
 
 def _rank(rank: int, world: int, init: str, args: dict[str, Any], out: str) -> None:
@@ -120,6 +124,7 @@ def _rank(rank: int, world: int, init: str, args: dict[str, Any], out: str) -> N
             dist.barrier()
             split = loss_step(model, batch, dtype, group)
             rows.append({"length": length, "single": single, "split": split})
+            print(f"rank {rank}: {length} tokens done", flush=True)
         torch.save(rows, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
