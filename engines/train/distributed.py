@@ -11,7 +11,9 @@ DDP *averages* gradients over ranks, so each rank's loss is multiplied by the wo
 turn that average back into the sum; FSDP2 (`train.strategy: fsdp2`, `fsdp.py`) averages
 its reduce-scattered gradients alike. Without an initialised group (the CPU default) all of
 this collapses to one rank and no wrapping; FSDP2 shards whenever a group is initialised,
-on one rank too (a one-GPU check of its code path).
+on one rank too (a one-GPU check of its code path). With `train.context_parallel` = N the
+samples are split over world / N shares instead, each trained by N consecutive ranks that
+split its sequences (`context_parallel.py`); the scaling above holds unchanged.
 
 `init_data_parallel` is what a train-group rank (`train_group.py`) calls before building its
 backend: gloo on CPU, NCCL on GPU (Ray gives each rank one GPU, so it is device 0), with

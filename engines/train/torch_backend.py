@@ -5,7 +5,8 @@ metrics); this module is its `StepModel`: HF models for the actor, the frozen re
 teacher and the critic (`critic.py`), scored in token-budgeted micro-batches, and per
 optimizer step a forward/backward per micro-batch, clip, AdamW and the LR schedule
 (`optim_step.py`), with DDP or FSDP2 across ranks (`distributed.py`: each rank's loss times
-the world size turns the gradient average back into the step's sum; `fsdp.py`).
+the world size turns the gradient average back into the step's sum; `fsdp.py`), and with
+`train.context_parallel` each sequence split across a group of ranks (`context_parallel.py`).
 
 Dropout stays off (slime's RL recipes set it to 0): on-policy the importance ratio must be
 exactly 1. Checkpoints: see `checkpoint_io.py`.
