@@ -98,6 +98,8 @@ class RollflowConfig(Section):
             world = self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
             check_parallel_sizes(world, self.train.tensor_parallel, self.train.pipeline_parallel,
                                  self.train.expert_parallel)
+        if self.train.context_parallel > 1:
+            self._check_context_parallel()
         if self.engine.expert_parallel > 1 and (
                 self.cluster.rollout_num_gpus_per_engine % self.engine.expert_parallel):
             raise ValueError(
@@ -130,6 +132,22 @@ class RollflowConfig(Section):
                 "engines release their weights during training and get them back by a push"
             )
         return self
+
+    def _check_context_parallel(self) -> None:
+        """`train.context_parallel` divides the train ranks, and the run has no critic."""
+        size = self.train.context_parallel
+        world = self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
+        if world % size:
+            raise ValueError(
+                f"train.context_parallel={size} does not divide the {world} train ranks "
+                "(cluster.actor_num_nodes x cluster.actor_num_gpus_per_node)"
+            )
+        if self.algorithm.uses_critic:
+            raise ValueError(
+                f"train.context_parallel={size} with a PPO critic (algorithm.advantage_estimator="
+                f"{self.algorithm.advantage_estimator}): not supported; the critic's values are "
+                "computed on unsplit rows"
+            )
 
 
 def format_validation_error(err: ValidationError) -> str:

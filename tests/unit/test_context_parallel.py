@@ -57,3 +57,22 @@ def test_settings_context_parallelism_cannot_split_are_refused(settings: dict, c
     with pytest.raises(ValidationError, match=f"context_parallel=2 .* not supported with {clash}"):
         TrainConfig.model_validate({"context_parallel": 2, **settings})
     TrainConfig.model_validate({"context_parallel": 1, **settings})
+
+
+def test_a_run_whose_train_ranks_it_does_not_divide_or_with_a_critic_is_refused() -> None:
+    from flows.config.loader import config_from_dict
+    from flows.config.run import ConfigError
+
+    def run(cluster: dict, algorithm: dict | None = None) -> object:
+        return config_from_dict({
+            "data": {"prompt_data": "x.jsonl"},
+            "rollout": {"num_rollout": 1, "rollout_batch_size": 1, "n_samples_per_prompt": 2},
+            "engine": {"backend": "mock"}, "cluster": cluster, "algorithm": algorithm or {},
+            "train": {"model_path": "m", "context_parallel": 2},
+        })
+
+    run({"actor_num_gpus_per_node": 4})
+    with pytest.raises(ConfigError, match="context_parallel=2 does not divide the 3 train ranks"):
+        run({"actor_num_gpus_per_node": 3})
+    with pytest.raises(ConfigError, match="context_parallel=2 with a PPO critic"):
+        run({"actor_num_gpus_per_node": 2}, {"advantage_estimator": "ppo"})
