@@ -127,7 +127,8 @@ class ContextGroup:
         if world % size:
             raise ValueError(
                 f"train.context_parallel={size} needs a train group of a multiple of {size} "
-                f"ranks (cluster.train_gpus / train ranks); this one has {world}"
+                f"ranks (cluster.actor_num_nodes x cluster.actor_num_gpus_per_node); this one "
+                f"has {world}"
             )
         rank = dist.get_rank()
         mine = None
