@@ -25,8 +25,14 @@ class EngineConfig(Section):
     def _redact_urls(self, urls: list[str]) -> list[str]:
         return [redact_url(u) or u for u in urls]
     max_batch_size: int = Field(1024, ge=1, description="Requests decoded together.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Embedded engine: the model's dtype (bfloat16 on GPUs)."
+    dtype: Literal["float32", "bfloat16", "float16", "fp8"] = Field(
+        "float32",
+        description="The model's dtype (bfloat16 on GPUs). fp8: FP8 rollouts, the decoder "
+        "layers' projections in float8 (e4m3) with per-row weight scales and inputs "
+        "quantized per row as they arrive, the rest bfloat16 (SGLang: --quantization fp8 "
+        "with --dtype bfloat16). About half the weight memory and, on an H100, float8 "
+        "matmuls; the engine's log-probs then differ more from the trainer's (reported as "
+        "train/rollout_logprob_abs_diff; algorithm.rollout_correction corrects for it).",
     )
     num_continuous_decode_steps: int = Field(
         8, ge=1,

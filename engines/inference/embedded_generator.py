@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engines.inference import fused_decode
+from engines.inference import fp8, fused_decode
 from engines.inference.cuda_graph_decode import CudaGraphTurns
 from engines.inference.decode_batch import DecodeBatch, ReqState
 from engines.inference.gen_types import (
@@ -49,7 +49,9 @@ from engines.weights.model_families import check_model_config
 from engines.weights.sync import weights_checksum
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# engine.dtype -> the dtype the model loads in (fp8: bfloat16, its projections then float8)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp8": torch.bfloat16}
 
 
 def engine_device(choice: str) -> torch.device:
@@ -98,8 +100,12 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = engine_device(device)
         check_model_config(AutoConfig.from_pretrained(model_path), "embedded", model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        self._load_dtype = _DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._load_dtype)
         torch.nn.Module.to(self.model, self.device)  # transformers' typed `to` confuses mypy
+        # engine.dtype fp8: the decoder layers' projections as float8 (`fp8.py`), which a
+        # weight update quantizes again
+        self._fp8 = fp8.quantize_model(self.model) if dtype == "fp8" else {}
         self.model.eval().requires_grad_(False)
         self.batch_invariant = batch_invariant
         self.cuda_graph = cuda_graph
@@ -141,7 +147,10 @@ class EmbeddedGenerator(GeneratorIdentity):
                     f"wrong shape {reshaped[:5]}"
                 )
             for name, tensor in named:
-                current[name].copy_(tensor)
+                if name in self._fp8:
+                    self._fp8[name].load(tensor)
+                else:
+                    current[name].copy_(tensor)
             if version is not None:
                 self._version = version
 
@@ -153,7 +162,7 @@ class EmbeddedGenerator(GeneratorIdentity):
         self.load_weights(list(state_dict.items()), version)
 
     def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
-        loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.model.dtype)
+        loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._load_dtype)
         self.update_weights(loaded.state_dict(), self._version if version is None else version)
         self.model_path = model_path
 
@@ -162,7 +171,10 @@ class EmbeddedGenerator(GeneratorIdentity):
         starts from the weights the others hold, not the trainer's newer ones."""
         with self._lock, torch.no_grad():
             self._require_weights()
-            return {n: t.detach().to("cpu", copy=True) for n, t in self.model.state_dict().items()}
+            state = self.model.state_dict()
+            # fp8: the weights it computes with (quantizing them again gives the same values)
+            state.update({n: layer.dequantized() for n, layer in self._fp8.items()})
+            return {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
 
     def set_weight_version(self, version: int) -> None:
         self._version = version

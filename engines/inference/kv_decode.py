@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engines.inference import fused_decode
+from engines.inference.fp8 import fp8_linear
 from engines.inference.kv_cache import KVCache, RowFinish
 from engines.inference.sampling import SamplingRows
 
@@ -107,6 +108,11 @@ class _Layer:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
+    # engine.dtype fp8 (`fp8.py`): the projections' float8 weights have per-row scales
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     @classmethod
     def of(cls, layer: Any) -> _Layer:
@@ -124,7 +130,33 @@ class _Layer:
             m.down_proj.weight.t(),
             None if qn is None else qn.weight, None if kn is None else kn.weight,
             0.0 if qn is None else qn.variance_epsilon,
+            _cat_params(*(_scale(p) for p in (a.q_proj, a.k_proj, a.v_proj))),
+            _scale(a.o_proj), _cat_params(_scale(m.gate_proj), _scale(m.up_proj)),
+            _scale(m.down_proj),
         )  # fmt: skip
+
+
+def _scale(projection: Any) -> torch.Tensor | None:
+    """A float8 projection's per-row weight scales (`fp8.Fp8Linear`), else None."""
+    return getattr(projection, "weight_scale", None)
+
+
+def _linear(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """`h @ weight.T + bias`, through the float8 matmul where `weight` has `scale`s."""
+    if scale is None:
+        return F.linear(h, weight, bias)
+    return fp8_linear(h, weight, scale, bias)
+
+
+def _add_projection(
+    x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The residual `x` plus `h @ weight_t` (`weight_t` a transposed view of the weight)."""
+    if scale is None:
+        return torch.addmm(x, h, weight_t)
+    return x + fp8_linear(h, weight_t.t(), scale)
 
 
 class LlamaDecoder:
@@ -378,7 +410,8 @@ class LlamaDecoder:
         for w, kv in zip(self._layers, kv_layers, strict=True):
             x = layer(x, kv, cos, sin, bias, col, w.norm1, w.qkv, w.qkv_bias, w.o_t, w.norm2,
                       w.gate_up, w.gate_up_bias, w.down_t, w.q_norm, w.k_norm, w.eps1, w.eps2,
-                      w.qk_eps, w.scaling, self.heads, self.kv_heads)  # fmt: skip
+                      w.qk_eps, w.scaling, self.heads, self.kv_heads, w.qkv_scale, w.o_scale,
+                      w.gate_up_scale, w.down_scale)  # fmt: skip
         return F.linear(_rms_norm(x, norm, eps), lm_head, lm_bias)
 
     def compile_layers(self) -> None:
@@ -424,7 +457,9 @@ def _decode_layer(
     qkv_b: torch.Tensor | None, o_t: torch.Tensor, norm2: torch.Tensor, gate_up: torch.Tensor,
     gate_up_b: torch.Tensor | None, down_t: torch.Tensor, q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None, eps1: float, eps2: float, qk_eps: float, scaling: float,
-    heads: int, kv_heads: int,
+    heads: int, kv_heads: int, qkv_s: torch.Tensor | None = None,
+    o_s: torch.Tensor | None = None, gate_up_s: torch.Tensor | None = None,
+    down_s: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer for one token per row (`_Layer`'s weights), storing its keys and values
     at `col` of `kv`: an int (attention reads columns up to it) or a 1-element device tensor
@@ -433,7 +468,7 @@ def _decode_layer(
     rows, d = x.shape[0], kv.shape[-1]
     qk = heads + kv_heads
     h = _rms_norm(x, norm1, eps1)
-    qkv = F.linear(h, qkv_w, qkv_b).view(rows, -1, 1, d)  # heads q | k | v
+    qkv = _linear(h, qkv_w, qkv_b, qkv_s).view(rows, -1, 1, d)  # heads q | k | v
     q_k = qkv[:, :qk]
     if q_norm is not None and k_norm is not None:  # Qwen3, before RoPE
         q_k[:, :heads] = _rms_norm(q_k[:, :heads], q_norm, qk_eps)
@@ -448,10 +483,10 @@ def _decode_layer(
         kv.index_copy_(3, col, new.unsqueeze(3))
         keys, values = kv.unbind(2)
     out = _decode_attention(qkv[:, :heads], keys, values, bias, scaling)
-    x = torch.addmm(x, out.view(rows, -1), o_t)
+    x = _add_projection(x, out.view(rows, -1), o_t, o_s)
     h = _rms_norm(x, norm2, eps2)
-    gate, up = F.linear(h, gate_up, gate_up_b).chunk(2, dim=-1)
-    return torch.addmm(x, F.silu(gate, inplace=True).mul_(up), down_t)
+    gate, up = _linear(h, gate_up, gate_up_b, gate_up_s).chunk(2, dim=-1)
+    return _add_projection(x, F.silu(gate, inplace=True).mul_(up), down_t, down_s)
 
 
 class HFDecoder:

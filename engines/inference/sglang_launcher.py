@@ -27,7 +27,9 @@ def launch_command(
     model's experts are split over `engine.expert_parallel` of those GPUs (`--ep-size`)."""
     if cfg.model_path is None:
         raise ValueError("engine.model_path is required to launch SGLang servers")
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.dtype]
+    # fp8: SGLang quantizes the bfloat16 checkpoint's linear layers as it loads them
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+             "fp8": "bfloat16"}[cfg.dtype]
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path,
@@ -40,6 +42,7 @@ def launch_command(
         "--skip-server-warmup",
         *(["--base-gpu-id", str(base_gpu_id)] if base_gpu_id is not None else []),
         *(["--ep-size", str(cfg.expert_parallel)] if cfg.expert_parallel > 1 else []),
+        *(["--quantization", "fp8"] if cfg.dtype == "fp8" else []),
     ]
 
 

@@ -28,6 +28,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="tool-call format of /v1/chat/completions: hermes, qwen25 or qwen")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the decoder layers' projections in float8, the rest bfloat16 "
+                   "(overrides --dtype)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when a GPU is visible, else cpu")
     p.add_argument("--max-running-requests", type=int, default=1024,
@@ -47,7 +50,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if value != 1:
             raise ValueError(f"{flag} {value}: the embedded engine runs one model on one device; "
                              "serve tensor or expert parallel models with SGLang")
-    dtype = args.dtype
+    dtype = "fp8" if args.quantization == "fp8" else args.dtype
     if dtype == "auto":
         import torch
 

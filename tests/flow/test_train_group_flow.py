@@ -1,5 +1,6 @@
-"""Rollout steps with a two-rank data-parallel torch trainer (gloo, mock engine), under DDP
-and under FSDP2: the step tasks drive the group through their usual
+"""Rollout steps with a two-rank torch trainer (gloo, mock engine): data parallel under DDP
+and under FSDP2, and one context-parallel pair (`train.context_parallel=2`: both ranks
+split the same samples' sequences). The step tasks drive the group through their usual
 `trainer.<method>.remote(...)` calls, the engine ends with the trainer's weights (FSDP2
 gathers them from both ranks), and a rank lost between runs takes the group down and the
 rerun rebuilds it from the checkpoint (FSDP2: its sharded optimizer state)."""
@@ -19,9 +20,10 @@ from engines.cluster.registry import actor_name, get_run_actor
 from storage.run_layout import RunLayout
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(("strategy", "context_parallel"),
+                         [("ddp", 1), ("fsdp2", 1), ("ddp", 2)], ids=["ddp", "fsdp2", "ddp-cp2"])
 def test_steps_with_two_train_ranks_and_a_lost_rank(
-    prefect_api, make_config, strategy: str
+    prefect_api, make_config, strategy: str, context_parallel: int
 ):
     from flows.train import train
 
@@ -29,6 +31,7 @@ def test_steps_with_two_train_ranks_and_a_lost_rank(
         return make_config(run, "train.backend=torch", "cluster.actor_num_gpus_per_node=2",
                            "cluster.keep_actors=true", "train.save_interval=1",
                            f"train.strategy={strategy}", f"rollout.num_rollout={num_rollout}",
+                           f"train.context_parallel={context_parallel}",
                            unique=False)
 
     run = f"dp-{uuid.uuid4().hex[:8]}"
