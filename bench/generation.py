@@ -29,6 +29,9 @@ Usage:
   python -m bench.generation --batch-sizes 1 16 64 --new-tokens 64
   python -m bench.generation --device cuda --model qwen2-0.5b --dtype bfloat16 \
       --batch-sizes 64 256 --new-tokens 256 --repeats 2
+  python -m bench.generation --device cuda --model qwen2-0.5b --dtype bfloat16 --fp8 ...
+      (adds the engine with engine.dtype fp8, and each engine dtype's log-prob gap to a
+      --dtype full forward: the mismatch a trainer in that dtype sees)
 Results: bench/RESULTS.md, "Embedded engine vs HF generate" (CPU) and "... on a GPU".
 """
 
@@ -155,6 +158,21 @@ def check_outputs(model: Any, pad: int, ids: list[list[int]], url: str, new_toke
     return "" if worst < LOGPROB_TOL else f"log-probs off a full forward by {worst:.2e}"
 
 
+def logprob_gap(model: Any, ids: list[list[int]], url: str, new_tokens: int) -> tuple[float, float]:
+    """Mean and largest |engine log-prob - `model`'s full-forward log-prob| over the tokens
+    the engine samples (temperature 1): the rollout-training mismatch an engine dtype brings
+    against a trainer that holds `model`."""
+    gaps = []
+    for prompt, out in zip(ids, engine_outputs(url, ids, new_tokens, 1.0), strict=True):
+        full = torch.tensor([prompt + out.output_ids], device=model.device)
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(full).logits[0, len(prompt) - 1 : -1].float(), -1)
+        ref = logp.gather(1, torch.tensor(out.output_ids, device=model.device)[:, None])[:, 0]
+        gaps.append((ref.cpu() - torch.tensor(out.log_probs)).abs())
+    gap = torch.cat(gaps)
+    return float(gap.mean()), float(gap.max())
+
+
 def cpu_seconds(run: Callable[[], object]) -> float:
     start = time.process_time()
     run()
@@ -225,6 +243,9 @@ def main() -> None:
                         help=f"--model {QWEN2_05B}: random prompt ids, half to all this long")
     parser.add_argument("--check-rows", type=int, default=8, help="cuda: rows checked")
     parser.add_argument("--check-tokens", type=int, default=32, help="cuda: tokens checked")
+    parser.add_argument("--fp8", action="store_true",
+                        help="cuda: also the engine with engine.dtype fp8 (graphs, compiled), "
+                        "and each dtype's log-prob gap to a --dtype full forward")
     args = parser.parse_args()
     model_dir = build_model(args.model or None)
     if args.device == "cuda":
@@ -273,7 +294,11 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
 
     print(f"model {model_dir}, {torch.cuda.get_device_name()}, {args.dtype}, "
           f"{args.new_tokens} new tokens/request, medians of {args.repeats}")
-    names = ("engine", "engine compiled", "engine eager", "HF dynamic", "HF static")
+    variants = [(args.dtype, False, False), (args.dtype, False, True), (args.dtype, True, False)]
+    names = ["engine", "engine compiled", "engine eager", "HF dynamic", "HF static"]
+    if args.fp8:  # engine.dtype fp8, with CUDA graphs, then compiled as well
+        variants += [("fp8", False, False), ("fp8", False, True)]
+        names[3:3] = ["engine fp8", "engine fp8 compiled"]
     print(f"{'batch':>6} " + " ".join(f"{n + ' tok/s':>18}" for n in names) + "  checks")
     failed = False
     for batch in args.batch_sizes:
@@ -286,9 +311,15 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
         finally:
             actor.shutdown()
         model = model.to(dtype)
-        actors = (engine(args.dtype), engine(args.dtype, compiled=True),
-                  engine(args.dtype, eager=True))
+        actors = [engine(name, eager, compiled) for name, eager, compiled in variants]
         try:
+            if args.fp8:  # each engine dtype's log-probs against the trainer's (model's)
+                for actor, (name, eager, compiled) in zip(actors, variants, strict=True):
+                    if not (eager or compiled):
+                        mean, worst = logprob_gap(model, ids[: args.check_rows], actor.url(),
+                                                  args.check_tokens)
+                        print(f"{name} engine vs {args.dtype} forward: |log-prob diff| mean "
+                              f"{mean:.4f}, max {worst:.4f}", flush=True)
             runners: list[Callable[[], list[Any]]] = [
                 EngineRunner(a.url(), ids, args.new_tokens, 1.0) for a in actors]
             runners += [hf_runner(model, pad, ids, args.new_tokens, True, cache)
