@@ -262,14 +262,16 @@ def qwen(args: argparse.Namespace) -> None:
     c = cfg.cluster
     gpus = c.actor_num_nodes * c.actor_num_gpus_per_node
     engines = cfg.engine.num_engines
+    # the torch trainer's sharding (ddp or fsdp2), megatron's tensor parallelism
+    trainer = (f"torch trainer {cfg.train.strategy}" if args.backend == "torch"
+               else f"megatron trainer TP={cfg.train.tensor_parallel}")
     if args.colocate:
         where = "colocated on one GPU" if gpus == 1 else (
-            f"{args.backend} trainer TP={cfg.train.tensor_parallel} colocated with {engines} "
-            f"engines on {gpus} GPUs")
+            f"{trainer} colocated with {engines} engines on {gpus} GPUs")
     elif gpus == 1 and engines == 1:
         where = "trainer GPU 0, engine GPU 1"
     else:
-        where = (f"{args.backend} trainer TP={cfg.train.tensor_parallel} on {gpus} GPUs, "
+        where = (f"{trainer} on {gpus} GPUs, "
                  f"{engines} engines on their own GPUs"
                  + (" behind sglang-router" if cfg.rollout.use_router else ""))
     summary = print_table("qwen2-0.5B-shaped GRPO, " + where, step_rows(res["run_dir"]), model,

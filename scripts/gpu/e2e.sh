@@ -30,6 +30,10 @@
 #   (h) bench.async_rl on 2 GPUs (trainer on GPU 0, engine on GPU 1): time to a held-out accuracy
 #       in sync and async mode on the long-tailed addition task, its long answers 400 dots
 #       (H_ARGS replaces the bench's arguments; not run by default).
+#   (i) 2 GPUs, colocated: (g) with the torch trainer sharded by FSDP2 (`train.strategy=fsdp2`,
+#       bf16 compute, fp32 master weights) over both GPUs, one embedded engine per GPU, weights
+#       as CUDA IPC handles (not run by default; not yet run on GPUs: only its CPU form,
+#       E2E_ARGS="--quick ...", with two gloo ranks and two CPU engines).
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
 # run: bench/RESULTS.md, "GPU end to end".
@@ -111,6 +115,10 @@ for part in $PARTS; do
                 --set train.tensor_parallel=2 --set cluster.actor_num_gpus_per_node=2
                 --set engine.num_engines=2 --set cluster.rollout_num_gpus=2)
        run g_tp2_colocate "${T_G:-360}" qwen2-grpo-tp2-colocate qwen "${TP2COLO[@]}" ;;
+    i) FSDP2COLO=(--colocate --run-name qwen2-grpo-fsdp2-colocate --set train.strategy=fsdp2
+                  --set cluster.actor_num_gpus_per_node=2 --set engine.num_engines=2
+                  --set cluster.rollout_num_gpus=2)
+       run i_fsdp2_colocate "${T_I:-360}" qwen2-grpo-fsdp2-colocate qwen "${FSDP2COLO[@]}" ;;
     h) t=$(date +%s)
        timeout "${T_H:-580}" $PY -m bench.async_rl ${H_ARGS:---modes sync,async:2 --long-dots 400 --max-response-len 448} \
          > "$LOG/h_async.log" 2>&1
