@@ -111,7 +111,7 @@ def num_train_ranks(cfg: RunConfig) -> int:
     """Data-parallel trainer processes; a rollout-only run has one null trainer."""
     if cfg.rollout.debug_rollout_only:
         return 1
-    return cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node
+    return cfg.cluster.train_ranks
 
 
 def rank_names(cfg: RunConfig) -> list[str]:

@@ -63,7 +63,7 @@ class ResourcePlan:
 
 
 def plan_resources(cfg: ClusterConfig) -> ResourcePlan:
-    num_train = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+    num_train = cfg.train_ranks
     if cfg.colocate:
         if cfg.rollout_num_gpus not in (None, num_train):
             raise ConfigError(

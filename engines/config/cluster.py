@@ -64,3 +64,8 @@ class ClusterConfig(Section):
         description="Engines and trainer share the same bundles (offload/onload between "
         "phases); False splits the bundles at the rollout offset.",
     )
+
+    @property
+    def train_ranks(self) -> int:
+        """The train group's ranks: actor_num_nodes x actor_num_gpus_per_node."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node

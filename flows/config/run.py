@@ -95,7 +95,7 @@ class RollflowConfig(Section):
                 "(process-group broadcast) or 'disk' with engine.backend 'sglang'"
             )
         if self.train.backend == "megatron":
-            world = self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
+            world = self.cluster.train_ranks
             check_parallel_sizes(world, self.train.tensor_parallel, self.train.pipeline_parallel,
                                  self.train.expert_parallel)
         if self.train.context_parallel > 1:
@@ -136,7 +136,7 @@ class RollflowConfig(Section):
     def _check_context_parallel(self) -> None:
         """`train.context_parallel` divides the train ranks, and the run has no critic."""
         size = self.train.context_parallel
-        world = self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
+        world = self.cluster.train_ranks
         if world % size:
             raise ValueError(
                 f"train.context_parallel={size} does not divide the {world} train ranks "

@@ -195,7 +195,7 @@ def arithmetic(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - t1
     before, after = (100.0 * res["evals"][v]["eval/test"] for v in (0, grpo.rollout.num_rollout))
     rows = step_rows(res["run_dir"])
-    gpus = grpo.cluster.actor_num_nodes * grpo.cluster.actor_num_gpus_per_node
+    gpus = grpo.cluster.train_ranks
     summary = print_table(f"arithmetic GRPO ({args.backend} trainer, {args.family})", rows,
                           model, args.peak_tflops, gpus)
     print(f"held-out exact match ({args.backend}): before RL {before:.1f}%, after RL {after:.1f}% "
@@ -259,8 +259,7 @@ def qwen(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     res = train(cfg)
     seconds = time.perf_counter() - t0
-    c = cfg.cluster
-    gpus = c.actor_num_nodes * c.actor_num_gpus_per_node
+    gpus = cfg.cluster.train_ranks
     engines = cfg.engine.num_engines
     # the torch trainer's sharding (ddp or fsdp2), megatron's tensor parallelism
     trainer = (f"torch trainer {cfg.train.strategy}" if args.backend == "torch"
