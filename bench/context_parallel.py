@@ -11,7 +11,8 @@ the CPU) through gloo: the kernels and each rank's memory are what they would be
 transport is slower. The model is randomly initialised (`--layers` of the 0.5B shape,
 activation checkpointing on unless `--no-activation-checkpointing`); the sequence is a
 `--prompt-len` prompt and a response filling the rest. Prints one JSON line per length; an
-unsplit step that runs out of memory says so instead of a figure. Results:
+unsplit step that runs out of memory says so instead of a figure; `--memory-gib 80` caps each
+rank at an H100's memory on a larger card. Results:
 bench/RESULTS.md, "Context parallelism".
 """
 
@@ -103,6 +104,10 @@ def _rank(rank: int, world: int, init: str, args: dict[str, Any], out: str) -> N
     device, backend = placement(rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args["memory_gib"]:  # a smaller card: an H100's 80 GB on an H200
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args["memory_gib"] * GIB / total),
+                                                       device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
     try:
@@ -137,6 +142,7 @@ def report(rows: list[list[dict[str, Any]]], world: int, args: argparse.Namespac
         line: dict[str, Any] = {
             "length": per_rank[0]["length"], "context_parallel": world, "dtype": args.dtype,
             "layers": args.layers, "activation_checkpointing": args.activation_checkpointing,
+            "memory_cap_gib": args.memory_gib or None,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "gpus": torch.cuda.device_count(),
         }
@@ -176,6 +182,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--layers", type=int, default=QWEN2_05B["num_hidden_layers"])
     parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--memory-gib", type=float, default=0.0,
+                        help="cap each rank's GPU memory (80: an H100 on a larger card)")
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing",
                         action="store_false")
     return parser.parse_args(argv)

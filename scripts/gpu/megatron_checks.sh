@@ -22,7 +22,8 @@
 #   cp        tests/gpu/test_context_parallel.py: a 32k-token sequence split across two ranks
 #             (one GPU each, or both on one GPU through gloo) equals the unsplit one in fp32
 #   cp_bench  bench.context_parallel on the same ranks: per-rank memory and time, split vs
-#             unsplit, at CP_LENGTHS (default 32768,65536,131072) in bf16
+#             unsplit, at CP_LENGTHS (default 32768,65536,131072) in bf16 (CP_BENCH_ARGS adds
+#             flags, e.g. "--memory-gib 80" for an H100's memory on an H200)
 #   bench     GPU 1 then both: bench.megatron_grpo torch, megatron TP=1 (padded, then packed),
 #             megatron TP=2 (BENCH_ARGS adds flags to each, e.g. "--prompt-len 1024 --response-len 3072";
 #             BENCH_TORCH / BENCH_MEGATRON to one backend's runs, e.g. "--profile")
@@ -89,7 +90,7 @@ part fsdp_bench ${T_FSDP_BENCH:-600} bash -c "$RUN && $RUN --strategy fsdp2 && \
   $RUN --strategy fsdp2 --activation-checkpointing && $RUN --strategy fsdp2 --fsdp-cpu-offload"
 part cp ${T_CP:-300} $PYTEST tests/gpu/test_context_parallel.py
 part cp_bench ${T_CP_BENCH:-600} $PY -m bench.context_parallel --world 2 --dtype bfloat16 \
-  --lengths ${CP_LENGTHS:-32768,65536,131072}
+  --lengths ${CP_LENGTHS:-32768,65536,131072} ${CP_BENCH_ARGS:-}
 TP2="$PY -m torch.distributed.run --standalone --nproc-per-node=2 $BENCH --backend megatron --tp 2"
 [ "$NGPU" -gt 1 ] || TP2=true  # TP=2 needs two GPUs
 part bench ${T_BENCH:-600} bash -c "CUDA_VISIBLE_DEVICES=$LAST $PY $BENCH --backend torch ${BENCH_TORCH:-} && \
