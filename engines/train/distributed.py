@@ -117,8 +117,18 @@ def rendezvous_address() -> tuple[str, int]:
     return ip, free_port(ip)
 
 
+def process_group_backend(cuda: bool, cpu_collectives: bool) -> str:
+    """NCCL on GPUs, gloo on CPUs; both where GPU ranks also reduce CPU tensors (FSDP2's CPU
+    offload: the gradient norm of shards that live on the CPU), which NCCL refuses with
+    "No backend type associated with device type cpu"."""
+    if not cuda:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
+
+
 def init_data_parallel(
-    master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float = 1800.0
+    master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float = 1800.0,
+    cpu_collectives: bool = False,
 ) -> None:
     """Join the default process group (blocks until all `world_size` ranks are in)."""
     if dist.is_initialized():
@@ -127,8 +137,9 @@ def init_data_parallel(
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK="0",
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    cuda = torch.cuda.is_available()
+    backend = process_group_backend(cuda, cpu_collectives)
+    if cuda:
         torch.cuda.set_device(0)
     dist.init_process_group(
         backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,

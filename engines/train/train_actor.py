@@ -122,7 +122,8 @@ class TrainActor:
         from engines.train.distributed import init_data_parallel
 
         if self._backend is None:
-            init_data_parallel(master_addr, master_port, self.rank, self.world_size)
+            init_data_parallel(master_addr, master_port, self.rank, self.world_size,
+                               cpu_collectives=self.cfg.train.fsdp_cpu_offload)
             self._backend = TRAIN_BACKENDS[self.cfg.train.backend](self.cfg)
             freeze_actor_heap()
         return self.rank

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engines.train.distributed import process_group_backend
 from tests.support import fsdp_runs as runs
 from tests.support.gpu import NCCL_SAFE_ENV
 from tests.support.rendezvous import file_rendezvous
@@ -33,7 +34,10 @@ def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
     # runs, where Adam's first steps (about lr x the gradient's sign) would magnify it
     os.environ.update(NCCL_SAFE_ENV, LOCAL_RANK=str(rank), CUBLAS_WORKSPACE_CONFIG=":4096:8")
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    # the offload case reduces CPU shards' gradient norm: gloo beside NCCL, as the train
+    # group's ranks join with `train.fsdp_cpu_offload` (engines/train/distributed.py)
+    backend = process_group_backend(cuda=True, cpu_collectives=True)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     out_dir = Path(out)
     try:
         cases = {"ddp": ("ddp", {}), "fsdp2": ("fsdp2", {}),

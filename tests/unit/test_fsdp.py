@@ -35,3 +35,17 @@ def test_fewer_micro_batches_are_padded_with_uncounted_stand_ins() -> None:
 def test_settings_fsdp2_cannot_honour_are_refused(settings: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         TrainConfig.model_validate(settings)
+
+
+def test_gpu_ranks_with_cpu_offloaded_shards_also_get_gloo() -> None:
+    """NCCL alone cannot reduce the CPU shards' gradient norm (found on 2 H200s: "No backend
+    type associated with device type cpu"); a torch-parsable backend string adds gloo."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from engines.train.distributed import process_group_backend
+
+    assert process_group_backend(cuda=False, cpu_collectives=True) == "gloo"
+    assert process_group_backend(cuda=True, cpu_collectives=False) == "nccl"
+    both = process_group_backend(cuda=True, cpu_collectives=True)
+    assert BackendConfig(Backend(both)).get_device_backend_map() == {"cpu": "gloo",
+                                                                     "cuda": "nccl"}
