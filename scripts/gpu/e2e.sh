@@ -32,8 +32,8 @@
 #       (H_ARGS replaces the bench's arguments; not run by default).
 #   (i) 2 GPUs, colocated: (g) with the torch trainer sharded by FSDP2 (`train.strategy=fsdp2`,
 #       bf16 compute, fp32 master weights) over both GPUs, one embedded engine per GPU, weights
-#       as CUDA IPC handles (not run by default; not yet run on GPUs: only its CPU form,
-#       E2E_ARGS="--quick ...", with two gloo ranks and two CPU engines).
+#       as CUDA IPC handles (not run by default; its CPU form, E2E_ARGS="--quick ...", runs two
+#       gloo ranks and two CPU engines).
 # scripts/gpu/e2e.py prints the tables from each run's stored metrics: seconds per task,
 # weight-sync seconds, generation and training tokens/s, MFU. What each part measured, per
 # run: bench/RESULTS.md, "GPU end to end".
