@@ -69,7 +69,7 @@ def long_batch(length: int, prompt_len: int, vocab: int) -> PaddedBatch:
 
 
 def loss_step(model: torch.nn.Module, batch: PaddedBatch, dtype: torch.dtype,
-              context: ContextGroup | None) -> dict[str, Any]:
+              context: ContextGroup | None, chunked_head: bool = False) -> dict[str, Any]:
     """Forward and backward of the mean response log-prob; its time, this process's peak
     memory, the loss and the log-probs (or `oom`)."""
     device = batch.input_ids.device
@@ -80,7 +80,8 @@ def loss_step(model: torch.nn.Module, batch: PaddedBatch, dtype: torch.dtype,
     start = time.perf_counter()
     try:
         with autocast(device, dtype):
-            log_probs, _, _ = response_outputs(model, batch, 1.0, context=context)
+            log_probs, _, _ = response_outputs(model, batch, 1.0, context=context,
+                                               chunked_head=chunked_head)
         loss = -(log_probs * batch.loss_mask).sum() / batch.loss_mask.sum()
         loss.backward()
         if cuda:
@@ -125,9 +126,10 @@ def _rank(rank: int, world: int, init: str, args: dict[str, Any], out: str) -> N
         rows = []
         for length in lengths:
             batch = long_batch(length, args["prompt_len"], vocab).to(device)
-            single = loss_step(model, batch, dtype, None) if rank == 0 else {}
+            chunked = args["chunked_lm_head"]
+            single = loss_step(model, batch, dtype, None, chunked) if rank == 0 else {}
             dist.barrier()
-            split = loss_step(model, batch, dtype, group)
+            split = loss_step(model, batch, dtype, group, chunked)
             rows.append({"length": length, "single": single, "split": split})
             print(f"rank {rank}: {length} tokens done", flush=True)
         torch.save(rows, Path(out) / f"rank{rank}.pt")
@@ -142,7 +144,7 @@ def report(rows: list[list[dict[str, Any]]], world: int, args: argparse.Namespac
         line: dict[str, Any] = {
             "length": per_rank[0]["length"], "context_parallel": world, "dtype": args.dtype,
             "layers": args.layers, "activation_checkpointing": args.activation_checkpointing,
-            "memory_cap_gib": args.memory_gib or None,
+            "memory_cap_gib": args.memory_gib or None, "chunked_lm_head": args.chunked_lm_head,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "gpus": torch.cuda.device_count(),
         }
@@ -184,6 +186,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--memory-gib", type=float, default=0.0,
                         help="cap each rank's GPU memory (80: an H100 on a larger card)")
+    parser.add_argument("--chunked-lm-head", action="store_true",
+                        help="train.chunked_lm_head: the LM head a chunk of tokens at a time")
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing",
                         action="store_false")
     return parser.parse_args(argv)

@@ -116,6 +116,14 @@ class TrainConfig(Section):
         "instead of keeping them (actor and critic): a long sequence then needs one layer's "
         "activations, for about one more forward of compute.",
     )
+    chunked_lm_head: bool = Field(
+        False,
+        description="torch: run the LM head and the log-prob/entropy head a chunk of tokens "
+        "at a time, projecting each chunk again in the backward: a long sequence's "
+        "[tokens, vocab] logits are never held whole (about 0.29 GiB per 1k tokens in bf16 "
+        "for a 151,936-token vocab, as much again for their gradient), for about one more "
+        "LM-head forward of compute (engines/train/chunked_head.py).",
+    )
     model_path: str | None = Field(None, description="HF-format initial policy.")
     load: str | None = Field(None, description="Checkpoint directory (HF format) to start from.")
     critic_model_path: str | None = Field(
@@ -275,6 +283,11 @@ class TrainConfig(Section):
             raise ValueError(
                 f"train.strategy=fsdp2 is the torch trainer's; train.backend={self.backend} "
                 "shards with its own settings (megatron: tensor_parallel, pipeline_parallel)"
+            )
+        if self.chunked_lm_head and self.backend != "torch":
+            raise ValueError(
+                f"train.chunked_lm_head is the torch trainer's; train.backend={self.backend} "
+                "has its own head (megatron: vocab-parallel, through token_stats)"
             )
         if self.fsdp_cpu_offload and self.strategy != "fsdp2":
             raise ValueError("train.fsdp_cpu_offload needs train.strategy=fsdp2")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.train.batching import PaddedBatch, kept_positions
+from engines.train.chunked_head import head_token_stats, maybe_passed_through
 from engines.train.token_stats import token_stats
 
 ATTENTION_NAME = "rollflow_context_parallel"
@@ -207,7 +208,7 @@ def use_context_parallel(model: torch.nn.Module) -> None:
 
 def response_outputs(
     model: torch.nn.Module, batch: PaddedBatch, temperature: float, group: ContextGroup,
-    entropy_grad: bool = False, trim_logits: bool = False,
+    entropy_grad: bool = False, trim_logits: bool = False, chunked_head: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """`torch_models.response_outputs` of a padded batch, its rows split across `group`:
     `(log_probs, entropy)` `[B, R]` float32, the same on every rank of the group.
@@ -233,10 +234,14 @@ def response_outputs(
     split = _RowSplit(group, zigzag_chunks(length, group.size, group.rank),
                       global_order(length, group.size).to(device))
     kw[SPLIT_KEYWORD] = split
-    out = model(input_ids=ids, position_ids=held.expand(rows, -1), use_cache=False, **kw)
-    logits = out.logits[b, index[b, j]].unsqueeze(0)  # [1, held slots, V]
-    log_probs, entropy = token_stats(logits, batch.targets[b, j].unsqueeze(0), temperature,
-                                     entropy_grad=entropy_grad)
+    with maybe_passed_through(model, chunked_head) as head:
+        out = model(input_ids=ids, position_ids=held.expand(rows, -1), use_cache=False, **kw)
+    logits = out.logits[b, index[b, j]].unsqueeze(0)  # [1, held slots, V] (or H: `head`)
+    targets = batch.targets[b, j].unsqueeze(0)
+    if head is not None:
+        log_probs, entropy = head_token_stats(logits, head, targets, temperature, entropy_grad)
+    else:
+        log_probs, entropy = token_stats(logits, targets, temperature, entropy_grad=entropy_grad)
     zeros = torch.zeros(batch.targets.shape, dtype=torch.float32, device=device)
     full_lp = zeros.index_put((b, j), log_probs[0].float())
     full_ent = zeros.index_put((b, j), entropy[0].float())

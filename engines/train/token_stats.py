@@ -94,14 +94,15 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab))
 
 
-def _local_targets(targets: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor]:
+def local_targets(targets: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor]:
     """(column in this shard `[n, 1]`, 1.0 where the target lies in this shard `[n]`)."""
     local = targets - vocab_start
     mine = ((local >= 0) & (local < vocab)).float()
     return local.clamp(0, vocab - 1).unsqueeze(-1), mine
 
 
-def _stats(flat: Tensor, col: Tensor, mine: Tensor, temperature: float) -> Tensor:
+def flat_row_stats(flat: Tensor, col: Tensor, mine: Tensor, temperature: float) -> Tensor:
+    """`row_stats` of `[n, V]` logits: fused on CUDA, else in fp32 chunks of rows."""
     out = _run("stats", row_stats, flat, col, mine, temperature)
     if out is not None:
         return out
@@ -119,8 +120,8 @@ class _TokenStats(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
-        col, mine = _local_targets(targets.reshape(-1), vocab_start, vocab)
-        stats = _stats(flat, col, mine, temperature)
+        col, mine = local_targets(targets.reshape(-1), vocab_start, vocab)
+        stats = flat_row_stats(flat, col, mine, temperature)
         if group is None:
             shards = stats.unsqueeze(0)
         else:
@@ -139,21 +140,28 @@ class _TokenStats(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         logits, col, mine, lse, mean_z = ctx.saved_tensors
         flat = logits.reshape(-1, logits.shape[-1])
-        g_lp, g_h = _or_zeros(grad_log_probs, lse), _or_zeros(grad_entropy, lse)
-        per_row = (col, mine, lse, mean_z, g_lp, g_h)
-        grad = _run("grad", logit_grad, flat, *per_row, ctx.temperature)
-        if grad is None:
-            grad = torch.empty_like(flat)
-            step = _rows_per_chunk(flat.shape[-1])
-            for a in range(0, flat.shape[0], step):
-                c, m, lse_c, mean_c, g_lp_c, g_h_c = (t[a : a + step] for t in per_row)
-                grad[a : a + step] = logit_grad(
-                    flat[a : a + step], c, m, lse_c, mean_c, g_lp_c, g_h_c, ctx.temperature
-                )
+        g_lp, g_h = or_zeros(grad_log_probs, lse), or_zeros(grad_entropy, lse)
+        grad = flat_logit_grad(flat, (col, mine, lse, mean_z, g_lp, g_h), ctx.temperature)
         return grad.view_as(logits), None, None, None, None
 
 
-def _or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
+def flat_logit_grad(flat: Tensor, per_row: tuple[Tensor, ...], temperature: float) -> Tensor:
+    """`logit_grad` of `[n, V]` logits, `per_row` its (col, mine, lse, mean_z, g_lp, g_h):
+    fused on CUDA, else in fp32 chunks of rows."""
+    grad = _run("grad", logit_grad, flat, *per_row, temperature)
+    if grad is None:
+        grad = torch.empty_like(flat)
+        step = _rows_per_chunk(flat.shape[-1])
+        for a in range(0, flat.shape[0], step):
+            c, m, lse_c, mean_c, g_lp_c, g_h_c = (t[a : a + step] for t in per_row)
+            grad[a : a + step] = logit_grad(
+                flat[a : a + step], c, m, lse_c, mean_c, g_lp_c, g_h_c, temperature
+            )
+    return grad
+
+
+def or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
+    """A backward's incoming gradient flattened to float32, zeros where none came."""
     return torch.zeros_like(like) if grad is None else grad.reshape(-1).float()
 
 

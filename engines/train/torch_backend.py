@@ -230,7 +230,8 @@ class TorchTrainBackend:
             model.eval()
             return self._score(
                 samples,
-                lambda b: response_log_probs(model, b, self.temperature, context=self.context)[0],
+                lambda b: response_log_probs(model, b, self.temperature, context=self.context,
+                                             chunked_head=self.train_cfg.chunked_lm_head)[0],
                 self._log_prob_batch(model, replay))
 
         return scorer
@@ -343,6 +344,7 @@ class TorchTrainBackend:
             log_probs, entropy, aux = response_outputs(
                 self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0,
                 router_aux_loss=aux_coef > 0.0, context=self.context,
+                chunked_head=self.train_cfg.chunked_lm_head,
             )
         return Forward(batch, log_probs=log_probs, entropy=entropy,
                        aux_loss=None if aux is None else aux * aux_coef)

@@ -28,6 +28,7 @@ from engines.train.batching import (
     logit_positions,
     split_micro_batches,
 )
+from engines.train.chunked_head import head_token_stats, maybe_passed_through
 from engines.train.context_parallel import ContextGroup
 from engines.train.routing_replay import replayed_routing
 from engines.train.token_stats import token_stats
@@ -86,10 +87,11 @@ def response_log_probs(
     temperature: float,
     entropy_grad: bool = False,
     context: ContextGroup | None = None,
+    chunked_head: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`."""
     log_probs, entropy, _ = response_outputs(model, batch, temperature, entropy_grad,
-                                             context=context)
+                                             context=context, chunked_head=chunked_head)
     return log_probs, entropy
 
 
@@ -100,12 +102,14 @@ def response_outputs(
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
     context: ContextGroup | None = None,
+    chunked_head: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`, and
     with `router_aux_loss` an MoE model's load-balancing loss (HF's, unscaled; None for a
     dense model). A batch with `routed_experts` replays them (`routing_replay.py`).
     `context`: the rows are split across this context-parallel group
-    (`context_parallel.py`; a padded batch of a dense model).
+    (`context_parallel.py`; a padded batch of a dense model). `chunked_head`: the LM head
+    runs a chunk of tokens at a time (`chunked_head.py`, `train.chunked_lm_head`).
 
     Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
     and is computed off the graph.
@@ -113,7 +117,7 @@ def response_outputs(
     if context is not None:
         log_probs, entropy = context_parallel.response_outputs(
             model, batch, effective_temperature(temperature), context, entropy_grad,
-            trim_logits=trims_logits(model))
+            trim_logits=trims_logits(model), chunked_head=chunked_head)
         return log_probs, entropy, None
     kw: dict[str, Any] = {}
     index = batch.logit_index
@@ -121,14 +125,21 @@ def response_outputs(
         kw["logits_to_keep"], index = logit_positions(batch)
     if router_aux_loss:
         kw["output_router_logits"] = True
-    with replayed_routing(model, batch.routed_experts):
+    with replayed_routing(model, batch.routed_experts), maybe_passed_through(
+            model, chunked_head) as head:
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False, **kw)
     # the response positions' logits in the head's own dtype: `token_stats` reads them in
-    # chunks (one fused kernel on a GPU) and keeps no float32 copy of the vocabulary
+    # chunks (one fused kernel on a GPU) and keeps no float32 copy of the vocabulary; with
+    # `chunked_head` these are the final hidden states, projected a chunk at a time
     logits = gather_response_logits(out.logits, index, batch.logit_row)
-    log_probs, entropy = token_stats(logits, batch.targets, effective_temperature(temperature),
-                                     entropy_grad=entropy_grad)
+    if head is not None:
+        log_probs, entropy = head_token_stats(logits, head, batch.targets,
+                                              effective_temperature(temperature), entropy_grad)
+    else:
+        log_probs, entropy = token_stats(logits, batch.targets,
+                                         effective_temperature(temperature),
+                                         entropy_grad=entropy_grad)
     aux = getattr(out, "aux_loss", None) if router_aux_loss else None
     return log_probs, entropy, aux
 

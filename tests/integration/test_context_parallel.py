@@ -5,8 +5,10 @@ keys and values gathered each layer), and
 - the response log-probs, entropies and the gradients of a loss on them equal the unsplit
   forward's within 1e-5 in float32;
 - two GRPO steps of the torch trainer with context_parallel=2, under ddp and under fsdp2
-  with activation checkpointing (whose recomputation must split alike), give the losses, gradient norms, log-probs and weights of the same steps on one rank
-  without a process group, within 1e-5.
+  with activation checkpointing (whose recomputation must split alike) and the chunked LM
+  head (`train.chunked_lm_head`, whose gradient reaches FSDP2's unsharded head), give the
+  losses, gradient norms, log-probs and weights of the same steps on one rank without a
+  process group, within 1e-5.
 
 Rows of different lengths share micro-batches, so the zigzag split pads them and the
 right-padded rows' pads sit on both ranks."""
@@ -76,7 +78,8 @@ def _rank(rank: int, init: str, model_dir: str, out: str) -> None:
         assert group is not None
         (out_dir / f"forward-rank{rank}.json").write_text(
             json.dumps(_forward_parity(model_dir, group)))
-        for strategy, extra in (("ddp", {}), ("fsdp2", {"activation_checkpointing": True})):
+        for strategy, extra in (("ddp", {}), ("fsdp2", {"activation_checkpointing": True,
+                                                         "chunked_lm_head": True})):
             trainer = runs.backend(model_dir, strategy, **SPLIT, **extra)
             record = runs.train(trainer, range(2), _batch)
             runs.save(out_dir / f"{strategy}-rank{rank}", record, trainer.export_weights())
