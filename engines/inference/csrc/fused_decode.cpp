@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,6 +44,98 @@ inline float dot_fixed(const float* a, const float* b, int64_t n) {
   return lanes_sum(acc);
 }
 
+// R rows x C outputs of y = a . w^T (y's rows `ldy` apart): each output element's sum runs in
+// dot_fixed's order (16 lanes along n, each lane a chain of fused multiply-adds, then
+// lanes_sum) whatever R and C are, so a row's numbers do not depend on the rows processed
+// beside it. The tile shares loads (each row's values serve C outputs, each weight row's R
+// rows) and, with AVX-512 at 4 x 4, runs the 16 outputs' lanes_sum trees side by side
+// across registers (lanes_sum16) instead of one lane at a time.
+#ifdef __AVX512F__
+// lanes_sum of 16 registers at once, in its order, each register's sum in one lane
+// (register q's in lane q): the tree's adds run across registers instead of within one.
+inline __m512 lanes_sum16(const __m512* v) {
+  // indices into (a, b): 0-15 pick from a, 16-31 from b
+  const __m512i lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  __m512 half[8];  // [a.h0..h7 | b.h0..h7], h_l = x_l + x_{l+8}
+  for (int p = 0; p < 8; ++p)
+    half[p] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * p], lo8, v[2 * p + 1]),
+                            _mm512_permutex2var_ps(v[2 * p], hi8, v[2 * p + 1]));
+  const __m512i lo4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi4 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  __m512 quarter[4];  // 4 registers' q0..q3 each, q_l = h_l + h_{l+4}
+  for (int p = 0; p < 4; ++p)
+    quarter[p] = _mm512_add_ps(_mm512_permutex2var_ps(half[2 * p], lo4, half[2 * p + 1]),
+                               _mm512_permutex2var_ps(half[2 * p], hi4, half[2 * p + 1]));
+  const __m512i lo2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i hi2 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  __m512 pair[2];  // 8 registers' (q0 + q2, q1 + q3) each
+  for (int p = 0; p < 2; ++p)
+    pair[p] = _mm512_add_ps(_mm512_permutex2var_ps(quarter[2 * p], lo2, quarter[2 * p + 1]),
+                            _mm512_permutex2var_ps(quarter[2 * p], hi2, quarter[2 * p + 1]));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(pair[0], even, pair[1]),
+                       _mm512_permutex2var_ps(pair[0], odd, pair[1]));
+}
+
+template <int R, int C>
+inline void tile_fixed(const float* x, int64_t n, const float* w, float* y, int64_t ldy,
+                       bool accumulate) {
+  static_assert(kLanes == 16, "one AVX-512 register of lanes");
+  __m512 c[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < C; ++k) c[r][k] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    __m512 xv[R], wv[C];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * n + i);
+    for (int k = 0; k < C; ++k) wv[k] = _mm512_loadu_ps(w + k * n + i);
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < C; ++k) c[r][k] = _mm512_fmadd_ps(xv[r], wv[k], c[r][k]);
+  }
+  if constexpr (R * C == 16) {
+    if (i == n) {  // (n a multiple of 16) the 16 sums at once, in lanes_sum's order
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, lanes_sum16(&c[0][0]));
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < C; ++k) {
+          float& out = y[r * ldy + k];
+          out = accumulate ? out + sums[r * C + k] : sums[r * C + k];
+        }
+      return;
+    }
+  }
+  alignas(64) float acc[kLanes];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < C; ++k) {
+      _mm512_store_ps(acc, c[r][k]);
+      for (int64_t l = 0; i + l < n; ++l)
+        acc[l] = __builtin_fmaf(x[r * n + i + l], w[k * n + i + l], acc[l]);
+      const float d = lanes_sum(acc);
+      float& out = y[r * ldy + k];
+      out = accumulate ? out + d : d;
+    }
+}
+
+// R rows of `a` against every row of `w` [out, n]: four outputs a tile, then the rest singly.
+template <int R>
+void rows_fixed(const float* a, int64_t n, const float* w, int64_t out, float* y,
+                bool accumulate) {
+  int64_t j = 0;
+  for (; j + 4 <= out; j += 4) tile_fixed<R, 4>(a, n, w + j * n, y + j, out, accumulate);
+  for (; j < out; ++j) tile_fixed<R, 1>(a, n, w + j * n, y + j, out, accumulate);
+}
+
+// y[r, j] (+)= a[r, :] . w[j, :] for `rows` rows of `a` [rows, n] and `w` [out, n], in tiles
+// of 4 rows, the last rows one at a time: the same numbers for every row either way.
+void matvec_rows(const float* a, int64_t rows, int64_t n, const float* w, int64_t out, float* y,
+                 bool accumulate) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) rows_fixed<4>(a + r * n, n, w, out, y + r * out, accumulate);
+  for (; r < rows; ++r) rows_fixed<1>(a + r * n, n, w, out, y + r * out, accumulate);
+}
+#else
 // y[r, j] (+)= a[r, :] . w[j, :] for `rows` rows of `a` [rows, n] and `w` [out, n]; four
 // outputs at a time share the loads of a row, each with its own fixed-order accumulators.
 void matvec_rows(const float* a, int64_t rows, int64_t n, const float* w, int64_t out, float* y,
@@ -79,6 +172,8 @@ void matvec_rows(const float* a, int64_t rows, int64_t n, const float* w, int64_
     }
   }
 }
+
+#endif
 
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then the weight.
 void rms_norm(const float* x, const float* weight, float eps, float* out, int64_t rows,
