@@ -57,6 +57,19 @@ def test_logprobs_do_not_depend_on_the_batch(gen: EmbeddedGenerator) -> None:
         assert torch.equal(torch.tensor(got.output_logprobs), torch.tensor(alone.output_logprobs))
 
 
+def test_long_caches_do_not_depend_on_the_batch(gen: EmbeddedGenerator) -> None:
+    """Caches of 16 keys and more, whose attention scores go 16 keys at a time where
+    AVX-512 is there: alone, and shifted by another row's longer prompt (left padding moves
+    each key to another column, so to another block of 16 or to the single keys)."""
+    long = request(gen, "long", "what is 17+25? the answer:", n=24)
+    alone = gen.generate([long])[0]
+    for pad in ("a much longer question: what is 17+25+3+9? answer:", "1+1="):
+        other = request(gen, "other", pad, n=30)
+        got = {r.rid: r for r in gen.generate([other, long])}["long"]
+        assert got.output_ids == alone.output_ids
+        assert torch.equal(torch.tensor(got.output_logprobs), torch.tensor(alone.output_logprobs))
+
+
 def test_a_resumed_partial_output_continues_with_the_same_numbers(gen: EmbeddedGenerator) -> None:
     """Re-prefilling a partial output (a resumed partial rollout) gives its tokens the keys and
     values decoding gave them: the rest of the response is bitwise what it would have been."""

@@ -35,12 +35,14 @@ inline float lanes_sum(const float* acc) {
   return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
+// Each lane a chain of fused multiply-adds (written out, not left to the compiler's
+// contraction), so the vector paths below (tile_fixed, dots16_fixed) give the same bits.
 inline float dot_fixed(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] = __builtin_fmaf(a[i + l], b[i + l], acc[l]);
+  for (int64_t l = 0; i + l < n; ++l) acc[l] = __builtin_fmaf(a[i + l], b[i + l], acc[l]);
   return lanes_sum(acc);
 }
 
@@ -94,15 +96,17 @@ inline void tile_fixed(const float* x, int64_t n, const float* w, float* y, int6
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < C; ++k) c[r][k] = _mm512_fmadd_ps(xv[r], wv[k], c[r][k]);
   }
-  if constexpr (R * C == 16) {
+  if constexpr (R == 4 && C == 4) {
     if (i == n) {  // (n a multiple of 16) the 16 sums at once, in lanes_sum's order
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, lanes_sum16(&c[0][0]));
-      for (int r = 0; r < R; ++r)
-        for (int k = 0; k < C; ++k) {
-          float& out = y[r * ldy + k];
-          out = accumulate ? out + sums[r * C + k] : sums[r * C + k];
-        }
+      const __m512 sums = lanes_sum16(&c[0][0]);  // row r's C = 4 outputs in lanes 4r..4r+3
+      for (int r = 0; r < R; ++r) {
+        __m128 out = r == 0 ? _mm512_castps512_ps128(sums)
+                   : r == 1 ? _mm512_extractf32x4_ps(sums, 1)
+                   : r == 2 ? _mm512_extractf32x4_ps(sums, 2)
+                            : _mm512_extractf32x4_ps(sums, 3);
+        if (accumulate) out = _mm_add_ps(_mm_loadu_ps(y + r * ldy), out);
+        _mm_storeu_ps(y + r * ldy, out);
+      }
       return;
     }
   }
@@ -116,6 +120,19 @@ inline void tile_fixed(const float* x, int64_t n, const float* w, float* y, int6
       float& out = y[r * ldy + k];
       out = accumulate ? out + d : d;
     }
+}
+
+// dot_fixed(q, keys + j * d, d) for the 16 keys j = 0..15 at once (d a multiple of 16): the
+// attention scores of a row's cache, their lanes_sum trees side by side (lanes_sum16).
+inline void dots16_fixed(const float* q, const float* keys, int64_t d, float* out) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += kLanes) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + j * d + i), acc[j]);
+  }
+  _mm512_storeu_ps(out, lanes_sum16(acc));
 }
 
 // R rows of `a` against every row of `w` [out, n]: four outputs a tile, then the rest singly.
@@ -255,6 +272,11 @@ void attention(const float* qkv, const float* cache, const bool* mask, int64_t m
     for (int64_t h = k * g; h < (k + 1) * g; ++h) {
       const float* q = qkv + r * s.width() + h * d;
       float best = -INFINITY;
+      int64_t done = 0;  // keys whose fixed-order dot is in scores[] already
+#ifdef __AVX512F__
+      if (fixed && d % kLanes == 0)
+        for (; done + 16 <= length; done += 16) dots16_fixed(q, keys + done * d, d, &scores[done]);
+#endif
       for (int64_t t = 0; t < length; ++t) {
         if (real != nullptr && !real[t]) {
           scores[t] = -INFINITY;
@@ -262,7 +284,9 @@ void attention(const float* qkv, const float* cache, const bool* mask, int64_t m
         }
         const float* key = keys + t * d;
         float dot = 0.f;
-        if (fixed) {
+        if (t < done) {
+          dot = scores[t];
+        } else if (fixed) {
           dot = dot_fixed(q, key, d);
         } else {
 #pragma omp simd reduction(+ : dot)
