@@ -27,9 +27,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -97,6 +99,17 @@ class DataParallel:
         else:
             yield
 
+    def gather_scores(self, mine: list[int], scores: list[Tensor], total: int) -> list[Tensor]:
+        """Every data rank's scores (`mine`: the indices of this rank's, `data_shares`) in
+        sample order, on every rank: exact copies, so the ranks hold the same numbers."""
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, (mine, [t.numpy() for t in scores]))
+        result = [torch.empty(0)] * total
+        for indices, values in parts:
+            for i, v in zip(indices, values, strict=True):
+                result[i] = torch.from_numpy(v)
+        return result
+
     def sum_metrics(self, totals: dict[str, float], device: torch.device) -> dict[str, float]:
         """Sum metric totals over ranks (each rank holds its micro-batches' share)."""
         if not self.enabled or not totals:
@@ -105,6 +118,15 @@ class DataParallel:
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
+
+
+def data_shares(count: int, size: int, groups: list[int] | None = None) -> list[list[int]]:
+    """Which of `count` samples each of `size` data ranks scores: strided, or with `groups`
+    (each sample's group, for shared prompts) whole groups strided in order of appearance."""
+    if groups is None:
+        return [list(range(r, count, size)) for r in range(size)]
+    order = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+    return [[i for i, g in enumerate(groups) if order[g] % size == r] for r in range(size)]
 
 
 def rendezvous_address() -> tuple[str, int]:

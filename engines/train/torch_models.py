@@ -175,6 +175,14 @@ BatchFn = Callable[[PaddedBatch], Tensor]
 BuildBatch = Callable[[Sequence[Sample], int], PaddedBatch]
 
 
+def scoring_batches(samples: list[Sample], max_tokens: int, packed: bool = False,
+                    by_group: bool = False) -> list[list[int]]:
+    """The micro-batches `score_samples` cuts `samples` into (indices into `samples`)."""
+    lengths = [len(s.tokens) for s in samples]
+    groups = [s.group_index for s in samples] if by_group else None
+    return split_micro_batches(lengths, max_tokens, packed, groups)
+
+
 @torch.no_grad()
 def score_samples(
     samples: list[Sample],
@@ -185,17 +193,22 @@ def score_samples(
     build: BuildBatch = build_padded_batch,
     packed: bool = False,
     by_group: bool = False,
+    forwards: int = 0,
 ) -> list[Tensor]:
     """Apply `fn` (a `[B, R]` response-space function) to micro-batches of `samples`
     (made by `build`; `packed`: the budget counts real tokens; `by_group`: a group's
     samples share micro-batches, for shared prompts); one 1-D float32 CPU tensor per
-    sample, trimmed to its response length."""
+    sample, trimmed to its response length. `forwards`: run at least that many, the first
+    micro-batch again for the missing ones (discarded): where a forward is a collective
+    (FSDP2), every rank must run as many."""
     result: list[Tensor] = [torch.empty(0)] * len(samples)
-    lengths = [len(s.tokens) for s in samples]
-    groups = [s.group_index for s in samples] if by_group else None
-    for mb in split_micro_batches(lengths, max_tokens, packed, groups):
+    batches = scoring_batches(samples, max_tokens, packed, by_group)
+    stand_ins = [batches[0]] * max(forwards - len(batches), 0) if batches else []
+    for k, mb in enumerate([*batches, *stand_ins]):
         batch = build([samples[i] for i in mb], pad_token_id).to(device)
         values = fn(batch).float().cpu()
+        if k >= len(batches):
+            continue
         for row, i in enumerate(mb):
             result[i] = values[row, : samples[i].response_length].clone()
     return result
