@@ -11,7 +11,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
