@@ -38,7 +38,7 @@ def rows_per_chunk(vocab: int, dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTE
     return max(1, chunk_bytes // (vocab * torch.finfo(dtype).bits // 8))
 
 
-def output_head(model: torch.nn.Module) -> torch.nn.Module:
+def output_head(model: torch.nn.Module) -> torch.nn.Linear:
     """The LM head (`get_output_embeddings`) of an HF causal LM, through DDP and peft."""
     inner: Any = getattr(model, "module", model)  # DDP
     get_base = getattr(inner, "get_base_model", None)  # peft
@@ -64,7 +64,7 @@ def head_passed_through(model: torch.nn.Module) -> Iterator[torch.nn.Linear]:
     head = output_head(model)
     head.forward = _passthrough  # type: ignore[method-assign]
     try:
-        yield head  # type: ignore[misc]
+        yield head
     finally:
         del head.forward
 
