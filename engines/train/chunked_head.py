@@ -62,7 +62,7 @@ def head_passed_through(model: torch.nn.Module) -> Iterator[torch.nn.Linear]:
     forward is the identity; its weight and the module tree are untouched, so DDP's and
     FSDP2's hooks and the checkpoint names are the usual ones). Yields the head."""
     head = output_head(model)
-    head.forward = _passthrough  # type: ignore[method-assign]
+    head.forward = _passthrough  # type: ignore[method-assign,assignment]
     try:
         yield head
     finally:
