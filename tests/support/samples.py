@@ -86,6 +86,33 @@ def make_backend(
     )
 
 
+def assert_trains_the_same(
+    model_dir: str, first: dict[str, Any], second: dict[str, Any], **common: Any
+) -> tuple[TorchTrainBackend, TorchTrainBackend]:
+    """Two backends (train settings `first` and `second`, both with `common`) take the same
+    two optimizer steps from one start: the same metrics within 1e-5 and weights within
+    5e-5. Returns both, trained, for checks of a test's own."""
+    import pytest
+
+    samples = grouped_samples(groups=4, per_group=4, seed=1)
+    for s in samples:
+        s.status = "completed"
+    backends, runs = [], []
+    for settings in (first, second):
+        backend = make_backend(model_dir, global_batch_size=8, **common, **settings)
+        metrics = backend.train(samples, rollout_id=0)
+        backends.append(backend)
+        runs.append((metrics, torch.cat([p.detach().flatten() for p in backend.model.parameters()])))
+    (m0, w0), (m1, w1) = runs
+    assert m0["num_optimizer_steps"] == 2.0
+    for key in ("loss", "pg_loss", "entropy", "approx_kl", "grad_norm"):
+        assert m1[key] == pytest.approx(m0[key], abs=1e-5), key
+    # Adam divides by sqrt(v): where a gradient is ~0, rounding moves a weight by up to a
+    # fraction of lr (1e-3), so weights agree to 5% of one step, not to float precision
+    torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)
+    return backends[0], backends[1]
+
+
 def write_jsonl(path, rows):
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     return str(path)

@@ -15,7 +15,7 @@ from engines.train.chunked_head import head_token_stats, output_head, rows_per_c
 from engines.train.token_stats import token_stats
 from engines.train.torch_models import response_log_probs
 from flows.config.run import TrainConfig
-from tests.support.samples import TOL, grouped_samples, make_backend
+from tests.support.samples import TOL, assert_trains_the_same, grouped_samples
 
 
 def _grads(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -90,22 +90,12 @@ def test_a_model_gives_the_unchunked_log_probs_and_gradients(tiny_model_dir: str
 
 def test_backend_trains_the_same_chunked(tiny_model_dir: str) -> None:
     """Two optimizer steps from one start: the same metrics and weights either way."""
-    samples = grouped_samples(groups=4, per_group=4, seed=1)
-    for s in samples:
-        s.status = "completed"
-    runs = []
-    for chunked in (False, True):
-        backend = make_backend(tiny_model_dir, chunked_lm_head=chunked, global_batch_size=8,
-                               max_tokens_per_micro_batch=40)
-        metrics = backend.train(samples, rollout_id=0)
-        runs.append((metrics, torch.cat([p.detach().flatten() for p in backend.model.parameters()]),
-                     backend.compute_log_probs(samples[:3])))
-    (m0, w0, lp0), (m1, w1, lp1) = runs
-    assert m0["num_optimizer_steps"] == 2.0
-    for key in ("loss", "pg_loss", "entropy", "approx_kl", "grad_norm"):
-        assert m1[key] == pytest.approx(m0[key], abs=1e-5), key
-    torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)
-    for a, b in zip(lp1, lp0, strict=True):
+    whole, chunked = assert_trains_the_same(tiny_model_dir, {"chunked_lm_head": False},
+                                            {"chunked_lm_head": True},
+                                            max_tokens_per_micro_batch=40)
+    samples = grouped_samples(groups=4, per_group=4, seed=1)[:3]  # (the trained ones)
+    for a, b in zip(chunked.compute_log_probs(samples), whole.compute_log_probs(samples),
+                    strict=True):
         assert a == pytest.approx(b, abs=1e-5)
 
 

@@ -11,7 +11,7 @@ from engines.train.batching import build_padded_batch, split_micro_batches
 from engines.train.packing import build_packed_batch, first_fit, row_width
 from engines.train.torch_models import response_log_probs
 from storage.sample import Sample
-from tests.support.samples import TOL, grouped_samples, make_backend
+from tests.support.samples import TOL, assert_trains_the_same, grouped_samples, make_backend
 
 
 def _sample(index: int, group: int, tokens: list[int], r: int) -> Sample:
@@ -99,20 +99,9 @@ def test_log_probs_entropy_and_gradients_match_the_padded_batch(
 @pytest.mark.parametrize("share", [False, True])
 def test_backend_trains_the_same_packed_and_padded(tiny_model_dir: str, share: bool) -> None:
     """Two optimizer steps from one start: the same metrics and weights packed or padded."""
-    samples = grouped_samples(groups=4, per_group=4, seed=1)
-    for s in samples:
-        s.status = "completed"
-    runs = []
-    for pack in (False, True):
-        backend = make_backend(tiny_model_dir, share_prompts=share and pack, pack_sequences=pack,
-                               global_batch_size=8, max_tokens_per_micro_batch=40)
-        metrics = backend.train(samples, rollout_id=0)
-        runs.append((metrics, torch.cat([p.detach().flatten() for p in backend.model.parameters()])))
-    (m0, w0), (m1, w1) = runs
-    assert m0["num_optimizer_steps"] == 2.0
-    for key in ("loss", "pg_loss", "entropy", "approx_kl", "grad_norm"):
-        assert m1[key] == pytest.approx(m0[key], abs=1e-5), key
-    torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)  # see test_prompt_sharing
+    assert_trains_the_same(tiny_model_dir, {"share_prompts": False, "pack_sequences": False},
+                           {"share_prompts": share, "pack_sequences": True},
+                           max_tokens_per_micro_batch=40)
 
 
 def test_packing_needs_sdpa(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ from engines.train.batching import build_padded_batch
 from engines.train.prompt_sharing import build_shared_prompt_batch, supports_prompt_sharing
 from engines.train.torch_models import response_log_probs
 from storage.sample import Sample
-from tests.support.samples import TOL, grouped_samples, make_backend
+from tests.support.samples import TOL, assert_trains_the_same, grouped_samples, make_backend
 
 
 def test_one_row_per_prompt_and_the_mask_by_hand() -> None:
@@ -72,22 +72,8 @@ def test_eager_attention_is_not_shared(tiny_model_dir: str) -> None:
 def test_backend_trains_the_same_with_and_without_sharing(tiny_model_dir: str) -> None:
     """Two optimizer steps (the second with stored old log-probs) from one start: same
     metrics and weights whichever way micro-batches are laid out."""
-    samples = grouped_samples(groups=4, per_group=4, seed=1)
-    for s in samples:
-        s.status = "completed"
-    runs = []
-    for share in (False, True):
-        backend = make_backend(tiny_model_dir, share_prompts=share, global_batch_size=8,
-                               max_tokens_per_micro_batch=60)
-        metrics = backend.train(samples, rollout_id=0)
-        runs.append((metrics, torch.cat([p.detach().flatten() for p in backend.model.parameters()])))
-    (m0, w0), (m1, w1) = runs
-    assert m0["num_optimizer_steps"] == 2.0
-    for key in ("loss", "pg_loss", "entropy", "approx_kl", "grad_norm"):
-        assert m1[key] == pytest.approx(m0[key], abs=1e-5), key
-    # Adam divides by sqrt(v): where a gradient is ~0, rounding moves a weight by up to a
-    # fraction of lr (1e-3), so weights agree to 5% of one step, not to float precision
-    torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)
+    assert_trains_the_same(tiny_model_dir, {"share_prompts": False}, {"share_prompts": True},
+                           max_tokens_per_micro_batch=60)
 
 
 def test_optimizer_steps_hold_whole_groups(tiny_model_dir: str) -> None:
