@@ -48,12 +48,6 @@ inline float dot_fixed(const float* a, const float* b, int64_t n) {
   return lanes_sum(acc);
 }
 
-// R rows x C outputs of y = a . w^T (y's rows `ldy` apart): each output element's sum runs in
-// dot_fixed's order (16 lanes along n, each lane a chain of fused multiply-adds, then
-// lanes_sum) whatever R and C are, so a row's numbers do not depend on the rows processed
-// beside it. The tile shares loads (each row's values serve C outputs, each weight row's R
-// rows) and, with AVX-512 at 4 x 4, runs the 16 outputs' lanes_sum trees side by side
-// across registers (lanes_sum16) instead of one lane at a time.
 #ifdef __AVX512F__
 // lanes_sum of 16 registers at once, in its order, each register's sum in one lane
 // (register q's in lane q): the tree's adds run across registers instead of within one.
@@ -83,6 +77,12 @@ inline __m512 lanes_sum16(const __m512* v) {
                        _mm512_permutex2var_ps(pair[0], odd, pair[1]));
 }
 
+// R rows x C outputs of y = a . w^T (y's rows `ldy` apart): each output element's sum runs in
+// dot_fixed's order (16 lanes along n, each lane a chain of fused multiply-adds, then
+// lanes_sum) whatever R and C are, so a row's numbers do not depend on the rows processed
+// beside it. The tile shares loads (each row's values serve C outputs, each weight row's R
+// rows) and, with AVX-512 at 4 x 4, runs the 16 outputs' lanes_sum trees side by side
+// across registers (lanes_sum16) instead of one lane at a time.
 template <int R, int C>
 inline void tile_fixed(const float* x, int64_t n, const float* w, float* y, int64_t ldy,
                        bool accumulate) {
