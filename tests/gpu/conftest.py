@@ -6,6 +6,7 @@ context, no process group or megatron state and no environment left by another m
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -21,8 +22,33 @@ def _runs_here(item: pytest.Item) -> bool:
     return not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
 
 
+def _visible_gpus() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()
+    named = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return named[:count] if named else [str(i) for i in range(count)]
+
+
+def gpus_wanted(items: list[pytest.Item]) -> int:
+    """GPUs a module's tests use: the largest `gpus(n)` marker among them, else 1."""
+    return max([1, *(int(m.args[0]) for i in items for m in i.iter_markers("gpus"))])
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    own_process.register(config, _runs_here)
+    """A module per process, one module per GPU at a time (`ROLLFLOW_GPU_MODULES_AT_ONCE`
+    overrides): a one-GPU module sees its slot's GPU, a module marked `gpus(2)` sees them all
+    and may share one with a one-GPU module beside it (the tests' models are small). The
+    two-GPU modules, the longest, start first."""
+    gpus = _visible_gpus()
+    at_once = int(os.environ.get("ROLLFLOW_GPU_MODULES_AT_ONCE", max(1, len(gpus))))
+
+    def env_for(items: list[pytest.Item], slot: int) -> dict[str, str]:
+        if not gpus or gpus_wanted(items) > 1:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]}
+
+    own_process.register(config, _runs_here, at_once, env_for, gpus_wanted)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from bench import context_parallel as cp
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]  # a rank a GPU where there are two
 
 
 def test_a_32k_sequence_split_in_two_equals_the_unsplit_one() -> None:

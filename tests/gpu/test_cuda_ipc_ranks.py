@@ -26,7 +26,7 @@ from tests.support.fakes import ExportingBackend
 from tests.support.gpu import NCCL_SAFE_ENV, needs_two
 from tests.support.rank_push import push_from_two_ranks
 
-pytestmark = [pytest.mark.gpu, needs_two]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2), needs_two]
 
 # (cluster.colocate, cluster.rollout_num_gpus_per_engine, engines, the train rank whose GPU
 # each engine's entry j names)

@@ -25,7 +25,7 @@ from tests.support import fsdp_runs as runs
 from tests.support.gpu import NCCL_SAFE_ENV
 from tests.support.rendezvous import file_rendezvous
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]  # both GPUs where there are two
 
 
 def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:

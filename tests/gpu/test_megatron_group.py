@@ -23,7 +23,7 @@ import torch
 from storage.run_layout import RunLayout
 from tests.support.gpu import NCCL_SAFE_ENV, REPO, group_config, needs_two, write_step
 
-pytestmark = [pytest.mark.gpu, needs_two]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2), needs_two]
 ENGINE_SCRIPT = """
 import sys
 from engines.inference.engine_actor import EngineActor

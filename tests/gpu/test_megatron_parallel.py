@@ -22,7 +22,7 @@ import torch
 
 from tests.support.gpu import NCCL_SAFE_ENV, REPO, needs_two, save_qwen2_tiny
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 MODEL_NAMES = ("untied", "tied")
 # Max |layout - one GPU| / |update| per tensor. Adam's early steps are ~lr * sign(grad), so

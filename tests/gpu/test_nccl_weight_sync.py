@@ -19,7 +19,7 @@ import torch
 
 from tests.support.gpu import NCCL_SAFE_ENV, REPO, needs_two
 
-pytestmark = [pytest.mark.gpu, needs_two]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2), needs_two]
 # (layers, hidden, dtype, bucket bytes): a tiny model in many buckets; a ~0.4B one for timing.
 CASES = {"tiny-fp32": (4, 128, "float32", 64 * 1024),
          "0.4b-bf16": (24, 1024, "bfloat16", 256 * 1024**2)}

@@ -14,10 +14,17 @@ writes each test report as a JSON line; the parent then reports them as its own,
 outlives `ROLLFLOW_GPU_MODULE_TIMEOUT` seconds (default 600) first dumps every thread's
 stack (faulthandler on SIGUSR1), then is killed, and its unreported tests fail with the
 stacks and the end of its output. Under `-s` the child's output is echoed as it comes.
+
+Modules run `at_once` at a time (the GPU suite: one per GPU, tests/gpu/conftest.py), all
+started at the first isolated test, longest-expected first; `env_for(module, slot)` gives a
+child its slot's environment (which GPUs it sees). A child also gets a ROLLFLOW_HOME of its
+own, so two at once never share a local head's record. Reports still come in the session's
+order: a test waits for its module's child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -63,15 +70,25 @@ class ReportWriter:
         os._exit(getattr(self, "exitstatus", 1))
 
 
-class ModuleProcesses:
-    """The parent's side: runs the tests `isolated` picks one module per child process."""
+EnvFor = Callable[[list[pytest.Item], int], dict[str, str]]
 
-    def __init__(self, config: pytest.Config, isolated: Callable[[pytest.Item], bool]) -> None:
+
+class ModuleProcesses:
+    """The parent's side: runs the tests `isolated` picks one module per child process,
+    `at_once` children at a time."""
+
+    def __init__(self, config: pytest.Config, isolated: Callable[[pytest.Item], bool],
+                 at_once: int = 1, env_for: EnvFor | None = None,
+                 first: Callable[[list[pytest.Item]], int] | None = None) -> None:
         self.config, self.isolated = config, isolated
+        self.at_once, self.env_for, self.first = max(1, at_once), env_for, first
         self.timeout_s = float(os.environ.get(TIMEOUT_ENV, 600))
         self.reports: dict[Path, dict[str, list[pytest.TestReport]]] = {}
         self.failure: dict[Path, str] = {}
         self.seconds: dict[Path, tuple[float, float]] = {}  # (the process's, its tests')
+        self.finished: dict[Path, threading.Event] = {}
+        self.children: set[subprocess.Popen[bytes]] = set()
+        self.stopping = threading.Event()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -85,9 +102,14 @@ class ModuleProcesses:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         if not self.isolated(item):
             return None
-        if item.path not in self.reports:
-            self._run_module(item.session, item.path)
-        reports = self.reports[item.path].pop(item.nodeid, [])
+        if not self.finished:
+            self._start_all(item.session)
+        try:
+            self.finished[item.path].wait()
+        except BaseException:  # ^C: every child goes too
+            self._kill_children()
+            raise
+        reports = self.reports.get(item.path, {}).pop(item.nodeid, [])
         if not any(r.when == "teardown" for r in reports):  # cut short, or never started
             reports.append(self._lost(item))
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
@@ -103,17 +125,71 @@ class ModuleProcesses:
             args.append("-s")
         return args + ids
 
-    def _run_module(self, session: pytest.Session, module: Path) -> None:
-        ids = [i.nodeid for i in session.items if i.path == module and self.isolated(i)]
+    def _start_all(self, session: pytest.Session) -> None:
+        """Every isolated module's child, `at_once` at a time from a scheduler thread, the
+        modules `first` ranks highest first (else in the session's order)."""
+        modules: dict[Path, list[pytest.Item]] = {}
+        for item in session.items:
+            if self.isolated(item):
+                modules.setdefault(item.path, []).append(item)
+        self.finished = {m: threading.Event() for m in modules}
+        order = sorted(modules, key=lambda m: -self.first(modules[m]) if self.first else 0)
+        threading.Thread(target=self._schedule, args=(order, modules), daemon=True).start()
+
+    def _schedule(self, order: list[Path], modules: dict[Path, list[pytest.Item]]) -> None:
+        free: list[int] = list(range(self.at_once))
+        turn = threading.Condition()
+
+        def run(module: Path, slot: int) -> None:
+            try:
+                env = self.env_for(modules[module], slot) if self.env_for else {}
+                self._run_module(module, [i.nodeid for i in modules[module]], env)
+            except Exception as exc:  # its tests fail with the cause, the others go on
+                self.reports.setdefault(module, {})
+                self.failure[module] = f"{module.name}: its process did not run: {exc!r}"
+            finally:
+                self.finished[module].set()
+                with turn:
+                    free.append(slot)
+                    turn.notify()
+
+        for module in order:
+            with turn:
+                while not free:
+                    turn.wait()
+                slot = free.pop(0)
+            if self.stopping.is_set():  # the session is over (-x, ^C): report it lost
+                self.reports.setdefault(module, {})
+                self.failure[module] = f"{module.name}: not run; the session ended first"
+                self.finished[module].set()
+                with turn:
+                    free.append(slot)
+                continue
+            threading.Thread(target=run, args=(module, slot), daemon=True).start()
+
+    def _kill_children(self) -> None:
+        self.stopping.set()
+        for proc in list(self.children):
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def pytest_sessionfinish(self) -> None:
+        self._kill_children()  # modules still running after -x (or any early end)
+
+    def _run_module(self, module: Path, ids: list[str], env: dict[str, str]) -> None:
         work = Path(tempfile.mkdtemp(prefix="rf-module-"))
         path = work / "reports.jsonl"
         echo = self.config.getoption("capture") == "no"
         start = time.monotonic()
         proc = subprocess.Popen(
             self._child_args(ids), cwd=self.config.rootpath,
-            env={**os.environ, REPORTS_ENV: str(path)},
+            env={**os.environ, **env, REPORTS_ENV: str(path),
+                 "ROLLFLOW_HOME": str(work / "home")},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        self.children.add(proc)
+        if self.stopping.is_set():  # the session ended while it started
+            os.killpg(proc.pid, signal.SIGKILL)
         assert proc.stdout is not None
         tail: list[bytes] = []
         pump = threading.Thread(target=_pump, args=(proc.stdout, tail, echo), daemon=True)
@@ -127,9 +203,8 @@ class ModuleProcesses:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             why = f"its process was killed after {self.timeout_s:.0f} s"
-        except BaseException:  # ^C: the child goes too
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        finally:
+            self.children.discard(proc)
         pump.join(timeout=10)
         by_id: dict[str, list[pytest.TestReport]] = {}
         if path.exists():
@@ -180,9 +255,13 @@ def _pump(stream: IO[bytes], tail: list[bytes], echo: bool) -> None:
             kept -= len(tail.pop(0))
 
 
-def register(config: pytest.Config, isolated: Callable[[pytest.Item], bool]) -> Any:
-    """In a child, its report writer; otherwise the parent's module runner for `isolated`."""
+def register(config: pytest.Config, isolated: Callable[[pytest.Item], bool], at_once: int = 1,
+             env_for: EnvFor | None = None,
+             first: Callable[[list[pytest.Item]], int] | None = None) -> Any:
+    """In a child, its report writer; otherwise the parent's module runner for `isolated`,
+    `at_once` modules at a time (see the module's docstring for `env_for` and `first`)."""
     path = os.environ.get(REPORTS_ENV)
-    plugin = ReportWriter(config, path) if path else ModuleProcesses(config, isolated)
+    plugin = (ReportWriter(config, path) if path
+              else ModuleProcesses(config, isolated, at_once, env_for, first))
     config.pluginmanager.register(plugin, "rollflow-own-process")
     return plugin
