@@ -36,12 +36,13 @@ def gpus_wanted(items: list[pytest.Item]) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A module per process, one module per GPU at a time (`ROLLFLOW_GPU_MODULES_AT_ONCE`
-    overrides): a one-GPU module sees its slot's GPU, a module marked `gpus(2)` sees them all
-    and may share one with a one-GPU module beside it (the tests' models are small). The
-    two-GPU modules, the longest, start first."""
+    """A module per process, one module per GPU at a time and at least two
+    (`ROLLFLOW_GPU_MODULES_AT_ONCE` overrides): a one-GPU module sees its slot's GPU, a module
+    marked `gpus(2)` sees them all; two modules may share a GPU (the tests' models are small,
+    and most of a module's time is its processes' start-up). The two-GPU modules, the
+    longest, start first."""
     gpus = _visible_gpus()
-    at_once = int(os.environ.get("ROLLFLOW_GPU_MODULES_AT_ONCE", max(1, len(gpus))))
+    at_once = int(os.environ.get("ROLLFLOW_GPU_MODULES_AT_ONCE", max(2, len(gpus))))
 
     def env_for(items: list[pytest.Item], slot: int) -> dict[str, str]:
         if not gpus or gpus_wanted(items) > 1:
