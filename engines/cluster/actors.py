@@ -80,6 +80,14 @@ class RunActors:
     trainer: Any
     engines: list[Any]
     urls: list[str] = field(default_factory=list)  # engine i's URL, asked once at attach
+    # the number in each engine's actor name (`engine-<n>`); empty: engine i is `engine-i`.
+    # A standby that took a lost engine's place keeps its own name.
+    slots: list[int] = field(default_factory=list)
+    standby: list[Any] = field(default_factory=list)  # idle engines (engine.standby_engines)
+    standby_slots: list[int] = field(default_factory=list)
+
+    def engine_slots(self) -> list[int]:
+        return self.slots or list(range(len(self.engines)))
 
 
 def _engine(cfg: RunConfig, i: int, placement: Placement | None) -> Any:
@@ -98,6 +106,19 @@ def _engine(cfg: RunConfig, i: int, placement: Placement | None) -> Any:
     tp_size = cfg.cluster.rollout_num_gpus_per_engine
     base_gpu_id = placement.engine_gpus(i)[0] if placement is not None and placement.use_gpu else None
     return _named(SGLangServerActor, name, cfg, cfg.engine, i, tp_size, base_gpu_id, pin=pin)
+
+
+def num_standby(cfg: RunConfig) -> int:
+    """Standby engines the run keeps (`engine.standby_engines`); none for external servers
+    and runs without engines. A standby needs a bundle of its own, which the placement plan
+    does not reserve, so placement refuses it."""
+    if cfg.rollout.debug_train_only or cfg.engine.backend == "sglang":
+        return 0
+    if cfg.engine.standby_engines and use_placement(cfg.cluster):
+        raise ConfigError(
+            "engine.standby_engines needs cluster.placement off: the placement group "
+            "reserves no bundle for a standby engine")
+    return cfg.engine.standby_engines
 
 
 def num_engines(cfg: RunConfig) -> int:
@@ -175,16 +196,21 @@ def get_or_create_actors(cfg: RunConfig, pool: int | None = None) -> RunActors:
     (the pool a task attempt started with), else the pool the run is asked to have
     (`engine_pool_size`); engines beyond it are drained and killed once the rollout (and its
     router) no longer sends them anything."""
+    spare = num_standby(cfg)
     placement = _attach(cfg)
     if pool is None:
         pool = engine_pool_size(cfg, None if placement is None else placement.plan.num_engines)
-    engines = [_engine(cfg, i, placement) for i in range(pool)]
+    # the standbys are the engines numbered after the pool: they start (and load their
+    # model) now, side by side with the rest, and nothing waits for them
+    engines = [_engine(cfg, i, placement) for i in range(pool + spare)]
     rollout = _named(RolloutManager, actor_name(cfg, "rollout"), cfg, cfg)
     trainer = _trainer(cfg, placement)
-    urls = ray.get([e.url.remote() for e in engines])
+    urls = ray.get([e.url.remote() for e in engines[:pool]])
     ray.get(rollout.set_engines.remote(urls))
-    retire_surplus_engines(cfg, pool)
-    actors = RunActors(rollout=rollout, trainer=trainer, engines=engines, urls=urls)
+    retire_surplus_engines(cfg, pool + spare)
+    actors = RunActors(rollout=rollout, trainer=trainer, engines=engines[:pool], urls=urls,
+                       slots=list(range(pool)), standby=engines[pool:],
+                       standby_slots=list(range(pool, pool + spare)))
     _ATTACHED[_attach_key(cfg)] = actors
     return actors
 
@@ -289,12 +315,41 @@ def replace_lost_engines(
     lost = [i for i, url in enumerate(actors.urls) if url in lost_urls]
     for i in lost:
         _kill_local_process(actors.engines[i])
-    names = [actor_name(cfg, f"engine-{i}") for i in lost]
+    slots = actors.engine_slots()
+    names = [actor_name(cfg, f"engine-{slots[i]}") for i in lost]
     kill_group(names, cfg.cluster.namespace, wait_s=timeout_s)  # waits for the names to free
     if any(actor_exists(n, cfg.cluster.namespace) for n in names):
         raise TimeoutError(f"engine actors {names} still exist {timeout_s:g} s after kill")
     _ATTACHED.pop(_attach_key(cfg), None)
+    if 0 < len(lost) <= len(actors.standby):
+        try:
+            return _promote_standby(cfg, actors, lost)
+        except ray.exceptions.RayError as exc:  # a standby died too: start new engines
+            log.warning("run %r: a standby engine did not answer (%s); starting new engines",
+                        cfg.storage.run_name, exc)
     return get_or_create_actors(cfg, pool=len(actors.engines))
+
+
+def _promote_standby(cfg: RunConfig, actors: RunActors, lost: list[int]) -> RunActors:
+    """Standby engines in the lost ones' places (already loaded: no process to start, no
+    model to load; the caller brings them to the pool's weight version), and a new standby
+    under each freed name, started in the background."""
+    engines, urls, slots = list(actors.engines), list(actors.urls), actors.engine_slots()
+    standby, standby_slots = list(actors.standby), list(actors.standby_slots)
+    freed = [slots[i] for i in lost]
+    for i in lost:
+        engines[i], slots[i] = standby.pop(0), standby_slots.pop(0)
+        urls[i] = ray.get(engines[i].url.remote())  # at once, unless it is still starting
+    for slot in freed:
+        standby.append(_engine(cfg, slot, None))
+        standby_slots.append(slot)
+    ray.get(actors.rollout.set_engines.remote(urls))
+    promoted = RunActors(rollout=actors.rollout, trainer=actors.trainer, engines=engines,
+                         urls=urls, slots=slots, standby=standby, standby_slots=standby_slots)
+    _ATTACHED[_attach_key(cfg)] = promoted
+    log.warning("run %r: standby engine(s) %s took the place of lost engine(s) %s",
+                cfg.storage.run_name, [slots[i] for i in lost], freed)
+    return promoted
 
 
 def _kill_local_process(actor: Any) -> None:

@@ -30,10 +30,11 @@ _KV_NAMESPACE = "rollflow-configs"
 
 # Fields only the driver reads: changing them (e.g. more steps to extend a run) keeps the
 # run's actors. A section mapped to None is driver-only as a whole. A changed
-# `engine.num_engines` grows or shrinks the engine pool (engines.cluster.actors).
+# `engine.num_engines` grows or shrinks the engine pool, `engine.standby_engines` the idle
+# engines beside it (engines.cluster.actors).
 DRIVER_ONLY: dict[str, set[str] | None] = {
     "rollout": {"num_rollout"},
-    "engine": {"num_engines"},
+    "engine": {"num_engines", "standby_engines"},
     "cluster": {"keep_actors", "address"},
     "eval": {"eval_interval", "before_train"},
     "data": {"preflight_token_rows"},

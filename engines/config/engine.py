@@ -16,6 +16,14 @@ class EngineConfig(Section):
     )
     model_path: str | None = Field(None, description="HF-format model directory.")
     num_engines: int = Field(1, ge=1)
+    standby_engines: int = Field(
+        0, ge=0,
+        description="Engines started and loaded beside the pool that serve nothing until one "
+        "of the pool's engines is lost: one then takes its place at once (its weights copied "
+        "from a survivor), and a new standby starts in the background. Each costs what an "
+        "engine costs (memory, a core's share). Embedded and mock engines, with "
+        "cluster.placement off. Its speed: bench/RESULTS.md, \"Engine replacement\".",
+    )
     host: str = Field("127.0.0.1", description="Interface the embedded HTTP server binds.")
     urls: list[str] = Field(
         default_factory=list, repr=False, description="External SGLang server URLs."

@@ -1,0 +1,69 @@
+"""`engine.standby_engines`: an engine started beside the pool takes a lost engine's place
+without a new process or a model load, the rollout is handed its URL, and a new standby
+starts under the lost engine's freed name. Mock engines on the session's Ray head; the time a
+replacement takes is bench/engine_replace.py's (bench/RESULTS.md, "Engine replacement")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import urllib.request
+import uuid
+
+import pytest
+import ray
+
+from engines.cluster.actors import get_or_create_actors, kill_run_actors, num_standby
+from engines.cluster.engine_pool import EnginePool
+from engines.cluster.head import connect
+from storage.config import ConfigError
+from tests.support.configs import arithmetic_config
+
+
+def _answers(url: str) -> bool:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as reply:
+        return reply.status == 200
+
+
+def test_a_standby_takes_a_lost_engines_place_and_a_new_one_starts(
+    ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    cfg = arithmetic_config(
+        run_name=f"standby-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
+        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
+        overrides=["engine.num_engines=2", "engine.standby_engines=1"],
+    )
+    connect(cfg.cluster)
+    try:
+        actors = get_or_create_actors(cfg)
+        assert len(actors.engines) == 2 and len(actors.standby) == 1
+        assert (actors.slots, actors.standby_slots) == ([0, 1], [2])
+        standby = actors.standby[0]
+        standby_url = ray.get(standby.url.remote())
+        assert standby_url not in actors.urls  # the rollout is never sent to it
+        assert ray.get(actors.rollout.__ray_call__.remote(lambda r: r.engine_urls)) == actors.urls
+
+        lost_url = actors.urls[1]
+        os.kill(int(ray.get(actors.engines[1].pid.remote())), signal.SIGKILL)
+        pool = EnginePool(cfg, actors)
+        pool.replace_lost([lost_url])
+        after = pool.actors
+        assert after.engines[1] == standby and after.urls == [actors.urls[0], standby_url]
+        assert after.slots == [0, 2] and after.standby_slots == [1]
+        assert ray.get(after.rollout.__ray_call__.remote(lambda r: r.engine_urls)) == after.urls
+        assert _answers(standby_url) and pool.versions() == [0, 0]
+        # the new standby: a new process under the freed name engine-1, serving nothing yet
+        fresh_url = ray.get(after.standby[0].url.remote())
+        assert fresh_url not in after.urls and fresh_url != lost_url and _answers(fresh_url)
+    finally:
+        kill_run_actors(cfg)
+
+
+def test_standby_engines_are_refused_with_placement(arithmetic_data, tiny_model_dir, tmp_path):
+    cfg = arithmetic_config(
+        run_name="standby-placement", runs_root=str(tmp_path / "runs"), data=arithmetic_data,
+        model_dir=tiny_model_dir, ray_address="",
+        overrides=["engine.standby_engines=1", "cluster.placement=always"],
+    )
+    with pytest.raises(ConfigError, match="standby_engines needs cluster.placement off"):
+        num_standby(cfg)
