@@ -92,9 +92,19 @@ inline void tile_fixed(const float* x, int64_t n, const float* w, float* y, int6
     for (int k = 0; k < C; ++k) c[r][k] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
+    // each row's and weight row's values loaded once, held in registers: left to itself
+    // GCC folds the loads of one side into each multiply-add that uses them (R x C loads an
+    // iteration instead of R + C), and the tile waited on its loads (bench/RESULTS.md,
+    // "Deterministic mode")
     __m512 xv[R], wv[C];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * n + i);
-    for (int k = 0; k < C; ++k) wv[k] = _mm512_loadu_ps(w + k * n + i);
+    for (int r = 0; r < R; ++r) {
+      xv[r] = _mm512_loadu_ps(x + r * n + i);
+      asm("" : "+v"(xv[r]));
+    }
+    for (int k = 0; k < C; ++k) {
+      wv[k] = _mm512_loadu_ps(w + k * n + i);
+      asm("" : "+v"(wv[k]));
+    }
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < C; ++k) c[r][k] = _mm512_fmadd_ps(xv[r], wv[k], c[r][k]);
   }
