@@ -30,7 +30,7 @@ import json, os, time
 
 def _record(name):
     start = time.time()
-    time.sleep(1.5)
+    time.sleep(3)  # long enough to overlap despite a loaded machine's start-up jitter
     with open(os.path.join(os.environ["LOG_DIR"], name + ".json"), "w") as f:
         json.dump({{"start": start, "end": time.time(), "slot": os.environ.get("MODULE_SLOT"),
                     "home": os.environ.get("ROLLFLOW_HOME"), "pid": os.getpid()}}, f)
