@@ -110,15 +110,25 @@ def _engine(cfg: RunConfig, i: int, placement: Placement | None) -> Any:
 
 def num_standby(cfg: RunConfig) -> int:
     """Standby engines the run keeps (`engine.standby_engines`); none for external servers
-    and runs without engines. A standby needs a bundle of its own, which the placement plan
-    does not reserve, so placement refuses it."""
+    and runs without engines."""
     if cfg.rollout.debug_train_only or cfg.engine.backend == "sglang":
         return 0
-    if cfg.engine.standby_engines and use_placement(cfg.cluster):
-        raise ConfigError(
-            "engine.standby_engines needs cluster.placement off: the placement group "
-            "reserves no bundle for a standby engine")
     return cfg.engine.standby_engines
+
+
+def engine_bundles_for_pool(cfg: RunConfig, placement: Placement | None) -> int | None:
+    """Engine bundles the pool may use: the placement group's, less one for each standby
+    engine (which takes a bundle of its own); None without placement (no limit)."""
+    if placement is None:
+        return None
+    spare, bundles = num_standby(cfg), placement.plan.num_engines
+    if spare and spare >= bundles:
+        raise ConfigError(
+            f"engine.standby_engines={spare} leaves no engine bundle for the pool: "
+            f"cluster.rollout_num_gpus reserves {bundles} engine(s) of "
+            f"{placement.plan.gpus_per_engine} GPU(s); raise it to hold the pool and the "
+            f"standby engines")
+    return bundles - spare
 
 
 def num_engines(cfg: RunConfig) -> int:
@@ -198,8 +208,14 @@ def get_or_create_actors(cfg: RunConfig, pool: int | None = None) -> RunActors:
     router) no longer sends them anything."""
     spare = num_standby(cfg)
     placement = _attach(cfg)
+    cap = engine_bundles_for_pool(cfg, placement)
+    wanted = pool if pool is not None else num_engines(cfg)
+    if cap is not None and spare and wanted > cap:
+        raise ConfigError(
+            f"{wanted} engine(s) and engine.standby_engines={spare} need {wanted + spare} "
+            f"engine bundles; cluster.rollout_num_gpus reserves {cap + spare}: raise it")
     if pool is None:
-        pool = engine_pool_size(cfg, None if placement is None else placement.plan.num_engines)
+        pool = engine_pool_size(cfg, cap)
     # the standbys are the engines numbered after the pool: they start (and load their
     # model) now, side by side with the rest, and nothing waits for them
     engines = [_engine(cfg, i, placement) for i in range(pool + spare)]
@@ -243,7 +259,8 @@ def apply_engine_pool(cfg: RunConfig, actors: RunActors) -> RunActors:
     weights: the caller brings them to the current version, as after `replace_lost_engines`."""
     if engine_pool_size(cfg) == len(actors.engines):  # (one small read per step)
         return actors
-    cap = plan_resources(cfg.cluster).num_engines if use_placement(cfg.cluster) else None
+    cap = (plan_resources(cfg.cluster).num_engines - num_standby(cfg)
+           if use_placement(cfg.cluster) else None)
     if engine_pool_size(cfg, cap) == len(actors.engines):
         return actors
     _ATTACHED.pop(_attach_key(cfg), None)
@@ -333,7 +350,8 @@ def replace_lost_engines(
 def _promote_standby(cfg: RunConfig, actors: RunActors, lost: list[int]) -> RunActors:
     """Standby engines in the lost ones' places (already loaded: no process to start, no
     model to load; the caller brings them to the pool's weight version), and a new standby
-    under each freed name, started in the background."""
+    under each freed name (and in its freed bundle), started in the background."""
+    placement = run_placement(cfg)  # the run's group, found by name: no new reservation
     engines, urls, slots = list(actors.engines), list(actors.urls), actors.engine_slots()
     standby, standby_slots = list(actors.standby), list(actors.standby_slots)
     freed = [slots[i] for i in lost]
@@ -341,7 +359,7 @@ def _promote_standby(cfg: RunConfig, actors: RunActors, lost: list[int]) -> RunA
         engines[i], slots[i] = standby.pop(0), standby_slots.pop(0)
         urls[i] = ray.get(engines[i].url.remote())  # at once, unless it is still starting
     for slot in freed:
-        standby.append(_engine(cfg, slot, None))
+        standby.append(_engine(cfg, slot, placement))
         standby_slots.append(slot)
     ray.get(actors.rollout.set_engines.remote(urls))
     promoted = RunActors(rollout=actors.rollout, trainer=actors.trainer, engines=engines,

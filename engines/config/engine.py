@@ -21,8 +21,9 @@ class EngineConfig(Section):
         description="Engines started and loaded beside the pool that serve nothing until one "
         "of the pool's engines is lost: one then takes its place at once (its weights copied "
         "from a survivor), and a new standby starts in the background. Each costs what an "
-        "engine costs (memory, a core's share). Embedded and mock engines, with "
-        "cluster.placement off. Its speed: bench/RESULTS.md, \"Engine replacement\".",
+        "engine costs (memory, a GPU or a core's share): with placement, a bundle of its own "
+        "(cluster.rollout_num_gpus must hold the pool and the standbys). Embedded and mock "
+        "engines. Its speed: bench/RESULTS.md, \"Engine replacement\".",
     )
     host: str = Field("127.0.0.1", description="Interface the embedded HTTP server binds.")
     urls: list[str] = Field(

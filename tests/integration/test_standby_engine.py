@@ -1,6 +1,6 @@
 """`engine.standby_engines`: an engine started beside the pool takes a lost engine's place
 without a new process or a model load, the rollout is handed its URL, and a new standby
-starts under the lost engine's freed name. Mock engines on the session's Ray head; the time a
+starts under the lost engine's freed name (with placement: in its freed bundle). Mock engines on the session's Ray head; the time a
 replacement takes is bench/engine_replace.py's (bench/RESULTS.md, "Engine replacement")."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import uuid
 import pytest
 import ray
 
-from engines.cluster.actors import get_or_create_actors, kill_run_actors, num_standby
+from engines.cluster.actors import get_or_create_actors, kill_run_actors, run_placement
 from engines.cluster.engine_pool import EnginePool
 from engines.cluster.head import connect
 from storage.config import ConfigError
@@ -59,11 +59,41 @@ def test_a_standby_takes_a_lost_engines_place_and_a_new_one_starts(
         kill_run_actors(cfg)
 
 
-def test_standby_engines_are_refused_with_placement(arithmetic_data, tiny_model_dir, tmp_path):
-    cfg = arithmetic_config(
-        run_name="standby-placement", runs_root=str(tmp_path / "runs"), data=arithmetic_data,
-        model_dir=tiny_model_dir, ray_address="",
-        overrides=["engine.standby_engines=1", "cluster.placement=always"],
-    )
-    with pytest.raises(ConfigError, match="standby_engines needs cluster.placement off"):
-        num_standby(cfg)
+def test_with_placement_a_standby_holds_a_bundle_and_the_new_one_takes_the_freed_bundle(
+    ray_address, arithmetic_data, tiny_model_dir, tmp_path
+):
+    from engines.cluster.placement import actor_bundle
+
+    def config(rollout_bundles: int):
+        return arithmetic_config(
+            run_name=f"standby-pg-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
+            data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
+            overrides=["cluster.placement=always", "engine.standby_engines=1",
+                       f"cluster.rollout_num_gpus={rollout_bundles}"],
+        )
+
+    short = config(1)  # one engine bundle (a CPU one here): none left for the pool
+    connect(short.cluster)
+    try:
+        with pytest.raises(ConfigError, match="standby_engines=1 leaves no engine bundle"):
+            get_or_create_actors(short)
+    finally:
+        kill_run_actors(short)
+    cfg = config(2)  # engine 0 and the standby, a bundle each
+    try:
+        actors = get_or_create_actors(cfg)
+        placement = run_placement(cfg)
+        assert placement is not None
+        group = placement.pg.id.hex()
+        first, second = (placement.engine_bundles(i)[0] for i in (0, 1))
+        assert actor_bundle(actors.engines[0]) == (group, first)
+        assert actor_bundle(actors.standby[0]) == (group, second)
+        os.kill(int(ray.get(actors.engines[0].pid.remote())), signal.SIGKILL)
+        pool = EnginePool(cfg, actors)
+        pool.replace_lost([actors.urls[0]])
+        after = pool.actors
+        assert after.engines[0] == actors.standby[0]
+        ray.get(after.standby[0].url.remote())
+        assert actor_bundle(after.standby[0]) == (group, first)  # the bundle the lost one freed
+    finally:
+        kill_run_actors(cfg)
