@@ -4,7 +4,8 @@
 #   bash scripts/gpu/megatron_checks.sh [suite] [backend] [parity] [group] [parallel] [nccl] [bench]
 #   (default: backend parity group parallel)
 #   suite     the whole GPU suite, `pytest tests/gpu`, as one invocation (each module in a
-#             pytest process of its own: tests/support/own_process.py), with every test's time
+#             pytest process of its own, a module per GPU at a time and at least two:
+#             tests/support/own_process.py, tests/gpu/conftest.py), with every test's time
 #   backend   GPU 0 (beside parity on GPU 1): tests/gpu/test_megatron_{backend,packing}.py (HF logits, losses vs torch, step-0
 #             ppo_kl in bf16, fp32/bf16 checkpoint resume with critic and LR schedule, offload)
 #   parity    GPU 1: tests/gpu/test_megatron_parity.py, the torch-vs-megatron table per algorithm
