@@ -25,6 +25,7 @@ from engines.cluster.placement import (
     ENGINE_SHARE,
     TRAIN_SHARE,
     Placement,
+    ResourcePlan,
     create_placement,
     plan_resources,
     use_placement,
@@ -116,17 +117,17 @@ def num_standby(cfg: RunConfig) -> int:
     return cfg.engine.standby_engines
 
 
-def engine_bundles_for_pool(cfg: RunConfig, placement: Placement | None) -> int | None:
-    """Engine bundles the pool may use: the placement group's, less one for each standby
+def engine_bundles_for_pool(cfg: RunConfig, plan: ResourcePlan | None) -> int | None:
+    """Engine bundles the pool may use: the placement plan's, less one for each standby
     engine (which takes a bundle of its own); None without placement (no limit)."""
-    if placement is None:
+    if plan is None:
         return None
-    spare, bundles = num_standby(cfg), placement.plan.num_engines
+    spare, bundles = num_standby(cfg), plan.num_engines
     if spare and spare >= bundles:
         raise ConfigError(
             f"engine.standby_engines={spare} leaves no engine bundle for the pool: "
             f"cluster.rollout_num_gpus reserves {bundles} engine(s) of "
-            f"{placement.plan.gpus_per_engine} GPU(s); raise it to hold the pool and the "
+            f"{plan.gpus_per_engine} GPU(s); raise it to hold the pool and the "
             f"standby engines")
     return bundles - spare
 
@@ -208,7 +209,7 @@ def get_or_create_actors(cfg: RunConfig, pool: int | None = None) -> RunActors:
     router) no longer sends them anything."""
     spare = num_standby(cfg)
     placement = _attach(cfg)
-    cap = engine_bundles_for_pool(cfg, placement)
+    cap = engine_bundles_for_pool(cfg, None if placement is None else placement.plan)
     wanted = pool if pool is not None else num_engines(cfg)
     if cap is not None and spare and wanted > cap:
         raise ConfigError(
@@ -259,8 +260,8 @@ def apply_engine_pool(cfg: RunConfig, actors: RunActors) -> RunActors:
     weights: the caller brings them to the current version, as after `replace_lost_engines`."""
     if engine_pool_size(cfg) == len(actors.engines):  # (one small read per step)
         return actors
-    cap = (plan_resources(cfg.cluster).num_engines - num_standby(cfg)
-           if use_placement(cfg.cluster) else None)
+    cap = engine_bundles_for_pool(
+        cfg, plan_resources(cfg.cluster) if use_placement(cfg.cluster) else None)
     if engine_pool_size(cfg, cap) == len(actors.engines):
         return actors
     _ATTACHED.pop(_attach_key(cfg), None)

@@ -1,14 +1,14 @@
 """`engine.standby_engines`: an engine started beside the pool takes a lost engine's place
 without a new process or a model load, the rollout is handed its URL, and a new standby
-starts under the lost engine's freed name (with placement: in its freed bundle). Mock engines on the session's Ray head; the time a
-replacement takes is bench/engine_replace.py's (bench/RESULTS.md, "Engine replacement")."""
+starts under the lost engine's freed name (with placement: in its freed bundle). Mock engines
+on the session's Ray head; the time a replacement takes is bench/engine_replace.py's
+(bench/RESULTS.md, "Engine replacement")."""
 
 from __future__ import annotations
 
 import os
 import signal
 import urllib.request
-import uuid
 
 import pytest
 import ray
@@ -17,7 +17,6 @@ from engines.cluster.actors import get_or_create_actors, kill_run_actors, run_pl
 from engines.cluster.engine_pool import EnginePool
 from engines.cluster.head import connect
 from storage.config import ConfigError
-from tests.support.configs import arithmetic_config
 
 
 def _answers(url: str) -> bool:
@@ -25,14 +24,8 @@ def _answers(url: str) -> bool:
         return reply.status == 200
 
 
-def test_a_standby_takes_a_lost_engines_place_and_a_new_one_starts(
-    ray_address, arithmetic_data, tiny_model_dir, tmp_path
-):
-    cfg = arithmetic_config(
-        run_name=f"standby-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-        data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-        overrides=["engine.num_engines=2", "engine.standby_engines=1"],
-    )
+def test_a_standby_takes_a_lost_engines_place_and_a_new_one_starts(make_config):
+    cfg = make_config("standby", "engine.num_engines=2", "engine.standby_engines=1")
     connect(cfg.cluster)
     try:
         actors = get_or_create_actors(cfg)
@@ -60,17 +53,13 @@ def test_a_standby_takes_a_lost_engines_place_and_a_new_one_starts(
 
 
 def test_with_placement_a_standby_holds_a_bundle_and_the_new_one_takes_the_freed_bundle(
-    ray_address, arithmetic_data, tiny_model_dir, tmp_path
+    make_config,
 ):
     from engines.cluster.placement import actor_bundle
 
     def config(rollout_bundles: int):
-        return arithmetic_config(
-            run_name=f"standby-pg-{uuid.uuid4().hex[:8]}", runs_root=str(tmp_path / "runs"),
-            data=arithmetic_data, model_dir=tiny_model_dir, ray_address=ray_address,
-            overrides=["cluster.placement=always", "engine.standby_engines=1",
-                       f"cluster.rollout_num_gpus={rollout_bundles}"],
-        )
+        return make_config("standby-pg", "cluster.placement=always", "engine.standby_engines=1",
+                           f"cluster.rollout_num_gpus={rollout_bundles}")
 
     short = config(1)  # one engine bundle (a CPU one here): none left for the pool
     connect(short.cluster)
