@@ -9,8 +9,8 @@ autograd kept fp32 intermediates of each for backward. `token_stats` reduces eac
 four floats (`row_stats`), keeps two per token for backward, and its backward recomputes the
 softmax from the saved logits (`logit_grad`): the gradient of `log p(t) = z_t - lse` is
 `onehot(t) - p`, and of `H = lse - E_p[z]` is `-p (z - E_p[z])` (z the tempered logits).
-On CUDA both run through torch.compile, so the logits are read once per pass in their own
-dtype; elsewhere (and if compiling fails) in fp32 chunks. With tensor parallelism each rank
+On CUDA, for a large vocabulary (`compiles`), both run through torch.compile, so the logits
+are read once per pass in their own dtype; elsewhere (and if compiling fails) in fp32 chunks. With tensor parallelism each rank
 holds `V/tp` columns from `vocab_start`; the ranks' row stats are all-gathered and combined
 exactly (`combine_stats`), and the backward needs no communication. Pure torch: it runs (and
 is tested) on the CPU.
@@ -69,15 +69,27 @@ def logit_grad(
 
 
 _compiled: dict[str, Callable[..., Tensor]] = {}
+# The fewest logit columns (this rank's share of the vocabulary) worth compiling for. A
+# smaller head's logits are a small part of a step's memory traffic, while compiling costs
+# each process's first train step seconds: a tiny model's (vocabulary 80) first GRPO step
+# on an H200 trained in 7.2-8.4 s, its later ones in 0.2-0.3 s (bench/RESULTS.md, "Async RL").
+COMPILE_MIN_VOCAB = 8192
+
+
+def compiles(is_cuda: bool, rows: int, vocab: int) -> bool:
+    """Whether `_run` fuses `[rows, vocab]` logits with torch.compile: on CUDA, for a large
+    vocabulary (`COMPILE_MIN_VOCAB`), for some rows (a micro-batch of empty responses has
+    nothing to fuse, and no compiler failure to risk), unless ROLLFLOW_COMPILE_TOKEN_STATS
+    is 0 (set by the first compiler failure)."""
+    return (is_cuda and rows > 0 and vocab >= COMPILE_MIN_VOCAB
+            and os.environ.get("ROLLFLOW_COMPILE_TOKEN_STATS", "1") != "0")
 
 
 def _run(name: str, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor | None:
-    """`fn(x, *args)` through torch.compile on CUDA (one fused kernel reading the logits
-    once, no `[n, V]` fp32 temporaries); None where it is not used: on the CPU, or once
-    compiling failed (warned once; the chunked eager path then runs), and for no rows at all
-    (a micro-batch of empty responses: nothing to fuse, and no compiler failure to risk)."""
-    if (not x.is_cuda or x.numel() == 0
-            or os.environ.get("ROLLFLOW_COMPILE_TOKEN_STATS", "1") == "0"):
+    """`fn(x, *args)` through torch.compile where `compiles` says so (one fused kernel
+    reading the logits once, no `[n, V]` fp32 temporaries); None elsewhere, and once
+    compiling failed (warned once): the chunked eager path then runs."""
+    if not compiles(x.is_cuda, x.shape[0] if x.numel() else 0, x.shape[-1]):
         return None
     if name not in _compiled:
         _compiled[name] = torch.compile(fn, dynamic=True)
