@@ -11,7 +11,11 @@ the answer (`rm_type: last_number`), so the dots are free and the sums are what 
 Each mode is one `rollflow train` from the shell, all sharing one local head. A run's clock
 starts when its step 0 starts (so start-up is not in it) and a weight version counts as
 reached when the step that trained it committed; the held-out set is scored every
-`--eval-every` steps.
+`--eval-every` steps. By default each run scores it itself, inside its clock (an evaluation
+blocks the step that ends on it). With `--offline-eval` the runs save a checkpoint every
+`--eval-every` steps instead, and the bench scores the checkpoints after the last run, off
+the runs' clocks, as bench.vs_trl does: greedy HF decoding, the runs' last-number rule. The
+checkpoints' own saving stays in each clock.
 
     python -m bench.async_rl
     python -m bench.async_rl --modes sync,async:2 --steps 8
@@ -125,9 +129,7 @@ def command(args: argparse.Namespace, mode: str, eta: int, data: Path, checkpoin
     sets = [
         f"train.model_path={checkpoint}", "rollout.rm_type=last_number",
         f"data.prompt_data={data / 'train.jsonl'}",
-        f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0, "
-        f"max_prompts: {args.eval_prompts}}}]",
-        f"eval.eval_interval={args.eval_every}",
+        *eval_settings(args, data),
         f"rollout.num_rollout={args.steps}",
         f"rollout.rollout_batch_size={args.groups}",
         f"rollout.max_response_len={args.max_response_len}",
@@ -139,16 +141,64 @@ def command(args: argparse.Namespace, mode: str, eta: int, data: Path, checkpoin
             str(REPO / "examples/arithmetic/grpo.yaml"), *(x for s in sets for x in ("--set", s))]
 
 
+def eval_settings(args: argparse.Namespace, data: Path) -> list[str]:
+    """The run's own evaluations every --eval-every steps, or (--offline-eval) none, and a
+    checkpoint every --eval-every steps for `offline_accuracy`."""
+    if args.offline_eval:
+        return ["eval.datasets=[]", "eval.before_train=false",
+                f"train.save_interval={args.eval_every}"]
+    return [f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0, "
+            f"max_prompts: {args.eval_prompts}}}]", f"eval.eval_interval={args.eval_every}"]
+
+
+def offline_accuracy(
+    layout: RunLayout, warm_start_ckpt: Path, test: Path, prompts: int, max_new_tokens: int,
+) -> dict[int, float]:
+    """Held-out accuracy (%) of each weight version the run checkpointed (a checkpoint of
+    step k holds version k + 1), and of version 0, the warm start: greedy HF decoding of the
+    first `prompts` test rows, scored by the last number of the answer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.rollout.rewards.text_rules import last_number_score
+
+    rows = [json.loads(line) for line in test.read_text().splitlines()[:prompts]]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(str(warm_start_ckpt))
+    tokenizer.padding_side = "left"
+    enc = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True,
+                    add_special_tokens=False).to(device)
+    ckpts = {0: str(warm_start_ckpt)}
+    ckpts.update({int(name) + 1: layout.store.path("checkpoints", name)
+                  for name in layout.store.list("checkpoints") if name.isdigit()})
+    out = {}
+    for version, path in sorted(ckpts.items()):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        with torch.no_grad():
+            tokens = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                    eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(tokens[:, enc["input_ids"].shape[1]:],
+                                       skip_special_tokens=True)
+        out[version] = 100.0 * statistics.fmean(
+            last_number_score(t, r["label"]) for t, r in zip(texts, rows, strict=True))
+    return out
+
+
 def _seconds(stamp: str | float) -> float:
     return float(stamp) if isinstance(stamp, (int, float)) else datetime.fromisoformat(stamp).timestamp()
 
 
-def measure(layout: RunLayout, mode: str, eta: int) -> ModeRun:
+def measure(layout: RunLayout, mode: str, eta: int,
+            accuracy: dict[int, float] | None = None) -> ModeRun:
+    """The run's times from its stored records; `accuracy` by version (%), else the run's
+    own evaluations."""
     steps = layout.committed_steps()
     start = _seconds(layout.task_record(0, "sample_prompts")["started_at"])  # type: ignore[index]
     reached = {k + 1: _seconds(layout.store.read_json(step_dir(k), "COMMITTED")["committed_at"])
                - start for k in steps}
-    accuracy = {v: 100.0 * m["eval/test"] for v, m in layout.evals().items()}
+    if accuracy is None:
+        accuracy = {v: 100.0 * m["eval/test"] for v, m in layout.evals().items()}
     lengths = [s.response_length for k in steps
                for s in read_samples(layout.store, step_dir(k), "train.arrow")]
     metrics = [layout.step_metrics(k) for k in steps]
@@ -206,6 +256,8 @@ def main() -> None:
                         "to learn which problems get the long answer)")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--offline-eval", action="store_true",
+                        help="score checkpoints after the runs, off their clocks (see above)")
     parser.add_argument("--target", type=float, default=None,
                         help="held-out accuracy, %% (default: the sync run's final one)")
     args = parser.parse_args()
@@ -215,6 +267,7 @@ def main() -> None:
     env = {**os.environ, "ROLLFLOW_HOME": str(home), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
     results: list[ModeRun] = []
+    done: list[tuple[str, str, int, RunLayout]] = []
     try:
         data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots,
                                     args.long_when)
@@ -224,14 +277,20 @@ def main() -> None:
             cmd = command(args, mode, eta, data, checkpoint, runs_root)
             run(cmd, env, text)
             run_name = next(a.split("=", 1)[1] for a in cmd if a.startswith("storage.run_name="))
-            results.append(measure(RunLayout.open(str(runs_root), run_name), mode, eta))
-            r = results[-1]
-            print(f"{text}: {r.wall_s:.1f} s; (version, s, accuracy %): "
-                  f"{[(v, round(r.reached_s.get(v, 0.0), 1), round(a, 1)) for v, a in sorted(r.accuracy.items())]}",
-                  flush=True)
+            done.append((text, mode, eta, RunLayout.open(str(runs_root), run_name)))
     finally:
         subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "down", "--force"],
                        cwd=REPO, env=env, capture_output=True)
+    for text, mode, eta, layout in done:  # (offline: the head is down, the devices free)
+        accuracy = None
+        if args.offline_eval:
+            accuracy = offline_accuracy(layout, checkpoint, data / "test.jsonl",
+                                        args.eval_prompts, args.max_response_len)
+        results.append(measure(layout, mode, eta, accuracy))
+        r = results[-1]
+        print(f"{text}: {r.wall_s:.1f} s; (version, s, accuracy %): "
+              f"{[(v, round(r.reached_s.get(v, 0.0), 1), round(a, 1)) for v, a in sorted(r.accuracy.items())]}",
+              flush=True)
     report(results, args.target)
 
 
