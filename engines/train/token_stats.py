@@ -10,10 +10,10 @@ four floats (`row_stats`), keeps two per token for backward, and its backward re
 softmax from the saved logits (`logit_grad`): the gradient of `log p(t) = z_t - lse` is
 `onehot(t) - p`, and of `H = lse - E_p[z]` is `-p (z - E_p[z])` (z the tempered logits).
 On CUDA, for a large vocabulary (`compiles`), both run through torch.compile, so the logits
-are read once per pass in their own dtype; elsewhere (and if compiling fails) in fp32 chunks. With tensor parallelism each rank
-holds `V/tp` columns from `vocab_start`; the ranks' row stats are all-gathered and combined
-exactly (`combine_stats`), and the backward needs no communication. Pure torch: it runs (and
-is tested) on the CPU.
+are read once per pass in their own dtype; elsewhere (and if compiling fails) in fp32
+chunks. With tensor parallelism each rank holds `V/tp` columns from `vocab_start`; the
+ranks' row stats are all-gathered and combined exactly (`combine_stats`), and the backward
+needs no communication. Pure torch: it runs (and is tested) on the CPU.
 """
 
 from __future__ import annotations
