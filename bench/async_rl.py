@@ -160,28 +160,20 @@ def offline_accuracy(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from bench.trl_baseline import greedy_accuracy
     from engines.rollout.rewards.text_rules import last_number_score
 
     rows = [json.loads(line) for line in test.read_text().splitlines()[:prompts]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(str(warm_start_ckpt))
-    tokenizer.padding_side = "left"
-    enc = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True,
-                    add_special_tokens=False).to(device)
     ckpts = {0: str(warm_start_ckpt)}
     ckpts.update({int(name) + 1: layout.store.path("checkpoints", name)
                   for name in layout.store.list("checkpoints") if name.isdigit()})
     out = {}
     for version, path in sorted(ckpts.items()):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-        with torch.no_grad():
-            tokens = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                                    eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(tokens[:, enc["input_ids"].shape[1]:],
-                                       skip_special_tokens=True)
-        out[version] = 100.0 * statistics.fmean(
-            last_number_score(t, r["label"]) for t, r in zip(texts, rows, strict=True))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        out[version] = 100.0 * greedy_accuracy(model, tokenizer, rows, max_new_tokens,
+                                               batch_size=max(1, len(rows)), score=last_number_score)
     return out
 
 

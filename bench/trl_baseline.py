@@ -53,17 +53,18 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 def greedy_accuracy(
     model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int,
-    batch_size: int = 500,
+    batch_size: int = 500, score: Callable[[str, str], float] = exact_match_score,
 ) -> float:
-    """Fraction of `rows` whose greedy completion (at most `max_new_tokens`, stopping at EOS,
-    special tokens dropped) exact-matches the label, with rollflow's `exact_match` rule."""
+    """Mean `score` (rollflow's `exact_match` rule by default) of `rows`' greedy completions
+    against their labels: at most `max_new_tokens`, stopping at EOS, special tokens dropped,
+    generated on the model's device."""
     model.eval()
     tokenizer.padding_side = "left"
     correct = 0.0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True,
-                        add_special_tokens=False)
+                        add_special_tokens=False).to(model.device)
         with torch.no_grad():
             out = model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
@@ -71,7 +72,7 @@ def greedy_accuracy(
             )
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
                                        skip_special_tokens=True)
-        correct += sum(exact_match_score(t, r["label"]) for t, r in zip(texts, chunk, strict=True))
+        correct += sum(score(t, r["label"]) for t, r in zip(texts, chunk, strict=True))
     return correct / len(rows)
 
 
