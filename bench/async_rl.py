@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -60,6 +61,7 @@ class ModeRun:
     reached_s: dict[int, float]  # weight version -> seconds from step 0's start
     accuracy: dict[int, float]  # weight version -> held-out accuracy (%)
     lengths: list[int]  # every trained response's length
+    long_lengths: list[int]  # those of the long problems' responses (`is_long`)
     wall_s: float  # step 0's start to the last commit
     per_step: dict[str, float]  # mean seconds per step: the interval and each task (BREAKDOWN)
 
@@ -79,6 +81,12 @@ def is_long(a: int, b: int, when: str = "b") -> bool:
 def work_dots(a: int, b: int, long: int = 40, when: str = "b") -> int:
     """The dots after the answer to a+b: `long` for a long problem (`is_long`), else 0 to 3."""
     return long if is_long(a, b, when) else (a + b) % 4
+
+
+def is_long_prompt(prompt: object, when: str) -> bool:
+    """`is_long` of a trained sample's "a+b=" prompt."""
+    a, _, b = str(prompt).rstrip("=").partition("+")
+    return a.isdigit() and b.isdigit() and is_long(int(a), int(b), when)
 
 
 def write_long_tail_data(out: Path, long: int, when: str = "b", n_train: int = 4000,
@@ -130,7 +138,7 @@ def command(args: argparse.Namespace, mode: str, eta: int, data: Path, checkpoin
         f"train.model_path={checkpoint}", "rollout.rm_type=last_number",
         f"data.prompt_data={data / 'train.jsonl'}",
         *eval_settings(args, data),
-        f"rollout.num_rollout={args.steps}",
+        f"rollout.num_rollout={args.steps if mode == 'sync' else args.overlap_steps or args.steps}",
         f"rollout.rollout_batch_size={args.groups}",
         f"rollout.max_response_len={args.max_response_len}",
         f"rollout.mode={mode}", f"rollout.max_staleness={eta}",
@@ -181,8 +189,8 @@ def _seconds(stamp: str | float) -> float:
     return float(stamp) if isinstance(stamp, (int, float)) else datetime.fromisoformat(stamp).timestamp()
 
 
-def measure(layout: RunLayout, mode: str, eta: int,
-            accuracy: dict[int, float] | None = None) -> ModeRun:
+def measure(layout: RunLayout, mode: str, eta: int, accuracy: dict[int, float] | None = None,
+            long_when: str = "b") -> ModeRun:
     """The run's times from its stored records; `accuracy` by version (%), else the run's
     own evaluations."""
     steps = layout.committed_steps()
@@ -191,27 +199,31 @@ def measure(layout: RunLayout, mode: str, eta: int,
                - start for k in steps}
     if accuracy is None:
         accuracy = {v: 100.0 * m["eval/test"] for v, m in layout.evals().items()}
-    lengths = [s.response_length for k in steps
-               for s in read_samples(layout.store, step_dir(k), "train.arrow")]
+    trained = [s for k in steps for s in read_samples(layout.store, step_dir(k), "train.arrow")]
+    lengths = [s.response_length for s in trained]
+    long_lengths = [s.response_length for s in trained if is_long_prompt(s.prompt, long_when)]
     metrics = [layout.step_metrics(k) for k in steps]
     per_step = {name: statistics.fmean(m.get(key, 0.0) for m in metrics)
                 for name, key in BREAKDOWN.items()}
     ends = sorted(reached.values())
     per_step["interval"] = statistics.fmean(b - a for a, b in itertools.pairwise([0.0, *ends]))
-    return ModeRun(mode, eta, reached, accuracy, lengths, max(reached.values()), per_step)
+    return ModeRun(mode, eta, reached, accuracy, lengths, long_lengths, max(reached.values()),
+                   per_step)
 
 
 def report(runs: list[ModeRun], target: float | None) -> None:
     """The table; the target defaults to the sync run's final accuracy, and each run's
-    time to it is also given as a fraction of the sync run's."""
+    time to it is also given as a fraction of the sync run's time to it (vs sync) and of the
+    sync run's wall time (issue 46's measure); the long problems' share of the trained
+    samples shows whether a mode trains its stragglers as often as it draws them."""
     sync = next((r for r in runs if r.mode == "sync"), None)
     if target is None:
         target = sync.accuracy[max(sync.accuracy)] if sync is not None else 0.0
     sync_hit = sync.time_to(target) if sync is not None else None
     print(f"\ntarget held-out accuracy {target:.1f}%")
-    print("| mode | η | wall (s) | to target (s) | vs sync | final accuracy "
-          "| response length p50 / p99 / max |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | η | wall (s) | to target (s) | vs sync | vs sync wall | final accuracy "
+          "| response length p50 / p99 / max | long problems: share, mean length |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         lengths = sorted(r.lengths)
         p = statistics.quantiles(lengths, n=100) if len(lengths) > 1 else lengths * 99
@@ -219,8 +231,12 @@ def report(runs: list[ModeRun], target: float | None) -> None:
         final = r.accuracy[max(r.accuracy)]
         eta = "-" if r.mode == "sync" else str(r.staleness)
         ratio = f"{hit / sync_hit:.2f}x" if hit is not None and sync_hit else "-"
+        of_wall = f"{hit / sync.wall_s:.2f}x" if hit is not None and sync is not None else "-"
+        long = (f"{len(r.long_lengths) / len(lengths):.1%}, "
+                f"{statistics.fmean(r.long_lengths):.0f}" if r.long_lengths else "0%")
         print(f"| {r.mode} | {eta} | {r.wall_s:.1f} | {'not reached' if hit is None else f'{hit:.1f}'} "
-              f"| {ratio} | {final:.1f}% | {p[49]:.0f} / {p[98]:.0f} / {lengths[-1]} |")
+              f"| {ratio} | {of_wall} | {final:.1f}% | {p[49]:.0f} / {p[98]:.0f} / {lengths[-1]} "
+              f"| {long} |")
     print("\nper step, mean (s; the stale samples redone: a count)")
     names = ["interval", *BREAKDOWN]
     print("| mode | η | " + " | ".join(names) + " |")
@@ -234,6 +250,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="sync,one_step:1,async:1,async:2,async:4")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--overlap-steps", type=int, default=None,
+                        help="the one_step and async runs' steps (default: --steps): time to the "
+                        "sync run's final accuracy may need more of their steps than sync's")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--max-response-len", type=int, default=48)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -248,6 +267,8 @@ def main() -> None:
                         "to learn which problems get the long answer)")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--test-prompts", type=int, default=500,
+                        help="held-out problems written (at most 8100 - 4000 train)")
     parser.add_argument("--offline-eval", action="store_true",
                         help="score checkpoints after the runs, off their clocks (see above)")
     parser.add_argument("--target", type=float, default=None,
@@ -262,7 +283,7 @@ def main() -> None:
     done: list[tuple[str, str, int, RunLayout]] = []
     try:
         data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots,
-                                    args.long_when)
+                                    args.long_when, n_test=args.test_prompts)
         checkpoint = warm_start(args, data, runs_root, env)
         for text in args.modes.split(","):
             mode, eta = parse_mode(text)
@@ -276,9 +297,11 @@ def main() -> None:
     for text, mode, eta, layout in done:  # (offline: the head is down, the devices free)
         accuracy = None
         if args.offline_eval:
+            t0 = time.perf_counter()
             accuracy = offline_accuracy(layout, checkpoint, data / "test.jsonl",
                                         args.eval_prompts, args.max_response_len)
-        results.append(measure(layout, mode, eta, accuracy))
+            print(f"{text}: offline evaluation {time.perf_counter() - t0:.0f} s", flush=True)
+        results.append(measure(layout, mode, eta, accuracy, args.long_when))
         r = results[-1]
         print(f"{text}: {r.wall_s:.1f} s; (version, s, accuracy %): "
               f"{[(v, round(r.reached_s.get(v, 0.0), 1), round(a, 1)) for v, a in sorted(r.accuracy.items())]}",

@@ -66,6 +66,15 @@ class RolloutConfig(Section):
         "(rollout.stale_groups). 0 in one_step stays on-policy: only the next step's "
         "flow-run set-up and prompt draw overlap this step's training.",
     )
+    async_take: Literal["due_first", "finish_order"] = Field(
+        "due_first",
+        description="Async mode: which finished groups a step takes. due_first: first the "
+        "groups this step is the last allowed to train (begun on the oldest version it may "
+        "train), waiting for those still generating, then the others in finish order; no "
+        "group outlives the staleness bound, so long responses train as often as they are "
+        "drawn. finish_order: the first to finish; a group still generating when its last "
+        "step passes goes stale (rollout.stale_groups), which leaves long responses behind.",
+    )
     stale_groups: Literal["regenerate", "drop"] = Field(
         "regenerate",
         description="one_step and async modes: a group with a sample begun on a policy older "

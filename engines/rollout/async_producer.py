@@ -10,11 +10,15 @@
       └──────── stale, `stale_groups: regenerate` ◄── step k's generate: take(k) the first
                                                       rollout_batch_size, in finish order
 ```
-Step k's generate task takes the first `rollout_batch_size` groups that finished (kept by
-the dynamic filter), in the order they finished, and writes them to rollout.arrow, so a
-replay of the step reads exactly those. A group with a token older than step k may train
-(`oldest_trainable_version`: k - max_staleness) is regenerated from its prompt or dropped
-(`rollout.stale_groups`), and counted.
+Step k's generate task takes `rollout_batch_size` finished groups (kept by the dynamic
+filter) and writes them to rollout.arrow in the order it took them, so a replay of the step
+reads exactly those. With `rollout.async_take: due_first` (the default) it takes first the
+groups that are due: begun on a version step k + 1 may no longer train, so step k is the last
+that may train them; it waits for those still generating, then fills up with the others in
+the order they finished. A long response is then trained in the steps its draw allows, like a
+short one, instead of outliving the bound. With `finish_order` it takes the first to finish.
+A group with a token older than step k may train (`oldest_trainable_version`: k -
+max_staleness) is regenerated from its prompt or dropped (`rollout.stale_groups`), and counted.
 
 Room to draw (`room`): fewer than `async_inflight` groups in flight, and no more groups
 outstanding (in flight and queued) than the steps that can still train a group started now
@@ -79,6 +83,21 @@ def room_to_draw(cfg: RunConfig, engine_version: int, next_step: int, in_flight:
     return max(0, min(r.inflight_groups - in_flight, ahead - in_flight - queued))
 
 
+def is_due(group: Group, oldest_next: int | None, launched_at: int | None = None) -> bool:
+    """Step k must train `group` or nobody may: it has a token, or (in flight since engine
+    version `launched_at`) may get one, older than `oldest_next`, what step k + 1 may train."""
+    if oldest_next is None:
+        return False
+    return is_stale(group, oldest_next) or (launched_at is not None and launched_at < oldest_next)
+
+
+def due_first_ready(due: int, others: int, due_in_flight: int, count: int) -> bool:
+    """`rollout.async_take: due_first`: a step holding `due` finished groups it must train and
+    `others` it may, with `due_in_flight` it must train still generating, has its `count`
+    groups: as many due ones as it can take, the rest from the others."""
+    return due >= count or (due + others >= count and due_in_flight == 0)
+
+
 def sample_is_stale(sample: Sample, oldest: int) -> bool:
     """`sample` has a response token from a version older than `oldest`."""
     return sample.response_length > 0 and min(sample.response_versions()) < oldest
@@ -128,6 +147,7 @@ class AsyncProducer:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._in_flight: dict[asyncio.Task[None], Group] = {}
+        self._launched_at: dict[asyncio.Task[None], int] = {}  # the engine version then
         self._queue: list[Group] = []  # finished and kept, in finish order
         self._taking: list[Group] = []  # popped by the take under way: still outstanding
         self._draw_until: int | None = None  # the take under way's draw limit (group index)
@@ -255,6 +275,7 @@ class AsyncProducer:
     def _launch(self, group: Group) -> None:
         task = asyncio.ensure_future(self._generate(group))
         self._in_flight[task] = group
+        self._launched_at[task] = self.engine_version
 
     async def _generate(self, group: Group) -> None:
         gen = self._gen
@@ -274,6 +295,7 @@ class AsyncProducer:
             self._error = err
         finally:
             self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._launched_at.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self._track_version(group)
             self._fill()
             assert self._changed is not None
@@ -306,31 +328,40 @@ class AsyncProducer:
         self.next_step = rollout_id
         self.engine_version = max(self.engine_version, engine_version)
         oldest = oldest_trainable_version(self.cfg, rollout_id)
+        oldest_next = (oldest_trainable_version(self.cfg, rollout_id + 1)
+                       if self.cfg.rollout.async_take == "due_first" else None)
         limit = self.cfg.rollout.max_groups_per_step or 10 * count
         self._draw_until = self.source.state.group_index + limit
-        taken = self._taking = []
-        while len(taken) < count:
+        due: list[Group] = []
+        others: list[Group] = []  # (due ones are empty under finish_order)
+        while True:
             # cleared before the queue is read: a group that finishes from here on (while the
             # progress file is written, say) wakes the wait below, even with none left in flight
             self._changed.clear()
             self._raise_if_failed()
-            while self._queue and len(taken) < count:
+            while self._queue and len(due) < count and (oldest_next is not None
+                                                         or len(others) < count):
                 group = self._queue.pop(0)
                 if is_stale(group, oldest):
                     self._handle_stale(group, oldest)
                 else:
-                    taken.append(group)
+                    (due if is_due(group, oldest_next) else others).append(group)
+            self._taking = due + others
             if progress is not None:
-                await asyncio.to_thread(progress, len(taken), count)
-            if len(taken) >= count:
+                await asyncio.to_thread(progress, min(len(due) + len(others), count), count)
+            due_in_flight = sum(is_due(g, oldest_next, self._launched_at.get(t))
+                                for t, g in self._in_flight.items())
+            if due_first_ready(len(due), len(others), due_in_flight, count):
                 break
             if (self.source.state.group_index >= self._draw_until and not self._in_flight
                     and not self._queue):
                 log.warning("async rollout: step %d drew %d groups and kept only %d of %d",
-                            rollout_id, limit, len(taken), count)
+                            rollout_id, limit, len(due) + len(others), count)
                 break
             self._fill()
             await self._changed.wait()
+        taken, rest = (due + others)[:count], (due + others)[count:]
+        self._queue[:0] = rest  # (back to the front, for the next step)
         self.next_step, self._taking, self._draw_until = rollout_id + 1, [], None
         self._fill()
         return self._taken(taken, time.perf_counter() - start)

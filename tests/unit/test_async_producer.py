@@ -3,6 +3,7 @@ real HTTP: what it draws, what a step takes, what a snapshot holds, and the stal
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -66,14 +67,27 @@ def engine() -> Iterator[EngineActor]:
 
 
 def producer_on(engine: EngineActor, cfg: RunConfig, source: RolloutDataSourceWithBuffer,
-                next_step: int = 0, dynamic_filter=None) -> AsyncProducer:
+                next_step: int = 0, dynamic_filter=None,
+                hold: dict[int, threading.Event] | None = None) -> AsyncProducer:
+    """`hold`: groups (by index) whose generation, once answered, does not return until the
+    event is set: a long response, finished on the version it began on."""
     url = engine.url()
 
     @asynccontextmanager
     async def session() -> AsyncIterator[GenerationLoop]:
         async with SGLangClient(url) as client:
-            yield build_generation_loop(cfg.rollout, [client], target=None,
-                                        dynamic_filter=dynamic_filter)
+            loop = build_generation_loop(cfg.rollout, [client], target=None,
+                                         dynamic_filter=dynamic_filter)
+            generate = loop.generate_group
+
+            async def held_generate(group: list[Sample]) -> None:
+                await generate(group)
+                event = (hold or {}).pop(group[0].group_index, None)
+                if event is not None:
+                    await asyncio.to_thread(event.wait)
+
+            loop.generate_group = held_generate  # type: ignore[method-assign]
+            yield loop
 
     return AsyncProducer(cfg, source, next_step, session, [url])
 
@@ -179,6 +193,44 @@ def test_a_stale_finished_group_is_regenerated_before_a_step_takes_it(engine):
     metrics = step3.metrics()
     assert metrics["rollout/groups_stale_regenerated_samples"] == 4.0
     assert metrics["rollout/groups"] == 2.0
+
+
+@pytest.mark.parametrize("take", ["due_first", "finish_order"])
+def test_a_long_group_is_trained_by_the_last_step_that_may_train_it(engine, take):
+    """Group 0 begins on v0 and finishes late (a long response). With max_staleness 1, step 1
+    is the last that may train v0 tokens. due_first: step 1 waits for group 0 and trains it,
+    nothing is regenerated. finish_order (the guarantee off): step 1 takes groups that finished
+    sooner, and group 0, finished too late, is regenerated from its prompt by step 2."""
+    cfg = small_config(*ASYNC, "rollout.async_inflight=4", f"rollout.async_take={take}")
+    release = threading.Event()
+    producer = producer_on(engine, cfg, RolloutDataSourceWithBuffer(prompts(40), 2),
+                           hold={0: release})
+    producer.start(engine_version=0)
+    step1: list[Any] = []
+    try:
+        step0 = producer.take(0, 2, engine_version=0)
+        engine.update_weights_from_tensor({}, 1)
+        taking = threading.Thread(target=lambda: step1.append(
+            producer.take(1, 2, engine_version=1)), daemon=True)
+        taking.start()
+        taking.join(timeout=0.5 if take == "due_first" else 30)
+        assert taking.is_alive() == (take == "due_first")  # (waiting for group 0)
+        release.set()
+        taking.join(timeout=30)
+        engine.update_weights_from_tensor({}, 2)
+        step2 = producer.take(2, 2, engine_version=2)
+    finally:
+        release.set()
+        producer.stop()
+    trained = [[g[0].group_index for g in t.groups] for t in (step0, step1[0], step2)]
+    assert 0 not in trained[0]
+    regenerated = sum(t.counts["stale_regenerated_samples"] for t in (step0, step1[0], step2))
+    if take == "due_first":
+        assert 0 in trained[1] and regenerated == 0
+    else:
+        assert 0 not in trained[1] and regenerated == 2  # group 0's two samples, by step 2
+    assert all(v >= k - 1 for k, t in enumerate((step0, step1[0], step2))
+               for g in t.groups for s in g for v in s.response_versions())
 
 
 def test_a_restarted_loop_takes_up_the_snapshot(engine):
