@@ -120,6 +120,28 @@ def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, 
     return runs / "async-rl-sft" / "checkpoints" / f"{args.sft_steps - 1:06d}"
 
 
+def warm_start_tail(checkpoint: Path, test: Path, when: str, max_new_tokens: int,
+                    prompts: int = 100) -> float:
+    """The mean count of dots in the warm start's greedy answers to the first `prompts`
+    long held-out problems: the long tail GRPO will start from (the SFT answer has
+    `--long-dots`). The same 16-step warm start learnt it in some GPU invocations and not in
+    others (bench/RESULTS.md, "Async RL")."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.trl_baseline import greedy_completions
+
+    rows = [json.loads(line) for line in test.read_text().splitlines()]
+    long = [r["prompt"] for r in rows if is_long_prompt(r["prompt"], when)][:prompts]
+    if not long:
+        return 0.0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).to(device)
+    texts = greedy_completions(model, AutoTokenizer.from_pretrained(str(checkpoint)), long,
+                               max_new_tokens, batch_size=len(long))
+    return statistics.fmean(t.count(".") for t in texts)
+
+
 def run(cmd: list[str], env: dict[str, str], what: str) -> None:
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -265,6 +287,9 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=5,
                         help="the warm start's steps (sft.yaml's 5: a GPU run may need more "
                         "to learn which problems get the long answer)")
+    parser.add_argument("--min-tail", type=float, default=0.5,
+                        help="stop before the runs when the warm start's greedy answers to the "
+                        "long problems average fewer dots than this fraction of --long-dots")
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--test-prompts", type=int, default=500,
@@ -285,6 +310,15 @@ def main() -> None:
         data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots,
                                     args.long_when, n_test=args.test_prompts)
         checkpoint = warm_start(args, data, runs_root, env)
+        tail = warm_start_tail(checkpoint, data / "test.jsonl", args.long_when,
+                               args.max_response_len)
+        print(f"warm start: its greedy answers to the long problems end with {tail:.0f} dots on "
+              f"average (the SFT answer has {args.long_dots})", flush=True)
+        if tail < args.min_tail * args.long_dots:
+            raise SystemExit(
+                f"the warm start did not learn the long answers ({tail:.0f} dots on average, "
+                f"under --min-tail {args.min_tail} x {args.long_dots}): the runs would have no "
+                f"long tail to compare the modes on; give more --sft-steps")
         for text in args.modes.split(","):
             mode, eta = parse_mode(text)
             cmd = command(args, mode, eta, data, checkpoint, runs_root)

@@ -51,29 +51,36 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def greedy_accuracy(
-    model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int,
-    batch_size: int = 500, score: Callable[[str, str], float] = exact_match_score,
-) -> float:
-    """Mean `score` (rollflow's `exact_match` rule by default) of `rows`' greedy completions
-    against their labels: at most `max_new_tokens`, stopping at EOS, special tokens dropped,
-    generated on the model's device."""
+def greedy_completions(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, batch_size: int = 500,
+) -> list[str]:
+    """`prompts`' greedy completions: at most `max_new_tokens`, stopping at EOS, special
+    tokens dropped, generated on the model's device."""
     model.eval()
     tokenizer.padding_side = "left"
-    correct = 0.0
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True,
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True,
                         add_special_tokens=False).to(model.device)
         with torch.no_grad():
             out = model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             )
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
-                                       skip_special_tokens=True)
-        correct += sum(score(t, r["label"]) for t, r in zip(texts, chunk, strict=True))
-    return correct / len(rows)
+        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
+                                        skip_special_tokens=True)
+    return texts
+
+
+def greedy_accuracy(
+    model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int,
+    batch_size: int = 500, score: Callable[[str, str], float] = exact_match_score,
+) -> float:
+    """Mean `score` (rollflow's `exact_match` rule by default) of `rows`' greedy completions
+    (`greedy_completions`) against their labels."""
+    texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens,
+                               batch_size)
+    return sum(score(t, r["label"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
 
 
 def _snapshot_callback(every_steps: int, samples_per_step: int) -> Any:

@@ -32,7 +32,8 @@
 #       problem in ten, a 16-step warm start, 24 GRPO steps with the decoupled correction (the
 #       last rows of bench/RESULTS.md, "Async RL"), a checkpoint every 4 steps scored after the
 #       runs, off their clocks (--offline-eval; H_ARGS replaces the bench's arguments; not run
-#       by default).
+#       by default). It stops before the runs when the warm start did not learn the long
+#       answers (bench.async_rl --min-tail).
 #   (i) 2 GPUs, colocated: (g) with the torch trainer sharded by FSDP2 (`train.strategy=fsdp2`,
 #       bf16 compute, fp32 master weights) over both GPUs, one embedded engine per GPU, weights
 #       as CUDA IPC handles (not run by default; its CPU form, E2E_ARGS="--quick ...", runs two
