@@ -83,6 +83,16 @@ def room_to_draw(cfg: RunConfig, engine_version: int, next_step: int, in_flight:
     return max(0, min(r.inflight_groups - in_flight, ahead - in_flight - queued))
 
 
+def oldest_next_step_trains(cfg: RunConfig, rollout_id: int) -> int | None:
+    """`rollout.async_take: due_first`: the oldest version step `rollout_id` + 1 may train, so
+    that step `rollout_id` must take the groups begun before it (`is_due`). None (nothing is
+    due) under finish_order and at the run's last step, which has no next step to leave
+    groups to: it takes the first to finish rather than wait for a straggler no step needs."""
+    if cfg.rollout.async_take != "due_first" or rollout_id + 1 >= cfg.rollout.num_rollout:
+        return None
+    return oldest_trainable_version(cfg, rollout_id + 1)
+
+
 def is_due(group: Group, oldest_next: int | None, launched_at: int | None = None) -> bool:
     """Step k must train `group` or nobody may: it has a token, or (in flight since engine
     version `launched_at`) may get one, older than `oldest_next`, what step k + 1 may train."""
@@ -328,8 +338,7 @@ class AsyncProducer:
         self.next_step = rollout_id
         self.engine_version = max(self.engine_version, engine_version)
         oldest = oldest_trainable_version(self.cfg, rollout_id)
-        oldest_next = (oldest_trainable_version(self.cfg, rollout_id + 1)
-                       if self.cfg.rollout.async_take == "due_first" else None)
+        oldest_next = oldest_next_step_trains(self.cfg, rollout_id)
         limit = self.cfg.rollout.max_groups_per_step or 10 * count
         self._draw_until = self.source.state.group_index + limit
         due: list[Group] = []

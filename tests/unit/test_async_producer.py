@@ -18,8 +18,10 @@ from engines.data.data_source import RolloutDataSourceWithBuffer
 from engines.inference.engine_actor import EngineActor
 from engines.rollout.async_producer import (
     AsyncProducer,
+    is_due,
     is_stale,
     last_trainable_step,
+    oldest_next_step_trains,
     room_to_draw,
 )
 from engines.rollout.generation import GenerationLoop, build_generation_loop
@@ -43,6 +45,19 @@ def test_a_group_started_now_stays_trainable_until_the_steps_that_take_it():
     cfg = small_config(*ASYNC, "rollout.max_staleness=0", "train.update_weights_interval=2")
     # pushes after steps 1, 3, 5: version 0 generates steps 0 and 1
     assert last_trainable_step(cfg, 0) == 1 and room_to_draw(cfg, 0, 1, 0, 0) == 2
+
+
+def test_a_group_is_due_at_the_last_step_that_may_train_it():
+    cfg = small_config(*ASYNC, "rollout.max_staleness=2")  # 6 steps
+    # step k leaves to step k + 1 only groups begun on version k + 1 - 2 or later
+    assert [oldest_next_step_trains(cfg, k) for k in range(6)] == [0, 0, 1, 2, 3, None]
+    s = Sample(index=0, group_index=0, tokens=[1, 2])
+    s.append_response([5, 6], [-1.0] * 2, "", [1, 2])
+    assert is_due([s], 2) and not is_due([s], 1) and not is_due([s], None)
+    fresh = [Sample(index=1, group_index=1, tokens=[1, 2])]  # in flight, no token yet
+    assert is_due(fresh, 2, launched_at=1) and not is_due(fresh, 2, launched_at=2)
+    finish = small_config(*ASYNC, "rollout.max_staleness=2", "rollout.async_take=finish_order")
+    assert {oldest_next_step_trains(finish, k) for k in range(6)} == {None}
 
 
 def test_a_group_is_stale_by_its_oldest_response_token():
