@@ -70,7 +70,8 @@ class RolloutConfig(Section):
         "due_first",
         description="Async mode: which finished groups a step takes. due_first: first the "
         "groups this step is the last allowed to train (begun on the oldest version it may "
-        "train), waiting for those still generating, then the others in finish order; no "
+        "train), waiting for those still generating, then the others in finish order (the "
+        "run's last step takes the first to finish); no "
         "group outlives the staleness bound, so long responses train as often as they are "
         "drawn. finish_order: the first to finish; a group still generating when its last "
         "step passes goes stale (rollout.stale_groups), which leaves long responses behind.",
