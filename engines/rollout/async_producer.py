@@ -7,8 +7,8 @@
       │                                      ▼          with its tokens, on the new version
       │                               finished: rewards, dynamic filter ──► finished queue
       │                                                                          │
-      └──────── stale, `stale_groups: regenerate` ◄── step k's generate: take(k) the first
-                                                      rollout_batch_size, in finish order
+      └──────── stale, `stale_groups: regenerate` ◄── step k's generate: take(k)
+                                                      rollout_batch_size, due ones first
 ```
 Step k's generate task takes `rollout_batch_size` finished groups (kept by the dynamic
 filter) and writes them to rollout.arrow in the order it took them, so a replay of the step
