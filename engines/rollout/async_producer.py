@@ -85,20 +85,21 @@ def room_to_draw(cfg: RunConfig, engine_version: int, next_step: int, in_flight:
 
 def oldest_next_step_trains(cfg: RunConfig, rollout_id: int) -> int | None:
     """`rollout.async_take: due_first`: the oldest version step `rollout_id` + 1 may train, so
-    that step `rollout_id` must take the groups begun before it (`is_due`). None (nothing is
-    due) under finish_order and at the run's last step, which has no next step to leave
-    groups to: it takes the first to finish rather than wait for a straggler no step needs."""
+    that step `rollout_id` must take the groups begun before it (due): the finished ones
+    `is_stale` for it, the in-flight ones by their `begun_on`. None (nothing is due) under
+    finish_order and at the run's last step, which has no next step to leave groups to: it
+    takes the first to finish rather than wait for a straggler no step needs."""
     if cfg.rollout.async_take != "due_first" or rollout_id + 1 >= cfg.rollout.num_rollout:
         return None
     return oldest_trainable_version(cfg, rollout_id + 1)
 
 
-def is_due(group: Group, oldest_next: int | None, launched_at: int | None = None) -> bool:
-    """Step k must train `group` or nobody may: it has a token, or (in flight since engine
-    version `launched_at`) may get one, older than `oldest_next`, what step k + 1 may train."""
-    if oldest_next is None:
-        return False
-    return is_stale(group, oldest_next) or (launched_at is not None and launched_at < oldest_next)
+def begun_on(group: Group, engine_version: int) -> int:
+    """The oldest version a token of `group`, launched now on `engine_version`, has or will
+    have: the tokens it already holds (a restored or regenerated group) may be older, the ones
+    still to come are not. An in-flight group is due when this is older than `oldest_next`."""
+    held = [min(s.response_versions()) for s in group if s.response_length > 0]
+    return min([engine_version, *held])
 
 
 def due_first_ready(due: int, others: int, due_in_flight: int, count: int) -> bool:
@@ -157,7 +158,7 @@ class AsyncProducer:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._in_flight: dict[asyncio.Task[None], Group] = {}
-        self._launched_at: dict[asyncio.Task[None], int] = {}  # the engine version then
+        self._begun_on: dict[asyncio.Task[None], int] = {}  # in flight: `begun_on`, at launch
         self._queue: list[Group] = []  # finished and kept, in finish order
         self._taking: list[Group] = []  # popped by the take under way: still outstanding
         self._draw_until: int | None = None  # the take under way's draw limit (group index)
@@ -285,7 +286,7 @@ class AsyncProducer:
     def _launch(self, group: Group) -> None:
         task = asyncio.ensure_future(self._generate(group))
         self._in_flight[task] = group
-        self._launched_at[task] = self.engine_version
+        self._begun_on[task] = begun_on(group, self.engine_version)
 
     async def _generate(self, group: Group) -> None:
         gen = self._gen
@@ -305,7 +306,7 @@ class AsyncProducer:
             self._error = err
         finally:
             self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            self._launched_at.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._begun_on.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self._track_version(group)
             self._fill()
             assert self._changed is not None
@@ -354,12 +355,12 @@ class AsyncProducer:
                 if is_stale(group, oldest):
                     self._handle_stale(group, oldest)
                 else:
-                    (due if is_due(group, oldest_next) else others).append(group)
+                    (due if is_stale(group, oldest_next) else others).append(group)
             self._taking = due + others
             if progress is not None:
                 await asyncio.to_thread(progress, min(len(due) + len(others), count), count)
-            due_in_flight = sum(is_due(g, oldest_next, self._launched_at.get(t))
-                                for t, g in self._in_flight.items())
+            due_in_flight = (0 if oldest_next is None else
+                             sum(v < oldest_next for v in self._begun_on.values()))
             if due_first_ready(len(due), len(others), due_in_flight, count):
                 break
             if (self.source.state.group_index >= self._draw_until and not self._in_flight

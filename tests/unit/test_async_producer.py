@@ -18,7 +18,7 @@ from engines.data.data_source import RolloutDataSourceWithBuffer
 from engines.inference.engine_actor import EngineActor
 from engines.rollout.async_producer import (
     AsyncProducer,
-    is_due,
+    begun_on,
     is_stale,
     last_trainable_step,
     oldest_next_step_trains,
@@ -53,9 +53,10 @@ def test_a_group_is_due_at_the_last_step_that_may_train_it():
     assert [oldest_next_step_trains(cfg, k) for k in range(6)] == [0, 0, 1, 2, 3, None]
     s = Sample(index=0, group_index=0, tokens=[1, 2])
     s.append_response([5, 6], [-1.0] * 2, "", [1, 2])
-    assert is_due([s], 2) and not is_due([s], 1) and not is_due([s], None)
+    assert is_stale([s], 2) and not is_stale([s], 1) and not is_stale([s], None)  # (finished: due)
     fresh = [Sample(index=1, group_index=1, tokens=[1, 2])]  # in flight, no token yet
-    assert is_due(fresh, 2, launched_at=1) and not is_due(fresh, 2, launched_at=2)
+    assert begun_on(fresh, 1) < 2 and not begun_on(fresh, 2) < 2  # due, by its launch version
+    assert begun_on([s], 3) == 1  # a restored group's own tokens count
     finish = small_config(*ASYNC, "rollout.max_staleness=2", "rollout.async_take=finish_order")
     assert {oldest_next_step_trains(finish, k) for k in range(6)} == {None}
 
