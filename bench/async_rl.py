@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from examples.arithmetic.build_model import save_tiny_model
 from examples.arithmetic.make_data import make_row, split_pairs
@@ -120,14 +121,22 @@ def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, 
     return runs / "async-rl-sft" / "checkpoints" / f"{args.sft_steps - 1:06d}"
 
 
+def eval_model(path: str) -> Any:
+    """A checkpoint for the bench's greedy scoring: float32, on the GPU where there is one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+
 def warm_start_tail(checkpoint: Path, test: Path, when: str, max_new_tokens: int,
                     prompts: int = 100) -> float:
     """The mean count of dots in the warm start's greedy answers to the first `prompts`
     long held-out problems: the long tail GRPO will start from (the SFT answer has
     `--long-dots`). The same 16-step warm start learnt it in some GPU invocations and not in
     others (bench/RESULTS.md, "Async RL")."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from bench.trl_baseline import greedy_completions
 
@@ -135,9 +144,8 @@ def warm_start_tail(checkpoint: Path, test: Path, when: str, max_new_tokens: int
     long = [r["prompt"] for r in rows if is_long_prompt(r["prompt"], when)][:prompts]
     if not long:
         return 0.0
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).to(device)
-    texts = greedy_completions(model, AutoTokenizer.from_pretrained(str(checkpoint)), long,
+    texts = greedy_completions(eval_model(str(checkpoint)),
+                               AutoTokenizer.from_pretrained(str(checkpoint)), long,
                                max_new_tokens, batch_size=len(long))
     return statistics.fmean(t.count(".") for t in texts)
 
@@ -187,22 +195,19 @@ def offline_accuracy(
     """Held-out accuracy (%) of each weight version the run checkpointed (a checkpoint of
     step k holds version k + 1), and of version 0, the warm start: greedy HF decoding of the
     first `prompts` test rows, scored by the last number of the answer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from bench.trl_baseline import greedy_accuracy
     from engines.rollout.rewards.text_rules import last_number_score
 
     rows = [json.loads(line) for line in test.read_text().splitlines()[:prompts]]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(str(warm_start_ckpt))
     ckpts = {0: str(warm_start_ckpt)}
     ckpts.update({int(name) + 1: layout.store.path("checkpoints", name)
                   for name in layout.store.list("checkpoints") if name.isdigit()})
     out = {}
     for version, path in sorted(ckpts.items()):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-        out[version] = 100.0 * greedy_accuracy(model, tokenizer, rows, max_new_tokens,
+        out[version] = 100.0 * greedy_accuracy(eval_model(path), tokenizer, rows, max_new_tokens,
                                                batch_size=max(1, len(rows)), score=last_number_score)
     return out
 
