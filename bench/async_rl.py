@@ -5,8 +5,11 @@ on the problem: a problem whose second number ends in 0 (one in ten; `--long-whe
 numbers, one in a hundred) is answered with 40 dots after it (`--long-dots`), the others with
 0 to 3 (`work_dots`), so response lengths spread more than 10x (the bench prints the spread
 it measured) and a synchronous step waits for its stragglers. An SFT warm start
-on such answers (the main job's sft.yaml), then GRPO (grpo.yaml) scored by the last number of
-the answer (`rm_type: last_number`), so the dots are free and the sums are what is learnt.
+on such answers (the main job's sft.yaml), then GRPO (grpo.yaml). With `--reward tail` (the
+default) a long problem's answer scores only with the right sum and at least half its dots
+(`tail_score`), so the tail is part of the task, as a long chain of thought is, and a policy
+cannot make its stragglers vanish by dropping it (with `--reward last_number` the dots were
+free, and one GPU run's async policy dropped them sooner than its sync run: bench/RESULTS.md).
 
 Each mode is one `rollflow train` from the shell, all sharing one local head. A run's clock
 starts when its step 0 starts (so start-up is not in it) and a weight version counts as
@@ -35,15 +38,18 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from engines.rollout.rewards.text_rules import last_number_score
 from examples.arithmetic.build_model import save_tiny_model
 from examples.arithmetic.make_data import make_row, split_pairs
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout, step_dir
+from storage.sample import Sample
 
 REPO = Path(__file__).resolve().parents[1]
 # Where a step's time goes, per mode (the means of each step's metrics): the generate task
@@ -79,9 +85,12 @@ def is_long(a: int, b: int, when: str = "b") -> bool:
     return b % 10 == 0 and (when == "b" or a % 10 == 0)
 
 
+SHORT_DOTS = 4  # a short problem's answer has 0 to SHORT_DOTS - 1 dots
+
+
 def work_dots(a: int, b: int, long: int = 40, when: str = "b") -> int:
     """The dots after the answer to a+b: `long` for a long problem (`is_long`), else 0 to 3."""
-    return long if is_long(a, b, when) else (a + b) % 4
+    return long if is_long(a, b, when) else (a + b) % SHORT_DOTS
 
 
 def is_long_prompt(prompt: object, when: str) -> bool:
@@ -90,20 +99,53 @@ def is_long_prompt(prompt: object, when: str) -> bool:
     return a.isdigit() and b.isdigit() and is_long(int(a), int(b), when)
 
 
+def tail_score(response: str, label: str | None) -> float:
+    """`--reward tail`: 1.0 when the last number of `response` is the sum and, for a long
+    problem, at least half the dots of `label` (the SFT answer: the sum, then its dots) follow
+    it. A short problem's few dots stay free: the task is the sum and the long tail."""
+    if label is None:
+        return 0.0
+    total = label.rstrip(".")
+    dots = len(label) - len(total)
+    digits = [i for i, c in enumerate(response) if c.isdigit()]
+    tail = response[digits[-1] + 1:].count(".") if digits else 0
+    needed = dots // 2 if dots >= SHORT_DOTS else 0
+    return last_number_score(response, total) if tail >= needed else 0.0
+
+
+async def tail_reward(args: Any, sample: Sample) -> float:
+    """`tail_score` as the runs' reward (`rollout.custom_rm_path`)."""
+    return tail_score(sample.response, sample.label)
+
+
 def write_long_tail_data(out: Path, long: int, when: str = "b", n_train: int = 4000,
-                         n_test: int = 500) -> Path:
-    """train/test (label: the sum) and sft (label: the sum, then the dots) jsonl files."""
+                         n_test: int = 500, dotted_labels: bool = True) -> Path:
+    """train/test and sft jsonl files. sft's label is the answer: the sum, then the dots;
+    train's and test's is the same (`dotted_labels`, for `tail_score`) or the sum alone."""
     out.mkdir(parents=True, exist_ok=True)
     train, test = split_pairs(n_train, n_test, seed=0)
 
-    def write(name: str, rows: list[dict[str, object]]) -> None:
+    def write(name: str, pairs: list[tuple[int, int]], dotted: bool) -> None:
+        rows = [{**make_row(a, b), "label": str(a + b) + "." * work_dots(a, b, long, when)}
+                if dotted else make_row(a, b) for a, b in pairs]
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    write("train", [make_row(a, b) for a, b in train])
-    write("test", [make_row(a, b) for a, b in test])
-    write("sft", [{**make_row(a, b), "label": str(a + b) + "." * work_dots(a, b, long, when)}
-                  for a, b in train])
+    write("train", train, dotted_labels)
+    write("test", test, dotted_labels)
+    write("sft", train, True)
     return out
+
+
+def reward_settings(args: argparse.Namespace) -> list[str]:
+    """The reward of the warm start's and the runs' evaluations and of the runs (`--reward`)."""
+    if args.reward == "tail":
+        return ["rollout.custom_rm_path=bench.async_rl:tail_reward"]
+    return ["rollout.rm_type=last_number"]
+
+
+def score_rule(args: argparse.Namespace) -> Callable[[str, str], float]:
+    """The offline scoring's rule: the runs' reward."""
+    return tail_score if args.reward == "tail" else last_number_score
 
 
 def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, str]) -> Path:
@@ -111,7 +153,7 @@ def warm_start(args: argparse.Namespace, data: Path, runs: Path, env: dict[str, 
     model = save_tiny_model(str(runs.parent / f"{runs.name}-tiny-llama"),
                             max_positions=max(128, args.max_response_len + 32))
     sets = [f"data.prompt_data={data / 'sft.jsonl'}", f"train.model_path={model}",
-            f"rollout.max_response_len={args.max_response_len}", "rollout.rm_type=last_number",
+            f"rollout.max_response_len={args.max_response_len}", *reward_settings(args),
             f"eval.datasets=[{{name: test, path: {data / 'test.jsonl'}, temperature: 0.0}}]",
             f"storage.uri={runs}", "storage.run_name=async-rl-sft", "logging.progress=false",
             f"rollout.num_rollout={args.sft_steps}"]
@@ -165,7 +207,7 @@ def parse_mode(text: str) -> tuple[str, int]:
 def command(args: argparse.Namespace, mode: str, eta: int, data: Path, checkpoint: Path,
             runs: Path) -> list[str]:
     sets = [
-        f"train.model_path={checkpoint}", "rollout.rm_type=last_number",
+        f"train.model_path={checkpoint}", *reward_settings(args),
         f"data.prompt_data={data / 'train.jsonl'}",
         *eval_settings(args, data),
         f"rollout.num_rollout={args.steps if mode == 'sync' else args.overlap_steps or args.steps}",
@@ -191,14 +233,14 @@ def eval_settings(args: argparse.Namespace, data: Path) -> list[str]:
 
 def offline_accuracy(
     layout: RunLayout, warm_start_ckpt: Path, test: Path, prompts: int, max_new_tokens: int,
+    score: Callable[[str, str], float],
 ) -> dict[int, float]:
     """Held-out accuracy (%) of each weight version the run checkpointed (a checkpoint of
     step k holds version k + 1), and of version 0, the warm start: greedy HF decoding of the
-    first `prompts` test rows, scored by the last number of the answer."""
+    first `prompts` test rows, scored by `score` (the runs' reward)."""
     from transformers import AutoTokenizer
 
     from bench.trl_baseline import greedy_accuracy
-    from engines.rollout.rewards.text_rules import last_number_score
 
     rows = [json.loads(line) for line in test.read_text().splitlines()[:prompts]]
     tokenizer = AutoTokenizer.from_pretrained(str(warm_start_ckpt))
@@ -208,7 +250,7 @@ def offline_accuracy(
     out = {}
     for version, path in sorted(ckpts.items()):
         out[version] = 100.0 * greedy_accuracy(eval_model(path), tokenizer, rows, max_new_tokens,
-                                               batch_size=max(1, len(rows)), score=last_number_score)
+                                               batch_size=max(1, len(rows)), score=score)
     return out
 
 
@@ -286,6 +328,9 @@ def main() -> None:
                         help="more overrides of every GRPO run (e.g. train.weight_sync=distributed)")
     parser.add_argument("--long-dots", type=int, default=40,
                         help="the long answers' dots (a GPU run: e.g. 400, --max-response-len 448)")
+    parser.add_argument("--reward", choices=("tail", "last_number"), default="tail",
+                        help="tail: the right sum and at least half its dots (`tail_score`); "
+                        "last_number: the sum alone, the dots free")
     parser.add_argument("--long-when", choices=("b", "ab"), default="b",
                         help="which problems get the long answer: b ends in 0 (1 in 10), or "
                         "both numbers end in 0 (1 in 100)")
@@ -313,7 +358,8 @@ def main() -> None:
     done: list[tuple[str, str, int, RunLayout]] = []
     try:
         data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots,
-                                    args.long_when, n_test=args.test_prompts)
+                                    args.long_when, n_test=args.test_prompts,
+                                    dotted_labels=args.reward == "tail")
         checkpoint = warm_start(args, data, runs_root, env)
         tail = warm_start_tail(checkpoint, data / "test.jsonl", args.long_when,
                                args.max_response_len)
@@ -338,7 +384,8 @@ def main() -> None:
         if args.offline_eval:
             t0 = time.perf_counter()
             accuracy = offline_accuracy(layout, checkpoint, data / "test.jsonl",
-                                        args.eval_prompts, args.max_response_len)
+                                        args.eval_prompts, args.max_response_len,
+                                        score_rule(args))
             print(f"{text}: offline evaluation {time.perf_counter() - t0:.0f} s", flush=True)
         results.append(measure(layout, mode, eta, accuracy, args.long_when))
         r = results[-1]

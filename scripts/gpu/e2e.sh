@@ -29,7 +29,7 @@
 #       entry serialized by the train rank on its own GPU (slime's layout; not run by default).
 #   (h) bench.async_rl on 2 GPUs (trainer on GPU 0, engine on GPU 1): time to a held-out accuracy
 #       in sync and async mode on the long-tailed addition task, its long answers 700 dots one
-#       problem in ten, a 16-step warm start, 24 GRPO steps with the decoupled correction (the
+#       problem in ten (scored only with half of them or more: --reward tail), a 16-step warm start, 24 GRPO steps with the decoupled correction (the
 #       last rows of bench/RESULTS.md, "Async RL"), a checkpoint every 4 steps scored after the
 #       runs, off their clocks (--offline-eval; H_ARGS replaces the bench's arguments; not run
 #       by default). It stops before the runs when the warm start did not learn the long
