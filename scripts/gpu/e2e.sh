@@ -29,11 +29,12 @@
 #       entry serialized by the train rank on its own GPU (slime's layout; not run by default).
 #   (h) bench.async_rl on 2 GPUs (trainer on GPU 0, engine on GPU 1): time to a held-out accuracy
 #       in sync and async mode on the long-tailed addition task, its long answers 700 dots one
-#       problem in ten (scored only with half of them or more: --reward tail), a 16-step warm start, 24 GRPO steps with the decoupled correction (the
-#       last rows of bench/RESULTS.md, "Async RL"), a checkpoint every 4 steps scored after the
-#       runs, off their clocks (--offline-eval; H_ARGS replaces the bench's arguments; not run
-#       by default). It stops before the runs when the warm start did not learn the long
-#       answers (bench.async_rl --min-tail).
+#       problem in ten (scored only with half of them or more: --reward tail), a 32-step warm
+#       start, 24 sync and 30 async GRPO steps with the decoupled correction, a checkpoint every
+#       3 steps scored on 1,500 held-out prompts after the runs, off their clocks (--offline-eval;
+#       the last rows of bench/RESULTS.md, "Async RL"; H_ARGS replaces the bench's arguments; not
+#       run by default, about 9 minutes). It stops before the runs when the warm start did not
+#       learn the long answers (bench.async_rl --min-tail).
 #   (i) 2 GPUs, colocated: (g) with the torch trainer sharded by FSDP2 (`train.strategy=fsdp2`,
 #       bf16 compute, fp32 master weights) over both GPUs, one embedded engine per GPU, weights
 #       as CUDA IPC handles (not run by default; its CPU form, E2E_ARGS="--quick ...", runs two
@@ -124,7 +125,7 @@ for part in $PARTS; do
                   --set cluster.rollout_num_gpus=2)
        run i_fsdp2_colocate "${T_I:-360}" qwen2-grpo-fsdp2-colocate qwen "${FSDP2COLO[@]}" ;;
     h) t=$(date +%s)
-       timeout "${T_H:-580}" $PY -m bench.async_rl ${H_ARGS:---modes sync,async:2 --steps 24 --long-dots 700 --max-response-len 748 --sft-steps 16 --offline-eval --eval-every 4 --eval-prompts 500 --set algorithm.rollout_correction.mode=decoupled} \
+       timeout "${T_H:-585}" $PY -m bench.async_rl ${H_ARGS:---modes sync,async:2 --steps 24 --overlap-steps 30 --long-dots 700 --max-response-len 748 --sft-steps 32 --offline-eval --eval-every 3 --test-prompts 1500 --eval-prompts 1500 --set algorithm.rollout_correction.mode=decoupled} \
          > "$LOG/h_async.log" 2>&1
        echo "== h_async rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
        tail -n 12 "$LOG/h_async.log" | tee -a "$LOG/summary.txt" ;;
