@@ -360,11 +360,13 @@ def main() -> None:
         data = write_long_tail_data(runs_root.parent / f"{runs_root.name}-data", args.long_dots,
                                     args.long_when, n_test=args.test_prompts,
                                     dotted_labels=args.reward == "tail")
+        t0 = time.perf_counter()
         checkpoint = warm_start(args, data, runs_root, env)
         tail = warm_start_tail(checkpoint, data / "test.jsonl", args.long_when,
                                args.max_response_len)
-        print(f"warm start: its greedy answers to the long problems end with {tail:.0f} dots on "
-              f"average (the SFT answer has {args.long_dots})", flush=True)
+        print(f"warm start ({time.perf_counter() - t0:.0f} s, its check included): its greedy "
+              f"answers to the long problems end with {tail:.0f} dots on average (the SFT "
+              f"answer has {args.long_dots})", flush=True)
         if tail < args.min_tail * args.long_dots:
             raise SystemExit(
                 f"the warm start did not learn the long answers ({tail:.0f} dots on average, "
@@ -373,7 +375,10 @@ def main() -> None:
         for text in args.modes.split(","):
             mode, eta = parse_mode(text)
             cmd = command(args, mode, eta, data, checkpoint, runs_root)
+            t0 = time.perf_counter()
             run(cmd, env, text)
+            print(f"{text}: rollflow train {time.perf_counter() - t0:.0f} s, start-up included",
+                  flush=True)
             run_name = next(a.split("=", 1)[1] for a in cmd if a.startswith("storage.run_name="))
             done.append((text, mode, eta, RunLayout.open(str(runs_root), run_name)))
     finally:

@@ -31,10 +31,12 @@
 #       in sync and async mode on the long-tailed addition task, its long answers 700 dots one
 #       problem in ten (scored only with half of them or more: --reward tail), a 32-step warm
 #       start, 24 sync and 30 async GRPO steps with the decoupled correction, a checkpoint every
-#       3 steps scored on 1,500 held-out prompts after the runs, off their clocks (--offline-eval;
-#       the last rows of bench/RESULTS.md, "Async RL"; H_ARGS replaces the bench's arguments; not
-#       run by default, about 9 minutes). It stops before the runs when the warm start did not
-#       learn the long answers (bench.async_rl --min-tail).
+#       3 steps scored on 1,000 held-out prompts after the runs, off their clocks (--offline-eval;
+#       H_ARGS replaces the bench's arguments; not run by default). The last rows of
+#       bench/RESULTS.md, "Async RL", scored 1,500 prompts: 525 s of a call's 600 once, and past
+#       600 s once with a longer-tailed warm start. T_H, the part's limit, is 540 s, so the call
+#       returns the log, each phase's seconds in it. It stops before the runs when the warm start
+#       did not learn the long answers (bench.async_rl --min-tail).
 #   (i) 2 GPUs, colocated: (g) with the torch trainer sharded by FSDP2 (`train.strategy=fsdp2`,
 #       bf16 compute, fp32 master weights) over both GPUs, one embedded engine per GPU, weights
 #       as CUDA IPC handles (not run by default; its CPU form, E2E_ARGS="--quick ...", runs two
@@ -125,7 +127,7 @@ for part in $PARTS; do
                   --set cluster.rollout_num_gpus=2)
        run i_fsdp2_colocate "${T_I:-360}" qwen2-grpo-fsdp2-colocate qwen "${FSDP2COLO[@]}" ;;
     h) t=$(date +%s)
-       timeout "${T_H:-585}" $PY -m bench.async_rl ${H_ARGS:---modes sync,async:2 --steps 24 --overlap-steps 30 --long-dots 700 --max-response-len 748 --sft-steps 32 --offline-eval --eval-every 3 --test-prompts 1500 --eval-prompts 1500 --set algorithm.rollout_correction.mode=decoupled} \
+       timeout "${T_H:-540}" $PY -m bench.async_rl ${H_ARGS:---modes sync,async:2 --steps 24 --overlap-steps 30 --long-dots 700 --max-response-len 748 --sft-steps 32 --offline-eval --eval-every 3 --test-prompts 1000 --eval-prompts 1000 --set algorithm.rollout_correction.mode=decoupled} \
          > "$LOG/h_async.log" 2>&1
        echo "== h_async rc=$? ($(( $(date +%s) - t )) s)" | tee -a "$LOG/summary.txt"
        tail -n 12 "$LOG/h_async.log" | tee -a "$LOG/summary.txt" ;;
