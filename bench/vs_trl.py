@@ -50,7 +50,7 @@ from bench.cpu_meter import CpuMeter
 from bench.local_head import stopping_a_new_head
 from bench.trl_baseline import TrlRun, evaluate_states, read_rows, run_trl
 from engines.cluster.head import connect
-from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft
+from examples.arithmetic.run import grpo_config, prepare_artifacts, run_sft, sft_config
 from flows.servers.prefect_env import prefect_env_defaults
 from flows.servers.prefect_server import local_prefect_api
 
@@ -284,7 +284,7 @@ def main() -> None:
     data, model = prepare_artifacts(args.artifacts or str(HERE / "artifacts"))
     # The main job's Prefect server, as in examples/arithmetic/run.py.
     with local_prefect_api(), stopping_a_new_head():
-        _, sft_ckpt = run_sft(args.runs, data, model)
+        _, sft_ckpt = run_sft(sft_config(args.runs, data, model))
         train_rows, test_rows = read_rows(data["train"]), read_rows(data["test"])
         max_new = grpo_config(args.runs, data, sft_ckpt, args.set).rollout.max_response_len
 

@@ -246,6 +246,31 @@ def cluster_address(cfg: ClusterConfig, start: bool = True) -> str | None:
 
 
 @contextmanager
+def head_starting(cfg: ClusterConfig) -> Iterator[None]:
+    """With no local head running, starts one in a thread while the body runs: a driver
+    wraps its Prefect server's start in this, so the two start side by side (both take
+    seconds; bench/RESULTS.md, "The main job"). The body's own `connect` waits for it on the
+    head lock. A failed start is left for that `connect` to repeat and report."""
+    state = None if cfg.address else read_state()
+    if cfg.address or (state is not None and _alive(state["address"])):
+        yield
+        return
+
+    def start() -> None:
+        try:
+            cluster_address(cfg)
+        except Exception:  # (connect raises it again, where the user sees it)
+            log.debug("the local Ray head's start in the background failed", exc_info=True)
+
+    thread = threading.Thread(target=start, name="rollflow-head-start", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()  # (never exit halfway through `ray start`: its head would go untracked)
+
+
+@contextmanager
 def _head_lock() -> Iterator[None]:
     """One process at a time looks for the local head and starts it if none answers: two
     drivers started together, with no head running, each started one, and the state file

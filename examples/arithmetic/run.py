@@ -36,13 +36,17 @@ def prepare_artifacts(artifacts: str) -> tuple[dict[str, str], str]:
     return data, save_tiny_model(os.path.join(artifacts, "tiny-llama"))
 
 
-def run_sft(runs_root: str, data: dict[str, str], model: str) -> tuple[dict[str, Any], str]:
+def sft_config(runs_root: str, data: dict[str, str], model: str) -> RollflowConfig:
+    """The SFT phase's config: sft.yaml from the untrained model."""
+    return phase_config("sft", runs_root, data, [
+        f"data.prompt_data={data['sft']}", f"train.model_path={model}",
+    ])
+
+
+def run_sft(sft: RollflowConfig) -> tuple[dict[str, Any], str]:
     """The SFT warm start (resumed, not redone, when committed): (train result, checkpoint)."""
     from flows.train import train
 
-    sft = phase_config("sft", runs_root, data, [
-        f"data.prompt_data={data['sft']}", f"train.model_path={model}",
-    ])
     result = train(sft)
     last = sft.rollout.num_rollout - 1
     return result, os.path.join(result["run_dir"], "checkpoints", f"{last:06d}")
@@ -78,13 +82,16 @@ def main() -> None:
         for run in ("arithmetic-sft", "arithmetic-grpo"):
             shutil.rmtree(os.path.join(args.runs, run), ignore_errors=True)
 
+    from engines.cluster.head import head_starting
     from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
 
-    # one Prefect server for both phases (flows/servers/prefect_server.py)
-    with local_prefect_api():
+    # one Prefect server for both phases (flows/servers/prefect_server.py), started beside
+    # the Ray head when none is running
+    sft = sft_config(args.runs, data, model)
+    with head_starting(sft.cluster), local_prefect_api():
         t_sft = time.perf_counter()
-        sft_result, sft_ckpt = run_sft(args.runs, data, model)
+        sft_result, sft_ckpt = run_sft(sft)
         t_sft = time.perf_counter() - t_sft
 
         grpo = grpo_config(args.runs, data, sft_ckpt, args.set)

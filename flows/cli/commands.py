@@ -37,11 +37,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.bookkeeping.preflight import preflight_once
 
     preflight_once(cfg)  # before Prefect starts: a mistake fails in seconds
+    from engines.cluster.head import head_starting
     from flows.servers.prefect_server import local_prefect_api
     from flows.train import train
 
     try:
-        with local_prefect_api():
+        with head_starting(cfg.cluster), local_prefect_api():
             result = train(cfg)
     finally:
         stop_telling()
