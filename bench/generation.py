@@ -286,19 +286,30 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
     random_len = args.prompt_len if args.model == QWEN2_05B else 0
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
 
-    def engine(dtype_name: str, eager: bool = False, compiled: bool = False) -> EngineActor:
-        return EngineActor(EngineConfig(backend="embedded", model_path=model_dir,
-                                        dtype=dtype_name, device="cuda",
-                                        disable_cuda_graph=eager,
-                                        enable_torch_compile=compiled), 0, 1)  # fmt: skip
+    def engine(dtype_name: str, eager: bool = False, compiled: bool = False,
+               triton: bool = True) -> EngineActor:
+        from engines.inference.kv_decode import TRITON_SWITCH
+
+        os.environ[TRITON_SWITCH] = "1" if triton else "0"  # read as the decoder is made
+        try:
+            return EngineActor(EngineConfig(backend="embedded", model_path=model_dir,
+                                            dtype=dtype_name, device="cuda",
+                                            disable_cuda_graph=eager,
+                                            enable_torch_compile=compiled), 0, 1)  # fmt: skip
+        finally:
+            os.environ.pop(TRITON_SWITCH)
 
     print(f"model {model_dir}, {torch.cuda.get_device_name()}, {args.dtype}, "
           f"{args.new_tokens} new tokens/request, medians of {args.repeats}")
-    variants = [(args.dtype, False, False), (args.dtype, False, True), (args.dtype, True, False)]
-    names = ["engine", "engine compiled", "engine eager", "HF dynamic", "HF static"]
+    # (dtype, no graphs, compiled, Triton kernels): the default engine first; "no triton" is
+    # its CUDA graph of the eager ops (`triton_decode`'s kernels off)
+    variants = [(args.dtype, False, False, True), (args.dtype, False, False, False),
+                (args.dtype, False, True, True), (args.dtype, True, False, True)]
+    names = ["engine", "engine no triton", "engine compiled", "engine eager", "HF dynamic",
+             "HF static"]
     if args.fp8:  # engine.dtype fp8, with CUDA graphs, then compiled as well
-        variants += [("fp8", False, False), ("fp8", False, True)]
-        names[3:3] = ["engine fp8", "engine fp8 compiled"]
+        variants += [("fp8", False, False, True), ("fp8", False, True, True)]
+        names[4:4] = ["engine fp8", "engine fp8 compiled"]
     print(f"{'batch':>6} " + " ".join(f"{n + ' tok/s':>18}" for n in names) + "  checks")
     failed = False
     for batch in args.batch_sizes:
@@ -311,11 +322,11 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
         finally:
             actor.shutdown()
         model = model.to(dtype)
-        actors = [engine(name, eager, compiled) for name, eager, compiled in variants]
+        actors = [engine(*variant) for variant in variants]
         try:
             if args.fp8:  # each engine dtype's log-probs against the trainer's (model's)
-                for actor, (name, eager, compiled) in zip(actors, variants, strict=True):
-                    if not (eager or compiled):
+                for actor, (name, eager, compiled, triton) in zip(actors, variants, strict=True):
+                    if not (eager or compiled) and triton:
                         mean, worst = logprob_gap(model, ids[: args.check_rows], actor.url(),
                                                   args.check_tokens)
                         print(f"{name} engine vs {args.dtype} forward: |log-prob diff| mean "

@@ -5,7 +5,8 @@ through its CUDA-graph turns, with and without `torch.compile` of the layers, sa
 time goes is what decides the next optimisation (bench/generation.py measures the same
 engine over its HTTP API against HF `generate`).
 
-    python -m bench.gpu_decode [--compile off on] [--steps-per-turn 8 32] [--profile]
+    python -m bench.gpu_decode [--compile off on] [--triton off on] [--steps-per-turn 8 32]
+        [--profile]
 
 Results: bench/RESULTS.md, "Embedded engine vs HF generate on a GPU".
 """
@@ -13,9 +14,11 @@ Results: bench/RESULTS.md, "Embedded engine vs HF generate on a GPU".
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +29,7 @@ def main() -> None:
     from bench.generation import prompt_ids
     from engines.inference.embedded_generator import EmbeddedGenerator
     from engines.inference.gen_types import GenRequest, SamplingParams
+    from engines.inference.kv_decode import TRITON_SWITCH
     from scripts.gpu.e2e import save_qwen2_shaped
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,7 +38,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--steps-per-turn", type=int, nargs="+", default=[8])
-    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of one generate")
+    parser.add_argument("--triton", nargs="+", choices=["off", "on"], default=["on"],
+                        help="the captured step's Triton kernels (`triton_decode`); compiled "
+                        "layers run without them")
+    parser.add_argument("--profile", action="store_true",
+                        help="top CUDA kernels and host ops of one generate, per engine")
+    parser.add_argument("--trace", default="",
+                        help="with --profile: a directory for each profile's gzipped trace")
     args = parser.parse_args()
     path = save_qwen2_shaped(Path(tempfile.mkdtemp()) / "qwen2-0.5b", quick=False)
     ids = prompt_ids(AutoTokenizer.from_pretrained(path), args.batch, args.prompt_len)
@@ -44,35 +54,64 @@ def main() -> None:
             max_new_tokens=args.new_tokens, temperature=temperature, ignore_eos=True,
             sampling_seed=i)) for i, x in enumerate(ids)]  # fmt: skip
 
-    gen = None
     for compiled in args.compile:
-        gen = EmbeddedGenerator(path, dtype="bfloat16", device="cuda",
-                                torch_compile=compiled == "on")
+        for triton in ["off"] if compiled == "on" else args.triton:
+            os.environ[TRITON_SWITCH] = "1" if triton == "on" else "0"
+            gen = EmbeddedGenerator(path, dtype="bfloat16", device="cuda",
+                                    torch_compile=compiled == "on")
+            name = f"compile {compiled}, triton {triton}"
+            start = time.perf_counter()
+            gen.generate(requests("warm", 1.0))
+            print(f"{name}: first generate (graph capture, compile) "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            for steps in args.steps_per_turn:
+                gen.continuous_steps = steps
+                for temperature in (1.0, 0.0):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = gen.generate(requests(f"t{steps}-{temperature}", temperature))
+                    seconds = time.perf_counter() - start
+                    tokens = sum(len(o.output_ids) for o in out)
+                    assert gen._graphs is not None
+                    print(f"{name}, {steps} steps a turn, temperature {temperature}: "
+                          f"{seconds:.3f} s, {tokens / seconds:.0f} tok/s, graphs captured so "
+                          f"far {gen._graphs.captures}", flush=True)
+            if args.profile:
+                gen.continuous_steps = args.steps_per_turn[0]
+                profile_generate(name, gen, requests("profile", 1.0), args.trace)
+            del gen
+            torch.cuda.empty_cache()
+
+
+def profile_generate(name: str, gen: Any, requests: list[Any], trace: str = "") -> None:
+    """One generate under the profiler: its wall time against the GPU's kernel time, the
+    top kernels and the top host ops (what the GPU waits on between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         start = time.perf_counter()
-        gen.generate(requests("warm", 1.0))
-        print(f"compile {compiled}: first generate (graph capture, compile) "
-              f"{time.perf_counter() - start:.1f} s", flush=True)
-        for steps in args.steps_per_turn:
-            gen.continuous_steps = steps
-            for temperature in (1.0, 0.0):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = gen.generate(requests(f"t{steps}-{temperature}", temperature))
-                seconds = time.perf_counter() - start
-                tokens = sum(len(o.output_ids) for o in out)
-                assert gen._graphs is not None
-                print(f"compile {compiled}, {steps} steps a turn, temperature {temperature}: "
-                      f"{seconds:.3f} s, {tokens / seconds:.0f} tok/s, graphs captured so far "
-                      f"{gen._graphs.captures}", flush=True)
-    if args.profile and gen is not None:
-        from torch.profiler import ProfilerActivity, profile
+        gen.generate(requests)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"{name}: profiled generate {wall:.3f} s wall (profiler on), kernels {kernels:.3f} s")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60))
+    print(events.table(sort_by="cpu_time_total", row_limit=24, max_name_column_width=60))
+    shaped = prof.key_averages(group_by_input_shape=True)
+    print(shaped.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40,
+                       max_shapes_column_width=80))
+    if trace:
+        import gzip
+        import shutil
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            gen.generate(requests("profile", 1.0))
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16,
-                                        max_name_column_width=50))
-
+        Path(trace).mkdir(parents=True, exist_ok=True)
+        raw = Path(trace) / f"{name.replace(', ', '_').replace(' ', '-')}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
 
 if __name__ == "__main__":
     main()

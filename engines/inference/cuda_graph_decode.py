@@ -13,9 +13,11 @@ any of them changes: the batch is compacted or merged, the cache grows, or the w
 updated (about once a rollout step). To keep the cache from growing mid-batch, a turn
 reserves the columns the longest live request can still use (up to `_MAX_RESERVE`), as far
 as the GPU's free memory allows (`CudaGraphTurns.free_bytes`); where it does not, the cache
-grows again at a later turn and the graph is captured again over it. Attention reads every
-column of the cache (the unwritten ones masked), since the column is a device tensor
-inside the graph. A turn decodes all its steps, then finds the first step at which a live
+grows again at a later turn and the graph is captured again over it. The column is a
+device tensor inside the graph: the eager ops' attention reads every column of the cache (the
+unwritten ones masked); `triton_decode`'s kernels (the default where Triton imports) read the
+column from the device and attend over the written ones only, eight kernels a layer, with
+sampling in two. A turn decodes all its steps, then finds the first step at which a live
 row finished, keeps the tokens up to it and un-marks the columns after it: the tokens kept
 are those one step at a time would give. Its speed against HF `generate`: bench/RESULTS.md,
 "Embedded engine vs HF generate on a GPU".
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.inference import sampling as sampling_math
+from engines.inference import triton_decode
 from engines.inference.kv_cache import KVCache, RowFinish
 from engines.inference.kv_decode import LlamaDecoder
 from engines.inference.sampling import SamplingRows
@@ -197,7 +200,11 @@ class CudaGraphTurns:
         fed back, the position and column advanced."""
         cache = KVCache(step.cache_layers, step.mask, 0)
         logits = self.decoder.step_at(step.tokens, step.positions, step.col, cache)
-        tok, logp = sampling_math.sample_tokens(logits.float(), step.sampling, step.uniform)
+        rows = step.sampling
+        if self.decoder.triton:  # one kernel a row, on the logits in the model dtype
+            tok, logp = triton_decode.sample(logits, rows.divisor, step.uniform, rows.greedy)
+        else:
+            tok, logp = sampling_math.sample_tokens(logits.float(), rows, step.uniform)
         step.tok_out.copy_(tok)
         step.logp_out.copy_(logp)
         step.tokens.copy_(tok)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,12 +39,13 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from engines.inference import fused_decode
+from engines.inference import fused_decode, triton_decode
 from engines.inference.fp8 import fp8_linear
 from engines.inference.kv_cache import KVCache, RowFinish
 from engines.inference.sampling import SamplingRows
 
 log = logging.getLogger(__name__)
+TRITON_SWITCH = "ROLLFLOW_TRITON_DECODE"  # "0": the captured GPU step without Triton kernels
 
 class Decoder(Protocol):
     """Decode one token per row: write its keys/values at column `cache.width`, advance the
@@ -191,6 +193,13 @@ class LlamaDecoder:
         self._fused = fused_decode.load() if use_fused and on_cpu else None  # no build for GPUs
         self._fused_weights: tuple[list[torch.Tensor], list[float]] | None = None
         self._layer_fn: Callable[..., torch.Tensor] = _decode_layer
+        # a captured step on a GPU runs `triton_decode`'s kernels (ROLLFLOW_TRITON_DECODE=0:
+        # the eager ops, as a graph of them; torch.compile's layers use them too)
+        self.triton = (
+            weight.device.type == "cuda" and os.environ.get(TRITON_SWITCH, "1") != "0"
+            and triton_decode.available()
+            and triton_decode.supports(self.head_dim, self.heads // self.kv_heads)
+        )  # fmt: skip
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -378,13 +387,28 @@ class LlamaDecoder:
         """`__call__` with the column a 1-element device tensor, and no host sync or
         Python-side state: what a CUDA graph captures once and replays at every column
         (`cuda_graph_decode`). Attention reads every column of the cache, the unwritten
-        ones masked; the caller advances `col` and `cache.width`. Weights (`_weights`) and
+        ones masked (through `triton_decode`'s kernels, on a GPU: the written ones only);
+        the caller advances `col` and `cache.width`. Weights (`_weights`) and
         the RoPE table (`rope_table`) must be current before a capture."""
-        cos, sin = self._rope_table[positions].unbind(1)
         cache.mask.index_fill_(1, col, True)
+        if self.triton:
+            return self._triton_forward(tokens, positions, col, cache)
+        cos, sin = self._rope_table[positions].unbind(1)
         bias = torch.where(cache.mask[:, None, None, :], self._zero, self._neg_inf)
         return self._forward(tokens, cos[:, None, None], sin[:, None, None], bias,
                              cache.layers, col)
+
+    def _triton_forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, col: torch.Tensor, cache: KVCache,
+    ) -> torch.Tensor:
+        """`_forward` for `step_at` on a GPU through `triton_decode`'s kernels: eight a layer
+        instead of ~33, attention over the written columns only."""
+        embed, norm, eps, lm_head, lm_bias = self._head
+        x = F.embedding(tokens, embed)
+        for w, kv in zip(self._layers, cache.layers, strict=True):
+            x = _triton_layer(x, kv, cache.mask, col, positions, self._rope_table, w,
+                              self.heads, self.kv_heads)
+        return F.linear(triton_decode.rms_norm(x, norm, eps), lm_head, lm_bias)
 
     def rope_table(self, width: int) -> torch.Tensor:
         """The RoPE table `step_at` reads, covering positions up to `width` (a graph
@@ -420,6 +444,7 @@ class LlamaDecoder:
         kernels a layer fuse into a few, on a GPU where a step is launch- and memory-bound
         (`cuda_graph_decode`). A failed compile warns and keeps the eager layer."""
         compiled = _compiled_layer()
+        self.triton = False  # (the compiled layers are the eager ops, fused by Inductor)
 
         def layer(*args: Any) -> torch.Tensor:
             if self._layer_fn is layer:
@@ -487,6 +512,37 @@ def _decode_layer(
     h = _rms_norm(x, norm2, eps2)
     gate, up = _linear(h, gate_up, gate_up_b, gate_up_s).chunk(2, dim=-1)
     return _add_projection(x, F.silu(gate, inplace=True).mul_(up), down_t, down_s)
+
+
+def _triton_layer(
+    x: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, col: torch.Tensor,
+    positions: torch.Tensor, rope: torch.Tensor, w: _Layer, heads: int, kv_heads: int,
+) -> torch.Tensor:
+    """`_decode_layer` at a device-tensor column through `triton_decode`'s kernels: RMSNorm,
+    SiLU times up and attention (with RoPE and the cache store) one kernel each."""
+    h = triton_decode.rms_norm(x, w.norm1, w.eps1)
+    qkv = _linear(h, w.qkv, w.qkv_bias, w.qkv_scale)
+    if w.q_norm is not None and w.k_norm is not None:  # Qwen3, before RoPE
+        per_head = qkv.view(x.shape[0], -1, kv.shape[-1])
+        per_head[:, :heads] = _rms_norm(per_head[:, :heads], w.q_norm, w.qk_eps)
+        per_head[:, heads : heads + kv_heads] = _rms_norm(
+            per_head[:, heads : heads + kv_heads], w.k_norm, w.qk_eps)
+    out = triton_decode.attention(qkv, kv, mask, col, positions, rope, heads, kv_heads,
+                                  w.scaling)
+    x = _add_projection_(x, out, w.o_t, w.o_scale)
+    h = triton_decode.rms_norm(x, w.norm2, w.eps2)
+    up = triton_decode.silu_mul(_linear(h, w.gate_up, w.gate_up_bias, w.gate_up_scale))
+    return _add_projection_(x, up, w.down_t, w.down_scale)
+
+
+def _add_projection_(
+    x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """`_add_projection` into `x` itself: out-of-place `addmm` copied the residual into its
+    output first, two device copies a layer (the step's own `x` is free to overwrite)."""
+    if scale is None:
+        return x.addmm_(h, weight_t)
+    return x.add_(fp8_linear(h, weight_t.t(), scale))
 
 
 class HFDecoder:

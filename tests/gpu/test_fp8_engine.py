@@ -12,6 +12,7 @@ import torch
 
 from engines.inference.embedded_generator import EmbeddedGenerator
 from engines.inference.fp8 import FP8
+from engines.inference.kv_decode import TRITON_SWITCH
 from tests.unit.test_continuous_decode_steps import mixed_requests, outputs
 from tests.unit.test_qwen3_models import qwen2_dir  # noqa: F401 (fixture)
 
@@ -33,15 +34,25 @@ def _gap(gen: EmbeddedGenerator, model: torch.nn.Module, reqs: list, results: li
     return worst
 
 
-def test_fp8_graph_turns_are_the_models_own_forward(qwen2_dir: str) -> None:  # noqa: F811
+def test_fp8_graph_turns_are_the_models_own_forward(
+    qwen2_dir: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """The graph of the eager ops gives the eager step's tokens; the default graph, through
+    `triton_decode`'s kernels (float32 attention scores, which the eager ops round to
+    bfloat16), the model's own log-probs."""
     eager = EmbeddedGenerator(qwen2_dir, dtype="fp8", device="cuda", cuda_graph=False,
                               continuous_steps=8)
+    monkeypatch.setenv(TRITON_SWITCH, "0")
+    plain = EmbeddedGenerator(qwen2_dir, dtype="fp8", device="cuda", continuous_steps=8)
+    monkeypatch.delenv(TRITON_SWITCH)
     graphed = EmbeddedGenerator(qwen2_dir, dtype="fp8", device="cuda", continuous_steps=8)
     assert graphed.model.model.layers[0].mlp.up_proj.weight.dtype == FP8
+    assert graphed._decoder.triton and not plain._decoder.triton
     reqs = mixed_requests(graphed)
     want, got = eager.generate(reqs), graphed.generate(reqs)
+    assert outputs(plain.generate(reqs)) == outputs(want)
     assert graphed._graphs is not None and graphed._graphs.captures > 0
-    assert outputs(got) == outputs(want)
+    assert plain._graphs is not None and plain._graphs.captures > 0
     assert _gap(graphed, graphed.model, reqs, got) < 0.05  # bf16 activations between matmuls
     bf16 = EmbeddedGenerator(qwen2_dir, dtype="bfloat16", device="cuda").model
     assert _gap(graphed, bf16, reqs, got) < 0.25  # what a bf16 trainer would see
