@@ -89,17 +89,27 @@ def ray_address() -> Iterator[str]:
     import ray
 
     from engines.cluster.head import HEAD_ENV_DEFAULTS
+    from engines.cluster.registry import head_worker_env
 
     # as on a head rollflow starts: the actors at the tests' own priority (at Ray's nice 15
-    # they starved beside the other xdist workers, and a fault test timed out in CI), and no
-    # idle workers for the first driver
+    # they starved beside the other xdist workers, and a fault test timed out in CI), no idle
+    # workers for the first driver, and the workers' OpenMP settings and import path (this
+    # checkout) in the head's own environment, so the actors of the tests' in-process runs
+    # need no runtime_env. The head's processes inherit this process's environment as
+    # `ray.init` starts them; it is restored after.
     for name, value in HEAD_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    ctx = ray.init(
-        address="local",  # never join a cluster left running by `rollflow` itself
-        num_cpus=4, namespace="rollflow-tests", include_dashboard=False, log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
-    )
+    saved = dict(os.environ)
+    os.environ.update(head_worker_env(os.environ))
+    try:
+        ctx = ray.init(
+            address="local",  # never join a cluster left running by `rollflow` itself
+            num_cpus=4, namespace="rollflow-tests", include_dashboard=False,
+            log_to_driver=False,
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
 

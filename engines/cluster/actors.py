@@ -33,7 +33,7 @@ from engines.cluster.placement import (
 from engines.cluster.registry import (
     RunActor,
     actor_name,
-    actor_runtime_env,
+    actor_options_env,
     cfg_run_key,
     remember_config,
     retire_stale_actors,
@@ -68,7 +68,7 @@ def _named(
             lifetime="detached",
             get_if_exists=True,
             max_restarts=0,
-            runtime_env=actor_runtime_env(cfg),
+            runtime_env=actor_options_env(cfg),
             **(pin or {"num_cpus": 0}),
         )
         .remote(*args)

@@ -48,9 +48,10 @@ WORKER_NICENESS_ENV = "RAY_worker_niceness"
 # the user set them:
 # - the workers at the user's own priority (above);
 # - no idle workers started for the first driver (RayConfig `prestart_worker_first_driver`):
-#   rollflow's actors run under a runtime_env of their own (engines/cluster/registry.py), so
-#   they never use those, which sat idle for the head's life (2 of 4 on a 4-CPU head, ~0.5%
-#   of a core and a process each).
+#   an actor takes one only where it runs without a runtime_env and belongs to that driver
+#   (engines/cluster/registry.py, `actor_options_env`); they sat idle for the head's life
+#   otherwise (2 of 4 on a 4-CPU head, ~0.5% of a core and a process each), and starting
+#   them competes with the driver's own start on a small machine.
 HEAD_ENV_DEFAULTS = {WORKER_NICENESS_ENV: "0", "RAY_prestart_worker_first_driver": "0"}
 
 
@@ -149,7 +150,12 @@ def start_local_head(num_cpus: int | None = None, num_gpus: int | None = None) -
     # inherit it, and a head started in the user's directory broke once that was deleted
     # (its new workers could not even load torch) until `rollflow cluster down`.
     temp_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(cmd, check=True, env=_ray_env(), capture_output=True, cwd=temp_dir)
+    # the workers' OpenMP settings and import path, as the actors' runtime_env would give them
+    from engines.cluster.registry import head_worker_env
+
+    env = _ray_env()
+    env.update(head_worker_env(env))
+    subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=temp_dir)
     address = f"127.0.0.1:{port}"
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     STATE_FILE.write_text(json.dumps({

@@ -71,6 +71,21 @@ def openmp_wait_env(driver_env: Mapping[str, str]) -> dict[str, str]:
     return own or dict(OPENMP_WAIT)
 
 
+def worker_pythonpath(driver_env: Mapping[str, str]) -> list[str]:
+    """The entries rollflow puts on its actors' PYTHONPATH whatever the driver's directory:
+    the driver's own PYTHONPATH, then rollflow itself."""
+    entries = [*driver_env.get("PYTHONPATH", "").split(os.pathsep), str(ROOT)]
+    return list(dict.fromkeys(p for p in entries if p))
+
+
+def head_worker_env(driver_env: Mapping[str, str]) -> dict[str, str]:
+    """What a head rollflow starts gives every worker (`engines/cluster/head.py`), so that
+    the actors of a driver in rollflow's own directory (the main job, the tests) need no
+    runtime_env (`actor_options_env`): the OpenMP wait settings and `worker_pythonpath`.
+    Not the driver's working directory: every Ray daemon of the head would import from it."""
+    return {**openmp_wait_env(driver_env), "PYTHONPATH": os.pathsep.join(worker_pythonpath(driver_env))}
+
+
 def actor_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     """The Ray runtime_env of the run's actors: the driver's working directory, its
     PYTHONPATH and rollflow itself on PYTHONPATH (so a hook next to the user's config imports
@@ -80,9 +95,85 @@ def actor_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     user = dict(cfg.cluster.runtime_env)
     env_vars = {**openmp_wait_env(os.environ), **user.pop("env_vars", {})}
     entries = [*str(env_vars.get("PYTHONPATH", "")).split(os.pathsep), os.getcwd(),
-               *os.environ.get("PYTHONPATH", "").split(os.pathsep), str(ROOT)]
+               *worker_pythonpath(os.environ)]
     env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p))
     return {**user, "env_vars": env_vars}
+
+
+# Ray starts the worker of an actor with a runtime_env through setup_worker.py, which execs a
+# second interpreter: 0.27 CPU-s and 0.13 s of wall time more an actor, about a minute of CI
+# (bench/RESULTS.md, "CI cost"). So the runtime_env is left off where the head's workers
+# already run as it would make them run.
+_WORKER_ENV_KEY = "head-worker-env"
+# (GCS address, the driver's node) -> what a worker has: a head started again on the same
+# port is another node
+_head_worker_envs: dict[tuple[str, str], dict[str, Any] | None] = {}
+
+
+def has_all(worker: Mapping[str, Any], env_vars: Mapping[str, str]) -> bool:
+    """Whether a worker that reported `worker` (`connected_head_worker_env`) runs as one given
+    `env_vars` would: each variable at the same value, and each PYTHONPATH entry (resolved
+    where the worker runs) on its own PYTHONPATH."""
+    env = worker["env"]
+    for key, value in env_vars.items():
+        if key != "PYTHONPATH":
+            if env.get(key) != value:
+                return False
+            continue
+        have = set(worker["pythonpath"])
+        if any(os.path.realpath(p) not in have for p in value.split(os.pathsep) if p):
+            return False
+    return True
+
+
+def connected_head_worker_env() -> dict[str, Any] | None:
+    """What a worker of the connected head has without a runtime_env: its OpenMP settings
+    and its PYTHONPATH entries, resolved. Asked once per head by a task and kept in its KV
+    store; None on a cluster of several nodes, whose workers may each have another
+    environment, or where the task failed."""
+    from ray.experimental import internal_kv
+
+    def report(keys: tuple[str, ...]) -> dict[str, Any]:
+        # (nested: pickled by value, so the worker need not import rollflow to run it)
+        import os
+
+        path = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p]
+        return {"env": {k: os.environ[k] for k in keys if k in os.environ}, "pythonpath": path}
+
+    context = ray.get_runtime_context()
+    head = (context.gcs_address, context.get_node_id())
+    if head in _head_worker_envs:
+        return _head_worker_envs[head]
+    seen: dict[str, Any] | None = None
+    if sum(1 for node in ray.nodes() if node["Alive"]) == 1:
+        raw = internal_kv._internal_kv_get(_WORKER_ENV_KEY, namespace=_KV_NAMESPACE)
+        if raw is not None:
+            seen = json.loads(raw)
+        else:
+            probe: Any = ray.remote(num_cpus=0, max_retries=1)(report)
+            try:
+                seen = ray.get(probe.options(runtime_env={}).remote(_OPENMP_WAIT_KEYS),
+                               timeout=120)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("could not ask the Ray head's workers for their environment (%s); "
+                            "the run's actors get a runtime_env", exc)
+            else:
+                internal_kv._internal_kv_put(_WORKER_ENV_KEY, json.dumps(seen), overwrite=True,
+                                             namespace=_KV_NAMESPACE)
+    _head_worker_envs[head] = seen
+    return seen
+
+
+def actor_options_env(cfg: RunConfig) -> dict[str, Any]:
+    """The runtime_env to create the run's actors with: `actor_runtime_env`, or none at all
+    where the head's workers already have every part of it (only env_vars asked for, and
+    `has_all`)."""
+    wanted = actor_runtime_env(cfg)
+    if set(wanted) != {"env_vars"}:
+        return wanted
+    worker = connected_head_worker_env()
+    return {} if worker is not None and has_all(worker, wanted["env_vars"]) else wanted
 
 
 def _digest(obj: Any) -> str:

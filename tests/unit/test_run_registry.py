@@ -120,3 +120,26 @@ def test_every_section_but_the_drivers_shapes_the_actors():
     driver_only = {name for name, fields in DRIVER_ONLY.items() if fields is None}
     assert set(ACTOR_SECTIONS) == set(RollflowConfig.model_fields) - driver_only
     assert set(section_digests(_cfg())) == {*ACTOR_SECTIONS, "runtime_env"}
+
+
+def test_a_worker_has_all_of_an_env_only_with_every_value_and_path_entry(tmp_path):
+    from engines.cluster.registry import has_all
+
+    worker = {"env": {"GOMP_SPINCOUNT": "1000"}, "pythonpath": [str(tmp_path), "/opt/x"]}
+    assert has_all(worker, {"GOMP_SPINCOUNT": "1000", "PYTHONPATH": f"{tmp_path}:/opt/x"})
+    assert has_all(worker, {"PYTHONPATH": str(tmp_path)})  # a subset of its path
+    assert has_all(worker, {"PYTHONPATH": f"{tmp_path}/sub/.."})  # resolved as the worker does
+    assert not has_all(worker, {"GOMP_SPINCOUNT": "5"})
+    assert not has_all(worker, {"OMP_WAIT_POLICY": "PASSIVE"})  # a variable it lacks
+    assert not has_all(worker, {"PYTHONPATH": f"{tmp_path}:/elsewhere"})
+
+
+def test_a_head_gives_its_workers_rollflow_and_the_drivers_path_not_its_directory(
+        tmp_path, monkeypatch):
+    from engines.cluster.registry import ROOT, head_worker_env
+
+    monkeypatch.chdir(tmp_path)
+    env = head_worker_env({"PYTHONPATH": "/opt/mine"})
+    assert env["PYTHONPATH"].split(":") == ["/opt/mine", str(ROOT)]
+    assert env["GOMP_SPINCOUNT"] == OPENMP_WAIT["GOMP_SPINCOUNT"]
+    assert head_worker_env({"OMP_WAIT_POLICY": "PASSIVE"})["OMP_WAIT_POLICY"] == "PASSIVE"
