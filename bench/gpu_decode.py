@@ -43,6 +43,9 @@ def main() -> None:
                         "layers run without them")
     parser.add_argument("--profile", action="store_true",
                         help="top CUDA kernels and host ops of one generate, per engine")
+    parser.add_argument("--http", action="store_true",
+                        help="also one engine's generate direct, through its scheduler and "
+                        "over HTTP (where a bench.generation figure loses to this one's)")
     parser.add_argument("--trace", default="",
                         help="with --profile: a directory for each profile's gzipped trace")
     args = parser.parse_args()
@@ -81,6 +84,40 @@ def main() -> None:
                 profile_generate(name, gen, requests("profile", 1.0), args.trace)
             del gen
             torch.cuda.empty_cache()
+    if args.http:
+        http_costs(path, ids, args.new_tokens, requests)
+
+
+def http_costs(path: str, ids: list[list[int]], new_tokens: int, requests: Any) -> None:
+    """One engine (CUDA graphs, Triton kernels) timed three ways, alternately: its generator
+    called directly, its scheduler's `submit`, and bench.generation's HTTP runner."""
+    from bench.generation import EngineRunner
+    from engines.config.engine import EngineConfig
+    from engines.inference.engine_actor import EngineActor
+    from engines.inference.kv_decode import TRITON_SWITCH
+
+    os.environ.pop(TRITON_SWITCH, None)
+    actor = EngineActor(EngineConfig(backend="embedded", model_path=path, dtype="bfloat16",
+                                     device="cuda"), 0, 1)
+    runner = EngineRunner(actor.url(), ids, new_tokens, 1.0)
+    ways = {
+        "direct": lambda tag: actor.generator.generate(requests(tag, 1.0)),
+        "scheduler": lambda tag: actor.scheduler.submit(requests(tag, 1.0)).result(),
+        "http": lambda tag: runner(),
+    }
+    try:
+        for way in ways.values():
+            way("warm")
+        for i in range(3):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                out = way(f"{name}{i}")
+                seconds = time.perf_counter() - start
+                tokens = sum(len(getattr(o, "output_ids", o)) for o in out)
+                print(f"{name}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s", flush=True)
+    finally:
+        runner.close()
+        actor.shutdown()
 
 
 def profile_generate(name: str, gen: Any, requests: list[Any], trace: str = "") -> None:

@@ -27,7 +27,7 @@ def _buffer(like: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
     return like.new_zeros(rows, like.shape[1], 2, capacity, like.shape[3])
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # (a captured graph notes which cache it serves)
 class KVCache:
     """Left-padded keys and values, one `[rows, kv_heads, 2, capacity, head_dim]` buffer
     per layer (keys at index 0 of dim 2, values at 1, so a step stores both with one copy).

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The embedded engine's decode speed on one GPU (bench/RESULTS.md, "Embedded engine vs HF
-# generate on a GPU"): its GPU tests, then the parts named (default: tests profile bench):
+# generate on a GPU"): the parts named (default: all four):
 #   tests    tests/gpu's engine modules (Triton kernels, CUDA-graph turns, fp8)
 #   kernels  bench.decode_kernels: each Triton kernel against the eager ops it replaces
-#   profile  bench.gpu_decode without HTTP, Triton kernels off and on, kernels and host ops
+#   profile  bench.gpu_decode without HTTP, Triton kernels off and on, kernels and host ops;
+#            one engine direct, through its scheduler and over HTTP
 #   bench    bench.generation over HTTP beside HF generate, 256 x 256, medians of 2
 # Packages the image lacks: .gpu_wheels/g/site.tar.xz (scripts/gpu/pack_site.sh) and
 # .gpu_wheels/*/megatron_core*.whl (tests/gpu skips without megatron-core); name .gpu_wheels
@@ -36,7 +37,7 @@ grep -E "passed|failed|error" "$LOG/tests.log" | tail -n 30
 part kernels ${T_KERNELS:-200} $PY -m bench.decode_kernels
 cat "$LOG/kernels.log" 2>/dev/null | grep -v "^Loading"
 part profile ${T_PROFILE:-300} $PY -m bench.gpu_decode --compile off --triton off on --profile \
-  --trace "$LOG" ${PROFILE_ARGS:-}
+  --http --trace "$LOG" ${PROFILE_ARGS:-}
 grep -E "tok/s|first generate|profiled" "$LOG/profile.log"
 part bench ${T_BENCH:-500} $PY -m bench.generation --device cuda --model qwen2-0.5b --dtype bfloat16 \
   --batch-sizes 256 --new-tokens 256 --repeats 2 ${BENCH_ARGS:-}

@@ -73,6 +73,32 @@ def test_graph_turns_give_what_python_steps_give(
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
 
 
+def test_a_batch_of_the_same_shape_adopts_the_last_batchs_graph(
+    qwen2_dir: str, one_thread: None  # noqa: F811
+) -> None:
+    """A second batch of the same rows and budgets moves its cache into the buffers the
+    graph reads instead of capturing again, and gives what one Python step at a time gives;
+    a batch of another size does not."""
+    gen = EmbeddedGenerator(qwen2_dir, num_threads=1, device="cpu")
+
+    def batch(prompts: list[str]) -> list[GenRequest]:
+        return [GenRequest(f"r{i}", gen.tokenize(p), SamplingParams(
+            max_new_tokens=20, temperature=(0.0, 1.0)[i % 2], ignore_eos=True,
+            sampling_seed=i)) for i, p in enumerate(prompts)]  # fmt: skip
+
+    first, second = batch(PROMPTS), batch(PROMPTS[::-1])  # (other prompts, same widths)
+    reference = python_step(gen)
+    want = [outputs(reference.generate(reqs)) for reqs in (first, second)]
+    turns = graph_turns(EmbeddedGenerator(qwen2_dir, num_threads=1, device="cpu"))
+    assert turns._graphs is not None
+    assert outputs(turns.generate(first)) == want[0]
+    adopted = turns._graphs.adoptions
+    assert outputs(turns.generate(second)) == want[1]
+    assert turns._graphs.adoptions == adopted + 1
+    turns.generate(first[:3])
+    assert turns._graphs.adoptions == adopted + 1
+
+
 def test_a_cut_turn_leaves_no_marked_column_past_the_cache_width(
     tiny_model_dir: str, one_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
