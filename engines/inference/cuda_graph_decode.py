@@ -243,6 +243,13 @@ class CudaGraphTurns:
         with torch.cuda.stream(stream):
             self._body(step)
         torch.cuda.current_stream().wait_stream(stream)
+        # cuBLAS keeps a workspace per stream, made at the first matmul (the run above): a
+        # graph captured over it reads memory it does not own, which another capture in
+        # the process frees and `empty_cache` unmaps (torch.compile's CUDA graph trees clear
+        # the workspaces: HF's static-cache generate beside a graph kept across batches,
+        # `_CapturedStep.adopt`, replayed into an illegal address). Cleared here, the matmuls
+        # make theirs inside the capture, in the graph's own memory pool, as the trees do.
+        torch._C._cuda_clearCublasWorkspaces()
         step.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(step.graph, stream=stream, capture_error_mode="thread_local"):
             self._body(step)

@@ -94,3 +94,23 @@ def test_a_reservation_capped_by_free_memory_is_captured_again_as_it_grows(
     assert outputs(graphed.generate(reqs)) == want
     assert outputs(capped.generate(reqs)) == want
     assert capped._graphs.captures > graphed._graphs.captures
+
+
+def test_a_batch_of_the_same_shape_replays_the_graph_after_cublas_workspaces_are_freed(
+    qwen2_dir: str,  # noqa: F811
+) -> None:
+    """A second batch of the same shape replays the first one's graph (`adopt`), also after
+    something else in the process freed cuBLAS's workspaces and emptied the cache (as
+    torch.compile's CUDA graph trees do, e.g. HF's static-cache generate): the graph owns
+    the workspace its matmuls use."""
+    graphed = engine(qwen2_dir, True)
+    reqs = [GenRequest(f"r{i}", graphed.tokenize(p), SamplingParams(
+        max_new_tokens=24, temperature=(0.0, 1.0)[i % 2], ignore_eos=True, sampling_seed=i))
+        for i, p in enumerate(PROMPTS)]  # fmt: skip
+    first = outputs(graphed.generate(reqs))
+    assert graphed._graphs is not None and graphed._graphs.adoptions == 0
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    assert outputs(graphed.generate(reqs)) == first
+    assert graphed._graphs.adoptions == 1
+    torch.cuda.synchronize()
