@@ -338,9 +338,11 @@ def cuda_main(args: argparse.Namespace, model_dir: str) -> bool:
             for run in runners:
                 run()  # warm-up (graph capture, torch.compile, HF's static cache)
             rates: list[list[float]] = [[] for _ in runners]
-            for _ in range(args.repeats):
+            for round_ in range(args.repeats):
                 for run, out in zip(runners, rates, strict=True):
                     out.append(_timed(run))
+                print(f"  round {round_ + 1}: " + " ".join(f"{r[-1]:.0f}" for r in rates),
+                      flush=True)
         finally:
             for a in actors:
                 a.shutdown()

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 _ATTN_BLOCK = 64  # cache columns an attention iteration reads
-_ATTN_WARPS = 2  # (bench.decode_kernels' sweep at 256 rows: 16.5 us a call, 4 warps 17.3)
+_ATTN_WARPS = 4  # (bench.decode_kernels, column 190: 2 warps 16.5 us, 4 warps 17.3; the batch
+#                   figures in bench/RESULTS.md ran with 4)
 _ATTN_STAGES = 2
 _SAMPLE_CHUNK = 8192  # vocabulary entries a first-pass sampling program reads
 _SAMPLE_BLOCK = 2048  # entries the second pass reads at a time, inside one chunk
