@@ -17,6 +17,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import psutil
 import pytest
@@ -87,6 +88,7 @@ def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def ray_address() -> Iterator[str]:
     """A Ray head owned by this test session (in-process start, stopped at the end)."""
     import ray
+    from ray._private.node import Node
 
     from engines.cluster.head import HEAD_ENV_DEFAULTS
     from engines.cluster.registry import head_worker_env
@@ -101,12 +103,16 @@ def ray_address() -> Iterator[str]:
         os.environ.setdefault(name, value)
     saved = dict(os.environ)
     os.environ.update(head_worker_env(os.environ))
+    # and no log monitor, as a head rollflow starts (`--include-log-monitor=false`, see
+    # engines/cluster/head.py), which `ray.init` has no argument for
+    no_log_monitor = mock.patch.object(Node, "start_log_monitor", lambda self: None)
     try:
-        ctx = ray.init(
-            address="local",  # never join a cluster left running by `rollflow` itself
-            num_cpus=4, namespace="rollflow-tests", include_dashboard=False,
-            log_to_driver=False,
-        )
+        with no_log_monitor:
+            ctx = ray.init(
+                address="local",  # never join a cluster left running by `rollflow` itself
+                num_cpus=4, namespace="rollflow-tests", include_dashboard=False,
+                log_to_driver=False,
+            )
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -133,6 +133,11 @@ def start_local_head(num_cpus: int | None = None, num_gpus: int | None = None) -
     cmd = [
         _ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
         "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        # Ray's log monitor tails every worker's log files for drivers that print them, and
+        # no rollflow driver does (`log_to_driver=False`). It polled the files of every worker
+        # the head ever started: 2 CPU-s a minute on an idle head after 60 actors, 124 CPU-s
+        # over a CI run's heads (bench/RESULTS.md, "CI cost"). The logs stay on disk.
+        "--include-log-monitor=false",
         f"--num-cpus={num_cpus or max(os.cpu_count() or 1, 4)}", f"--num-gpus={gpus}",
     ]
     dashboard = None
