@@ -104,7 +104,10 @@ def ray_address() -> Iterator[str]:
     saved = dict(os.environ)
     os.environ.update(head_worker_env(os.environ))
     # and no log monitor, as a head rollflow starts (`--include-log-monitor=false`, see
-    # engines/cluster/head.py), which `ray.init` has no argument for
+    # engines/cluster/head.py), which `ray.init` has no argument for. This head has no
+    # dashboard, so nothing reads the node stats its dashboard agent's reporter collects
+    # every 5 s by default (about 1 CPU-s a minute, the whole session long).
+    os.environ["REPORTER_UPDATE_INTERVAL_MS"] = "600000"
     no_log_monitor = mock.patch.object(Node, "start_log_monitor", lambda self: None)
     try:
         with no_log_monitor:
