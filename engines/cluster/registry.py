@@ -101,7 +101,7 @@ def actor_runtime_env(cfg: RunConfig) -> dict[str, Any]:
 
 
 # Ray starts the worker of an actor with a runtime_env through setup_worker.py, which execs a
-# second interpreter: 0.27 CPU-s and 0.13 s of wall time more an actor, about a minute of CI
+# second interpreter: about 0.45 CPU-s and 0.3 s of wall time more an actor of a mock run
 # (bench/RESULTS.md, "CI cost"). So the runtime_env is left off where the head's workers
 # already run as it would make them run.
 _WORKER_ENV_KEY = "head-worker-env"

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from engines.cluster.head import BrokenHead, check_head_usable, cluster_address, stop_local_head
@@ -44,6 +45,11 @@ def test_a_head_started_from_a_deleted_directory_serves_runs_from_another(tmp_pa
                              text=True, timeout=180, cwd=later_in)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == str(HOME / "ray")
+        # no log monitor (engines/cluster/head.py): no rollflow driver reads worker logs
+        monitors = [p for p in psutil.process_iter(["cmdline"])
+                    if any("log_monitor.py" in a for a in p.info["cmdline"] or [])
+                    and any(str(HOME / "ray") in a for a in p.info["cmdline"] or [])]
+        assert monitors == []
     finally:
         stop_local_head()
 
