@@ -14,16 +14,8 @@ cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOG=$(realpath -m "${OUT:-gpu-logs}"); mkdir -p "$LOG"
 PY=${PYTHON:-python3}
-SITE=/tmp/site
 PARTS=${*:-tests kernels profile bench}
-if [ -f .gpu_wheels/g/site.tar.xz ] && [ ! -d "$SITE/pydantic" ]; then
-  mkdir -p "$SITE" && tar -C "$SITE" -xJf .gpu_wheels/g/site.tar.xz || exit 1
-fi
-MCORE=$(ls .gpu_wheels/*/megatron_core*.whl 2>/dev/null | head -n 1)
-if [ -n "$MCORE" ] && [ ! -d "$SITE/megatron" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$MCORE" || exit 1
-fi
-[ -d "$SITE" ] && export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH || export PYTHONPATH=$PWD
+source scripts/gpu/site_env.sh  # SITE=/tmp/site: the packages the image lacks
 nvidia-smi -L
 part() {  # name, timeout (s), command...
   local name=$1 limit=$2 t=$(date +%s); shift 2

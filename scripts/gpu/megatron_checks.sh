@@ -39,21 +39,13 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PREFECT_SERVER_ANALYTICS_ENABLED=false
 LOG=$(realpath -m "${OUT:-gpu-logs}"); mkdir -p "$LOG"
 PY=${PYTHON:-python3}
-SITE=/tmp/site
 PARTS=${*:-backend parity group parallel}
-if [ -f .gpu_wheels/g/site.tar.xz ] && [ ! -d "$SITE/pydantic" ]; then
-  mkdir -p "$SITE" && tar -C "$SITE" -xJf .gpu_wheels/g/site.tar.xz || exit 1
-fi
-MCORE=$(ls .gpu_wheels/*/megatron_core*.whl 2>/dev/null | head -n 1)
-if [ -n "$MCORE" ] && [ ! -d "$SITE/megatron" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$MCORE" || exit 1
-fi
+source scripts/gpu/site_env.sh  # SITE=/tmp/site: the packages the image lacks
 # bytecode once, as pip writes it at install: the pack carries none, so the timed tests'
 # first imports of Ray, Prefect and megatron would write it
 if [ -d "$SITE" ] && [ ! -f "$SITE/.compiled" ]; then
   $PY -m compileall -q -j 0 "$SITE" > /dev/null 2>&1; touch "$SITE/.compiled"
 fi
-[ -d "$SITE" ] && export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH || export PYTHONPATH=$PWD
 nvidia-smi -L
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "mcore", m.__version__)'
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rA -s"
