@@ -11,6 +11,7 @@ Qwen3-MoE of 2B parameters with 0.3B active outside the embeddings), torch vs me
     torchrun --nproc-per-node 1 -m bench.megatron_grpo --backend torch --strategy fsdp2 \
         [--activation-checkpointing] [--fsdp-cpu-offload]   # torch: FSDP2 (also on one GPU)
         [--chunked-lm-head]                                 # torch: train.chunked_lm_head
+    python -m bench.megatron_grpo --backend torch [--flash-attention on|off] [--compile-layers]
     torchrun --nproc-per-node 2 -m bench.megatron_grpo --backend megatron --family qwen3_moe --ep 2
 
 Prints one JSON line per run: training tokens/s (prompt + response tokens of the batch per
@@ -160,6 +161,9 @@ def main() -> None:
                     help="torch: train.activation_checkpointing")
     ap.add_argument("--fsdp-cpu-offload", action="store_true", help="torch: train.fsdp_cpu_offload")
     ap.add_argument("--chunked-lm-head", action="store_true", help="torch: train.chunked_lm_head")
+    ap.add_argument("--flash-attention", choices=["auto", "on", "off"], default="auto",
+                    help="torch: train.flash_attention (auto: on a GPU)")
+    ap.add_argument("--compile-layers", action="store_true", help="torch: train.compile_layers")
     ap.add_argument("--model-dir", default=None,
                     help="default: a random model of --family's shape in the temp directory")
     args = ap.parse_args()
@@ -179,7 +183,10 @@ def main() -> None:
                             pack_sequences=args.pack, share_prompts={"auto": None, "on": True, "off": False}[args.share],
                             strategy=args.strategy, fsdp_cpu_offload=args.fsdp_cpu_offload,
                             activation_checkpointing=args.activation_checkpointing,
-                            chunked_lm_head=args.chunked_lm_head)
+                            chunked_lm_head=args.chunked_lm_head,
+                            flash_attention={"auto": None, "on": True, "off": False}[
+                                args.flash_attention],
+                            compile_layers=args.compile_layers)
     algo = AlgorithmConfig()
     backend: Any
     if args.backend == "torch":
@@ -211,6 +218,7 @@ def main() -> None:
             "backend": args.backend, "family": args.family, "tp": args.tp, "ep": args.ep,
             "strategy": args.strategy, "activation_checkpointing": args.activation_checkpointing,
             "fsdp_cpu_offload": args.fsdp_cpu_offload, "chunked_lm_head": args.chunked_lm_head,
+            "flash_attention": args.flash_attention, "compile_layers": args.compile_layers,
             "gpus": world, "samples": len(samples),
             "seq": args.prompt_len + args.response_len, "lengths": args.lengths,
             "pack": args.pack, "layout": layout, "tokens_per_step": tokens,

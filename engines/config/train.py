@@ -116,6 +116,24 @@ class TrainConfig(Section):
         "instead of keeping them (actor and critic): a long sequence then needs one layer's "
         "activations, for about one more forward of compute.",
     )
+    flash_attention: bool | None = Field(
+        None,
+        description="torch: attention with no materialized mask where the rows allow it, so "
+        "SDPA can take its flash kernels (a 4-D mask sends it to slower kernels that compute "
+        "every query/key pair). Padded rows run plain causal attention: right padding never "
+        "reaches a real token, so the padding mask is dropped. With pack_sequences (no "
+        "shared prompts) a micro-batch is one row of its real tokens through varlen flash "
+        "attention (torch.nn.attention.varlen; bf16 on a GPU, elsewhere SDPA per sequence). "
+        "The same log-probs and gradients up to float rounding (other kernels). MoE models "
+        "keep the padding mask (their router loss reads it). Default (null): on a GPU.",
+    )
+    compile_layers: bool = Field(
+        False,
+        description="torch: torch.compile each decoder layer's forward (dynamic shapes, one "
+        "compile for all layers of a model), fusing its norms, rotary embedding and "
+        "activation; the first steps pay the compile. The same numbers up to float rounding "
+        "(fused kernels).",
+    )
     chunked_lm_head: bool = Field(
         False,
         description="torch: run the LM head and the log-prob/entropy head a chunk of tokens "
@@ -289,6 +307,9 @@ class TrainConfig(Section):
                 f"train.chunked_lm_head is the torch trainer's; train.backend={self.backend} "
                 "has its own head (megatron: vocab-parallel, through token_stats)"
             )
+        if self.compile_layers and self.backend != "torch":
+            raise ValueError(f"train.compile_layers is the torch trainer's, not "
+                             f"train.backend={self.backend}'s")
         if self.fsdp_cpu_offload and self.strategy != "fsdp2":
             raise ValueError("train.fsdp_cpu_offload needs train.strategy=fsdp2")
         if self.strategy == "fsdp2" and self.lora.enabled:

@@ -189,15 +189,37 @@ def logit_positions(batch: PaddedBatch) -> tuple[Tensor, Tensor]:
     equals the full logits gathered at `[logit_row, logit_index]`. Prompt and padding
     positions are dropped: the vocab projection (and its `[rows, L, V]` output) is the
     largest single cost of a small model with a large vocabulary. Rows needing fewer than K
-    positions repeat other positions (computed, never read)."""
+    positions repeat other positions (computed, never read).
+
+    Padded rows (no `logit_row`): row b keeps its response positions in order, so `index`
+    is slot t itself (the kept logits are response space already: `response_aligned`), and
+    K is the batch's response width, known without reading the device."""
     rows, width = batch.input_ids.shape
     device = batch.logit_index.device
+    if response_aligned(batch):
+        steps = torch.arange(batch.logit_index.shape[1], device=device)
+        keep = (batch.logit_index[:, :1] + steps).clamp(max=width - 1)
+        return keep, steps.expand_as(batch.logit_index)
     row = slot_rows(batch.logit_index, batch.logit_row)
     valid = batch.response_mask.bool()
     needed = torch.zeros((rows, width), dtype=torch.bool, device=device)
     needed[row[valid], batch.logit_index[valid]] = True
     keep, where = kept_positions(needed)
     return keep, where[row, batch.logit_index]
+
+
+def response_aligned(batch: PaddedBatch) -> bool:
+    """Whether `logit_positions(batch)`'s kept logits are the response slots themselves
+    (`[B, R, V]`, slot t at kept position t): padded rows, one per sample."""
+    return batch.logit_row is None
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """`t` on `device`; CPU -> CUDA through pinned memory, so the copy queues behind the
+    GPU's work instead of waiting for it (a pageable copy synchronizes the stream)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def kept_positions(needed: Tensor) -> tuple[Tensor, Tensor]:

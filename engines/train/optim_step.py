@@ -53,7 +53,7 @@ def optimizer_step(
     data-parallel ranks decide alike.
     """
     opt.optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = defaultdict(float)
+    sums = _Sums()
     for k, mb in enumerate(micro_batches):
         with dp.no_sync(opt.module, skip=k < len(micro_batches) - 1):
             loss, terms = loss_fn(mb.rows)
@@ -62,9 +62,10 @@ def optimizer_step(
         # every rank records the same keys (an uncounted stand-in adds 0): sum_metrics is a
         # collective, and a rank left with only a stand-in must join it too
         counted = mb.counted and dp.counts_metrics
-        totals[TRAINED_LOSS] += float(loss.detach()) if counted else 0.0
+        sums.add(TRAINED_LOSS, loss, counted)
         for key, value in terms.items():
-            totals[prefix + key] += float(value) if counted else 0.0
+            sums.add(prefix + key, value, counted)
+    totals = sums.floats()
     params = [p for p in opt.module.parameters() if p.requires_grad]
     total = torch.nn.utils.clip_grad_norm_(params, opt.clip_grad)
     # FSDP2's is a DTensor, already reduced over the shards: `full_tensor` reads it whole
@@ -86,6 +87,31 @@ def optimizer_step(
     out[prefix + SKIPPED_STEPS] = float(skip)
     out[prefix + "lr"] = float(lr)
     return out
+
+
+class _Sums:
+    """The micro-batches' loss and metric terms, summed where they are (on the GPU: no host
+    sync per micro-batch, whose wait idles the GPU while the next forward is launched) and
+    read back once, in one copy."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Tensor | float] = defaultdict(float)
+
+    def add(self, key: str, value: Tensor | float, counted: bool) -> None:
+        if not counted:
+            self.values[key] += 0.0
+        elif isinstance(value, Tensor):
+            self.values[key] = self.values[key] + value.detach().double().reshape(())
+        else:
+            self.values[key] += float(value)
+
+    def floats(self) -> dict[str, float]:
+        out = {k: v for k, v in self.values.items() if not isinstance(v, Tensor)}
+        held = {k: v for k, v in self.values.items() if isinstance(v, Tensor)}
+        for device in {v.device for v in held.values()}:
+            keys = [k for k, v in held.items() if v.device == device]
+            out.update(zip(keys, torch.stack([held[k] for k in keys]).tolist(), strict=True))
+        return {k: out[k] for k in self.values}
 
 
 def count_skip(consecutive: int, skip: bool, limit: int, prefix: str = "") -> int:

@@ -31,10 +31,12 @@ from engines.train.batching import (
     build_padded_batch,
     padded_rows,
 )
+from engines.train.flash_attention import ATTENTION_NAME
 from storage.sample import Sample
 
 _PROMPT, _PAD = -1, -2  # segment ids; response k of a row has segment k >= 0
-_ATTENTION = ("sdpa",)  # implementations that honour a custom boolean 4-D mask
+# implementations that honour a custom boolean 4-D mask (flash_attention's falls back to sdpa)
+_ATTENTION = ("sdpa", ATTENTION_NAME)
 
 
 def supports_prompt_sharing(model: nn.Module) -> bool:

@@ -38,7 +38,7 @@ from engines.algorithms.registry import load_estimator
 from engines.config.algorithm import AlgorithmConfig
 from engines.config.train import TrainConfig
 from engines.hooks.loader import checked_returns, load_user_hook
-from engines.train.batching import pad_response_values, split_micro_batches
+from engines.train.batching import pad_response_values, split_micro_batches, to_device
 from engines.train.finite import stale_on_failure
 from engines.train.metrics import SKIPPED, already_trained, summarise
 from engines.train.rollout_prep import PreparedBatch, Scorers, prepare_batch
@@ -253,7 +253,7 @@ def _rows(
     """Per-sample response values of `rows`, padded to `[len(rows), width]` on `device`."""
     if values is None:
         return None
-    return pad_response_values([values[i] for i in rows], width).to(device)
+    return to_device(pad_response_values([values[i] for i in rows], width), device)
 
 
 def _old_rows(prep: PreparedBatch, rows: list[int], log_probs: Tensor) -> list[Tensor]:

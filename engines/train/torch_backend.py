@@ -31,6 +31,7 @@ from engines.train.context_parallel import ContextGroup, use_context_parallel
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel, data_shares
 from engines.train.finite import check_finite, raise_nonfinite
+from engines.train.flash_attention import use_flash_attention
 from engines.train.lr_schedule import make_scheduler, retarget
 from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
@@ -44,6 +45,7 @@ from engines.train.torch_models import (
     BuildBatch,
     autocast,
     checkpoint_activations,
+    compile_layers,
     load_causal_lm,
     move_state,
     resolve_device,
@@ -153,9 +155,26 @@ class TorchTrainBackend:
         model = load_causal_lm(path, self.device).requires_grad_(False).eval()
         if self.context is not None:
             use_context_parallel(model)
+        self._speed_up(model)
         if self.dp.sharded:  # every rank scores every sample: the gathers stay in step
             self._shard(model)
         return model
+
+    def _speed_up(self, model: torch.nn.Module) -> None:
+        """`train.flash_attention` (dense models outside context parallelism: they keep
+        their own attention) and `train.compile_layers`, as a model is built."""
+        if self._flash and moe_layout(getattr(model, "config", None)) is None:
+            use_flash_attention(model)
+        if self.train_cfg.compile_layers:
+            compile_layers(model)
+
+    @property
+    def _flash(self) -> bool:
+        """`train.flash_attention`, by default on a GPU; never under context parallelism."""
+        flash = self.train_cfg.flash_attention
+        if self.context is not None:
+            return False
+        return self.device.type == "cuda" if flash is None else flash
 
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
         cfg = self.train_cfg
@@ -183,6 +202,7 @@ class TorchTrainBackend:
         self.model = lora.load_policy(cfg, self._initial, source, self.device)
         if self.context is not None:
             use_context_parallel(self.model)
+        self._speed_up(self.model)
         self.actor = self._optimized(self.model, cfg.lr)
         self.critic_model: ValueModel | None = None
         self.critic: OptimizedModel | None = None
@@ -235,6 +255,8 @@ class TorchTrainBackend:
         if moe_layout(getattr(model, "config", None)) is not None or self.context is not None:
             return build_padded_batch
         if cfg.pack_sequences:
+            if self._flash and not self._share_prompts:  # one row, flash varlen attention
+                return functools.partial(build_packed_batch, share_prompts=False, varlen=True)
             return functools.partial(build_packed_batch, share_prompts=self._share_prompts,
                                      hidden_size=model_hidden_size(model))
         share = self._share_prompts and supports_prompt_sharing(model)
@@ -248,7 +270,8 @@ class TorchTrainBackend:
             return self._score(
                 samples,
                 lambda b: response_log_probs(model, b, self.temperature, context=self.context,
-                                             chunked_head=self.train_cfg.chunked_lm_head)[0],
+                                             chunked_head=self.train_cfg.chunked_lm_head,
+                                             flash=self._flash)[0],
                 self._log_prob_batch(model, replay))
 
         return scorer
@@ -351,7 +374,8 @@ class TorchTrainBackend:
         module = self.actor.module if part == "actor" else None
         replay = self.algo_cfg.routing_replay
         build = self._log_prob_batch(module, replay) if module is not None else build_padded_batch
-        batch = build([samples[i] for i in rows], self.pad_token_id).to(self.device)
+        batch = build([samples[i] for i in rows], self.pad_token_id).to(self.device,
+                                                                         non_blocking=True)
         coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         aux_coef = coef if self._moe is not None else 0.0
         with autocast(self.device, self._amp):
@@ -361,7 +385,7 @@ class TorchTrainBackend:
             log_probs, entropy, aux = response_outputs(
                 self.actor.module, batch, self.temperature, self.algo_cfg.entropy_coef != 0.0,
                 router_aux_loss=aux_coef > 0.0, context=self.context,
-                chunked_head=self.train_cfg.chunked_lm_head,
+                chunked_head=self.train_cfg.chunked_lm_head, flash=self._flash,
             )
         return Forward(batch, log_probs=log_probs, entropy=entropy,
                        aux_loss=None if aux is None else aux * aux_coef)

@@ -26,10 +26,12 @@ from engines.train.batching import (
     effective_temperature,
     gather_response_logits,
     logit_positions,
+    response_aligned,
     split_micro_batches,
 )
 from engines.train.chunked_head import head_token_stats, maybe_passed_through
 from engines.train.context_parallel import ContextGroup
+from engines.train.flash_attention import attention_mask_for, varlen_kwargs
 from engines.train.routing_replay import replayed_routing
 from engines.train.token_stats import token_stats
 from storage.sample import Sample
@@ -81,6 +83,15 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
         checkpoint(layer)
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """`train.compile_layers`: each decoder layer's forward through torch.compile (dynamic
+    shapes: micro-batches differ in length). Only the forward is compiled, so the hooks of
+    activation checkpointing and FSDP2 around a layer stay as they are; the layers share one
+    compiled graph (their parameters are its inputs)."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)  # type: ignore[method-assign]
+
+
 def response_log_probs(
     model: torch.nn.Module,
     batch: PaddedBatch,
@@ -88,10 +99,12 @@ def response_log_probs(
     entropy_grad: bool = False,
     context: ContextGroup | None = None,
     chunked_head: bool = False,
+    flash: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`."""
     log_probs, entropy, _ = response_outputs(model, batch, temperature, entropy_grad,
-                                             context=context, chunked_head=chunked_head)
+                                             context=context, chunked_head=chunked_head,
+                                             flash=flash)
     return log_probs, entropy
 
 
@@ -103,13 +116,16 @@ def response_outputs(
     router_aux_loss: bool = False,
     context: ContextGroup | None = None,
     chunked_head: bool = False,
+    flash: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Response-space `(log_probs, entropy)`, both `[B, R]` float32, at `temperature`, and
     with `router_aux_loss` an MoE model's load-balancing loss (HF's, unscaled; None for a
     dense model). A batch with `routed_experts` replays them (`routing_replay.py`).
     `context`: the rows are split across this context-parallel group
     (`context_parallel.py`; a padded batch of a dense model). `chunked_head`: the LM head
-    runs a chunk of tokens at a time (`chunked_head.py`, `train.chunked_lm_head`).
+    runs a chunk of tokens at a time (`chunked_head.py`, `train.chunked_lm_head`). `flash`:
+    padded rows without their padding mask and varlen-packed rows through flash varlen
+    attention (`flash_attention.py`, `train.flash_attention`).
 
     Entropy only carries a gradient when it is part of the loss; otherwise it is a metric
     and is computed off the graph.
@@ -121,18 +137,25 @@ def response_outputs(
         return log_probs, entropy, None
     kw: dict[str, Any] = {}
     index = batch.logit_index
+    aligned = False
     if trims_logits(model):
         kw["logits_to_keep"], index = logit_positions(batch)
+        aligned = response_aligned(batch)  # no gather (a copy of [B, R, V] and its backward)
     if router_aux_loss:
         kw["output_router_logits"] = True
+    mask: Tensor | None = batch.attention_mask
+    if flash:
+        mask = attention_mask_for(batch, keep_padding_mask=router_aux_loss)
+        kw.update(varlen_kwargs(batch))
     with replayed_routing(model, batch.routed_experts), maybe_passed_through(
             model, chunked_head) as head:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        out = model(input_ids=batch.input_ids, attention_mask=mask,
                     position_ids=batch.position_ids, use_cache=False, **kw)
     # the response positions' logits in the head's own dtype: `token_stats` reads them in
     # chunks (one fused kernel on a GPU) and keeps no float32 copy of the vocabulary; with
     # `chunked_head` these are the final hidden states, projected a chunk at a time
-    logits = gather_response_logits(out.logits, index, batch.logit_row)
+    logits = out.logits if aligned else gather_response_logits(out.logits, index,
+                                                                batch.logit_row)
     if head is not None:
         log_probs, entropy = head_token_stats(logits, head, batch.targets,
                                               effective_temperature(temperature), entropy_grad)
@@ -205,7 +228,7 @@ def score_samples(
     batches = scoring_batches(samples, max_tokens, packed, by_group)
     stand_ins = [batches[0]] * max(forwards - len(batches), 0) if batches else []
     for k, mb in enumerate([*batches, *stand_ins]):
-        batch = build([samples[i] for i in mb], pad_token_id).to(device)
+        batch = build([samples[i] for i in mb], pad_token_id).to(device, non_blocking=True)
         values = fn(batch).float().cpu()
         if k >= len(batches):
             continue
