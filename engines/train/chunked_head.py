@@ -80,6 +80,35 @@ def maybe_passed_through(model: torch.nn.Module, chunked: bool
         yield head
 
 
+def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """`output_head(model)` where it is a Linear layer without a bias, else None."""
+    try:
+        return output_head(model)
+    except (ValueError, AttributeError, NotImplementedError):
+        return None
+
+
+@contextlib.contextmanager
+def head_on_positions(head: torch.nn.Linear, keep: Tensor, passthrough: bool
+                      ) -> Iterator[torch.nn.Linear]:
+    """Within: the LM head `head` projects only positions `keep` (`[rows, K]`) of each row
+    of the final hidden states, so the model returns `[rows, K, V]` logits (`passthrough`:
+    those positions' hidden states, for `head_token_stats`). It is what transformers'
+    per-row `logits_to_keep` does, where the installed transformers has it, done in the
+    head itself; inside the model's forward, so DDP and FSDP2 see the head used as usual."""
+    rows = torch.arange(keep.shape[0], device=keep.device).unsqueeze(-1)
+
+    def forward(hidden: Tensor) -> Tensor:
+        picked = hidden[rows, keep]
+        return picked if passthrough else torch.nn.functional.linear(picked, head.weight)
+
+    head.forward = forward  # type: ignore[method-assign,assignment]
+    try:
+        yield head
+    finally:
+        del head.forward
+
+
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype autocast would run the head's matmul in (the backward has no autocast)."""
     if torch.is_autocast_enabled(device.type):

@@ -29,7 +29,12 @@ from engines.train.batching import (
     response_aligned,
     split_micro_batches,
 )
-from engines.train.chunked_head import head_token_stats, maybe_passed_through
+from engines.train.chunked_head import (
+    head_on_positions,
+    head_token_stats,
+    maybe_passed_through,
+    plain_head,
+)
 from engines.train.context_parallel import ContextGroup
 from engines.train.flash_attention import attention_mask_for, varlen_kwargs
 from engines.train.routing_replay import replayed_routing
@@ -138,17 +143,25 @@ def response_outputs(
     kw: dict[str, Any] = {}
     index = batch.logit_index
     aligned = False
-    if trims_logits(model):
-        kw["logits_to_keep"], index = logit_positions(batch)
+    # the LM head on the response-predicting positions only: in the head itself where it is
+    # a plain Linear (any transformers), else through transformers' per-row logits_to_keep
+    plain = plain_head(model)
+    passed: contextlib.AbstractContextManager[torch.nn.Linear | None]
+    passed = maybe_passed_through(model, chunked_head)
+    if plain is not None or trims_logits(model):
+        keep, index = logit_positions(batch)
         aligned = response_aligned(batch)  # no gather (a copy of [B, R, V] and its backward)
+        if plain is not None:
+            passed = head_on_positions(plain, keep, passthrough=chunked_head)
+        else:
+            kw["logits_to_keep"] = keep
     if router_aux_loss:
         kw["output_router_logits"] = True
     mask: Tensor | None = batch.attention_mask
     if flash:
         mask = attention_mask_for(batch, keep_padding_mask=router_aux_loss)
         kw.update(varlen_kwargs(batch))
-    with replayed_routing(model, batch.routed_experts), maybe_passed_through(
-            model, chunked_head) as head:
+    with replayed_routing(model, batch.routed_experts), passed as head:
         out = model(input_ids=batch.input_ids, attention_mask=mask,
                     position_ids=batch.position_ids, use_cache=False, **kw)
     # the response positions' logits in the head's own dtype: `token_stats` reads them in
@@ -156,7 +169,8 @@ def response_outputs(
     # `chunked_head` these are the final hidden states, projected a chunk at a time
     logits = out.logits if aligned else gather_response_logits(out.logits, index,
                                                                 batch.logit_row)
-    if head is not None:
+    if chunked_head:
+        assert head is not None
         log_probs, entropy = head_token_stats(logits, head, batch.targets,
                                               effective_temperature(temperature), entropy_grad)
     else:
