@@ -19,7 +19,8 @@
 #   fsdp      every GPU (at most 2): tests/gpu/test_fsdp2.py, the torch trainer's FSDP2 against
 #             DDP (fp32 parity, CPU offload, bf16, offload/onload, checkpoint resume)
 #   fsdp_bench  the torch trainer on all GPUs: plain (DDP), FSDP2, FSDP2 with activation
-#             checkpointing, FSDP2 with CPU offload (BENCH_ARGS as for bench)
+#             checkpointing, FSDP2 with CPU offload (BENCH_ARGS as for bench; issue 50's MFU
+#             rows add "--compile-layers", flash attention being on by default on a GPU)
 #   cp        tests/gpu/test_context_parallel.py: a 32k-token sequence split across two ranks
 #             (one GPU each, or both on one GPU through gloo) equals the unsplit one in fp32
 #   cp_bench  bench.context_parallel on the same ranks: per-rank memory and time, split vs
