@@ -131,6 +131,12 @@ def attention(
     return out.unsqueeze(0), None
 
 
+def runs_flash_attention(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the module DDP wraps) runs `attention` (`use_flash_attention`)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+
+
 def use_flash_attention(model: torch.nn.Module) -> None:
     """Run `model`'s (a transformers model's) attention through `attention`; its masks are
     still built as for sdpa, which it falls back to."""

@@ -31,7 +31,7 @@ from engines.train.context_parallel import ContextGroup, use_context_parallel
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
 from engines.train.distributed import DataParallel, data_shares
 from engines.train.finite import check_finite, raise_nonfinite
-from engines.train.flash_attention import use_flash_attention
+from engines.train.flash_attention import runs_flash_attention, use_flash_attention
 from engines.train.lr_schedule import make_scheduler, retarget
 from engines.train.optim_step import OptimizedModel, optimizer_step
 from engines.train.packing import build_packed_batch, model_hidden_size
@@ -255,7 +255,9 @@ class TorchTrainBackend:
         if moe_layout(getattr(model, "config", None)) is not None or self.context is not None:
             return build_padded_batch
         if cfg.pack_sequences:
-            if self._flash and not self._share_prompts:  # one row, flash varlen attention
+            if self._flash and not self._share_prompts and runs_flash_attention(model):
+                # one row, flash varlen attention (a model built with flash attention off,
+                # whose settings a replay turned it on for, keeps the masked rows)
                 return functools.partial(build_packed_batch, share_prompts=False, varlen=True)
             return functools.partial(build_packed_batch, share_prompts=self._share_prompts,
                                      hidden_size=model_hidden_size(model))

@@ -51,3 +51,18 @@ def test_backend_trains_the_same_with_flash_attention(tiny_model_dir: str, pack:
     _, flash = assert_trains_the_same(tiny_model_dir, {"flash_attention": False},
                                       {"flash_attention": True}, **common)
     assert flash.model.config._attn_implementation == ATTENTION_NAME
+
+
+def test_packed_rows_stay_masked_on_a_model_built_without_it(tiny_model_dir: str) -> None:
+    """A replay may turn flash_attention on for a trainer built with it off: its model has
+    transformers' own attention, which would ignore the varlen boundaries."""
+    from engines.train.step_settings import StepSettings
+    from tests.support.samples import make_backend
+
+    backend = make_backend(tiny_model_dir, pack_sequences=True, share_prompts=False,
+                           flash_attention=False)
+    cfg = backend.train_cfg.model_copy(update={"flash_attention": True})
+    backend.use_settings(StepSettings(train=cfg, algorithm=backend.algo_cfg,
+                                      temperature=1.0, reward_key=None))
+    batch = backend._log_prob_batch(backend.model)(grouped_samples(groups=2, per_group=2), 0)
+    assert batch.cu_seqlens is None and batch.attention_mask.dim() == 4
