@@ -139,7 +139,8 @@ def connected_head_worker_env() -> dict[str, Any] | None:
 
         path = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                 if p]
-        return {"env": {k: os.environ[k] for k in keys if k in os.environ}, "pythonpath": path}
+        return {"env": {k: os.environ[k] for k in keys if k in os.environ}, "pythonpath": path,
+                "pid": os.getpid()}
 
     context = ray.get_runtime_context()
     head = (context.gcs_address, context.get_node_id())
@@ -151,7 +152,9 @@ def connected_head_worker_env() -> dict[str, Any] | None:
         if raw is not None:
             seen = json.loads(raw)
         else:
-            probe: Any = ray.remote(num_cpus=0, max_retries=1)(report)
+            # max_calls=1: its worker exits after, where an idle one would stay up for
+            # the head's life at ~0.5 CPU-s a minute (bench/RESULTS.md, "CI cost")
+            probe: Any = ray.remote(num_cpus=0, max_retries=1, max_calls=1)(report)
             try:
                 seen = ray.get(probe.options(runtime_env={}).remote(_OPENMP_WAIT_KEYS),
                                timeout=120)

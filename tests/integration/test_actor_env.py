@@ -6,6 +6,7 @@ environment is set as a head rollflow starts (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -56,3 +57,31 @@ def test_a_driver_elsewhere_gives_its_actors_its_directory(make_config, tmp_path
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     seen = _report(make_config("env"))
     assert seen["gomp"] == "7" and seen["runtime_env"]["env_vars"]["GOMP_SPINCOUNT"] == "7"
+
+
+def test_the_heads_probe_leaves_no_idle_worker(ray_address, monkeypatch):
+    """The task that asks the head what its workers have runs once per head; its worker then
+    exits, where an idle one would stay up for the head's life at about 0.5-1.4 CPU-s a
+    minute (bench/RESULTS.md, "CI cost")."""
+    import time
+
+    import psutil
+    from ray.experimental import internal_kv
+
+    from engines.cluster import registry
+
+    ray.init(address=ray_address, ignore_reinit_error=True)
+    monkeypatch.setattr(registry, "_head_worker_envs", {})
+    internal_kv._internal_kv_del(registry._WORKER_ENV_KEY, namespace=registry._KV_NAMESPACE)
+    seen = registry.connected_head_worker_env()
+    assert seen is not None and seen["pythonpath"], seen
+
+    def alive() -> bool:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(seen["pid"]).status() != psutil.STATUS_ZOMBIE
+        return False
+
+    deadline = time.monotonic() + 60
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(), "the probe's worker is still up"
