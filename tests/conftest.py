@@ -128,8 +128,29 @@ def prefect_api() -> Iterator[str]:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # The harness's server without the loop services no test of it uses (schedules, late and
+    # paused runs, workers, concurrency leases, automations): they poll its database every
+    # 5-60 s, 1.25 of its 2.8 CPU-s a minute idle, the whole session long, on each xdist
+    # worker (bench/RESULTS.md, "CI cost"). Only this server: the servers tests start
+    # themselves (the UI's automation test) keep them all. Its process inherits this
+    # environment as the harness starts it; it is restored after.
+    saved = dict(os.environ)
+    os.environ.update({f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in _IDLE_SERVICES})
+    try:
+        harness = prefect_test_harness(server_startup_timeout=120)
+        harness.__enter__()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
         yield str(PREFECT_API_URL.value())
+    finally:
+        harness.__exit__(None, None, None)
+
+
+# Prefect server loop services the tests' harness server runs without (see `prefect_api`).
+_IDLE_SERVICES = ("CANCELLATION_CLEANUP", "FOREMAN", "LATE_RUNS", "SCHEDULER",
+                  "PAUSE_EXPIRATIONS", "REPOSSESSOR", "CLEANUP_RECONCILER", "TRIGGERS")
 
 
 @pytest.fixture
