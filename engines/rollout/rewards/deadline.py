@@ -145,9 +145,16 @@ class GradingPool:
         exception is raised here, as it would be in process."""
         loop = asyncio.get_running_loop()
         module = rule_module(rule)
+        stale = None
         with self._lock:
             if module and module not in self._modules:
                 self._modules.append(module)
+                # a pool started before this rule's module was known would import it inside
+                # the first grade's deadline (seconds on a busy machine: right answers scored
+                # 0); the next pool imports it as it starts
+                stale, self._pool = self._pool, None
+        if stale is not None:
+            _kill(stale)
         async with self._slot():
             for _ in range(2):
                 pool = self._pool
