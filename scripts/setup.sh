@@ -11,9 +11,12 @@ want="$( (cat pyproject.toml scripts/setup.sh; pwd) | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # uv installs what pip would (the same index), resolving and unpacking in parallel: about
   # 15 s on a 2-core machine against pip's 2 min (bench/RESULTS.md, "CI cost"); pip is the
-  # fallback where uv cannot install.
+  # fallback where uv cannot install. uv writes no bytecode unless told (pip does), and with
+  # PYTHONDONTWRITEBYTECODE set no process writes it later: every process would then compile
+  # torch's and transformers' sources at each import, 12.6 against 5.5 CPU-s for
+  # `import torch, transformers.modeling_utils` (bench/RESULTS.md, "CI cost").
   .venv/bin/python -m pip install -q --upgrade pip uv
-  uv=(.venv/bin/python -m uv pip install --python .venv/bin/python -q)
+  uv=(.venv/bin/python -m uv pip install --python .venv/bin/python -q --compile-bytecode)
   links=${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}
   if [ -n "$links" ] && ls "$links"/torch-2.13.0+cpu-*.whl > /dev/null 2>&1; then
     # the CPU wheel pip's find-links holds (uv would not prefer it to the index's CUDA one)
