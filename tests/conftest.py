@@ -35,6 +35,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # short, under /tmp, because Ray's socket paths are limited in length. An xdist worker
 # inherits the controller's environment, so it makes its own.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+# Heads that rollflow starts for a test (its drivers and `rollflow cluster up` in
+# subprocesses) run without Ray's dashboard, about 19 CPU-s a minute each while up: no test
+# reads it but test_cluster_head's, which asks for one.
+os.environ.setdefault("ROLLFLOW_RAY_DASHBOARD", "0")
 if _WORKER:
     os.environ["ROLLFLOW_HOME"] = tempfile.mkdtemp(prefix=f"rf-test-{_WORKER}-", dir="/tmp")
 else:

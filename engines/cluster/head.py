@@ -111,7 +111,15 @@ _DASHBOARD_DEPS = ("aiohttp", "aiohttp_cors", "grpc", "opencensus", "opentelemet
                    "opentelemetry.exporter.prometheus", "prometheus_client", "pydantic")
 
 
+# "0": a head without Ray's dashboard, even where `ray[default]` is installed. The dashboard
+# and its agent cost about 19 CPU-s a minute on an idle head; the tests whose heads nothing
+# reads it from set this (bench/RESULTS.md, "CI cost").
+DASHBOARD_SWITCH = "ROLLFLOW_RAY_DASHBOARD"
+
+
 def dashboard_available() -> bool:
+    if os.environ.get(DASHBOARD_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
     try:
         return all(importlib.util.find_spec(name) is not None for name in _DASHBOARD_DEPS)
     except ImportError:  # a parent package missing
@@ -121,8 +129,9 @@ def dashboard_available() -> bool:
 def start_local_head(num_cpus: int | None = None, num_gpus: int | None = None) -> str:
     """`ray start --head` in this process's auth mode (token unless the user set
     RAY_AUTH_MODE), its session files under ROLLFLOW_HOME/ray, with every GPU torch sees
-    (unless `num_gpus`) and, where `ray[default]` is installed, the dashboard on 127.0.0.1
-    (Ray's state API, `ray list actors`, needs it); returns the GCS address."""
+    (unless `num_gpus`) and, where `ray[default]` is installed and ROLLFLOW_RAY_DASHBOARD is
+    not "0", the dashboard on 127.0.0.1 (Ray's state API, `ray list actors`, needs it);
+    returns the GCS address."""
     auth = process_auth_mode()
     if auth != "token":
         log.warning("starting the local Ray head without authentication (RAY_AUTH_MODE=%s): "

@@ -43,7 +43,7 @@ def cli(env: dict[str, str], *args: str) -> str:
 
 def test_local_head_has_the_machines_gpus_and_a_dashboard_with_the_state_api():
     home = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))  # short: Ray's socket paths
-    env = rollflow_env(home)
+    env = rollflow_env(home, ROLLFLOW_RAY_DASHBOARD="1")  # the tests' heads have none
     try:
         first = python(DRIVER, env)
         out, err = first.communicate(timeout=180)
