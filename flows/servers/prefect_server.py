@@ -108,18 +108,26 @@ def database_url(url: str) -> str:
     return url
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """A second server on a port in use exited at once, after the first one's health check
-    had answered for it: the CLI printed the other server's address as its own."""
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why the server could not bind `host:port` now, or None where it could."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise ConfigError(
-                f"{host}:{port} is in use ({e.strerror}): another server (maybe a Prefect "
-                f"server already, at http://{host}:{port}) holds it; pick another --port"
-            ) from None
+            return e.strerror or str(e)
+    return None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A second server on a port in use exited at once, after the first one's health check
+    had answered for it: the CLI printed the other server's address as its own."""
+    why = _port_in_use(host, port)
+    if why is not None:
+        raise ConfigError(
+            f"{host}:{port} is in use ({why}): another server (maybe a Prefect "
+            f"server already, at http://{host}:{port}) holds it; pick another --port"
+        )
 
 
 def start_server(
@@ -129,10 +137,37 @@ def start_server(
     wait_s: float | None = 120.0,
     log_path: str | None = None,
     database: str | None = None,
+    port_busy_s: float = 0.0,
 ) -> PrefectServer:
     """Start the server (UI included) in a child process; `home` is its PREFECT_HOME (the
     SQLite database lives there unless `database` names another). With `wait_s`, return
-    once `/api/health` answers."""
+    once `/api/health` answers.
+
+    `port_busy_s`: for a server started again on its old port, how long to wait for a port
+    another socket holds. A port of the kernel's ephemeral range, free a moment ago, can be
+    some client's for a while: a restarted server once lost its port between this check and
+    its own bind, seconds later, and exited (tests/flow/test_server_faults.py). Within that
+    time such a server is started again."""
+    deadline = time.monotonic() + port_busy_s
+    while True:
+        while _port_in_use(host, port) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        server = _launch(host, port, home, log_path, database)
+        if wait_s is None:
+            return server
+        try:
+            server.wait_ready(wait_s)
+            return server
+        except RuntimeError:  # it exited (the port lost, or another cause): again, in time
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("the Prefect server on %s:%d exited as it started (code %s; its "
+                        "output: %s); starting it again", host, port,
+                        server.process.returncode, log_path)
+
+
+def _launch(host: str, port: int, home: str | None, log_path: str | None,
+            database: str | None) -> PrefectServer:
     _check_port_free(host, port)
     cmd = [*_prefect_app(), "server", "start", "--host", host, "--port", str(port)]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -143,10 +178,7 @@ def start_server(
     env.update(PREFECT_SERVER_API_HOST=host, PREFECT_SERVER_API_PORT=str(port))
     env.setdefault("PREFECT_UI_URL", f"http://{host}:{port}")  # links in notifications
     process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = PrefectServer(process, host, port, log_path)
-    if wait_s is not None:
-        server.wait_ready(wait_s)
-    return server
+    return PrefectServer(process, host, port, log_path)
 
 
 def serve_forever(

@@ -86,8 +86,9 @@ def test_prefect_server_killed_and_restarted_mid_step(make_config, prefect_api, 
         server.process.kill()
         server.process.wait(timeout=30)
         time.sleep(3)
+        # (its port, free a moment ago, can be a client's for a while: waited for)
         server = start_server("127.0.0.1", port, str(home), wait_s=180,
-                              log_path=str(tmp_path / "server.log"))
+                              log_path=str(tmp_path / "server.log"), port_busy_s=60)
         outcome, _ = finish(cfg, path, env, driver)
         # the restarted server (same database) has the run, told of its end after the kill
         runs = httpx.post(f"{server.api_url}/flow_runs/filter", timeout=30, json={
