@@ -29,6 +29,11 @@ from flows.config.run import ConfigError
 from flows.servers.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
 
 log = logging.getLogger(__name__)
+# The least a driver waits for its own server's first answer. Prefect's ephemeral default
+# (90 s) was too short beside a loaded CI at this Xeon's slow hour: a fresh database's
+# migrations alone took about 80 s there, and the run failed before its first step. A
+# server that fails exits, which ends the wait at once.
+LOCAL_SERVER_STARTUP_S = 300.0
 LOCAL_SERVER_LOG = "local-server.log"  # in PREFECT_HOME: a driver's own server's output
 
 
@@ -239,7 +244,8 @@ def local_prefect_api() -> Iterator[PrefectServer | None]:
     server = start_local_server()
     keeper = KeepAlive(server)
     try:
-        server.wait_ready(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
+        server.wait_ready(max(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()),
+                              LOCAL_SERVER_STARTUP_S))
         keeper.start()
         with reporting_to(server.api_url):
             yield server

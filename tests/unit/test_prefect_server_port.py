@@ -5,6 +5,7 @@ first start on a taken `--port` must."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from pathlib import Path
@@ -91,3 +92,22 @@ def test_a_first_start_that_exits_fails(monkeypatch: pytest.MonkeyPatch, tmp_pat
     fake_launches(monkeypatch, [True, False])
     with pytest.raises(RuntimeError, match="exited with code 3"):
         start_server("127.0.0.1", free_port(), str(tmp_path), wait_s=5)
+
+
+def test_a_drivers_own_server_gets_at_least_the_local_startup_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefect's ephemeral start-up timeout (90 s by default) ended a run on a loaded machine
+    while its server's fresh database still migrated: the driver waits at least
+    LOCAL_SERVER_STARTUP_S for its own server."""
+    waited: list[float] = []
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    monkeypatch.setattr(prefect_server, "start_local_server",
+                        lambda: PrefectServer(FakeProcess(None), "127.0.0.1", free_port()))  # type: ignore[arg-type]
+    monkeypatch.setattr(PrefectServer, "wait_ready", lambda self, timeout_s: waited.append(timeout_s))
+    monkeypatch.setattr(PrefectServer, "stop", lambda self, timeout_s=20.0: None)
+    monkeypatch.setattr(prefect_server.KeepAlive, "start", lambda self: None)
+    monkeypatch.setattr(prefect_server, "reporting_to", lambda url: contextlib.nullcontext())
+    with prefect_server.local_prefect_api() as server:
+        assert server is not None
+    assert waited == [prefect_server.LOCAL_SERVER_STARTUP_S] and waited[0] >= 300
