@@ -99,15 +99,26 @@ def test_a_drivers_own_server_gets_at_least_the_local_startup_time(
     """Prefect's ephemeral start-up timeout (90 s by default) ended a run on a loaded machine
     while its server's fresh database still migrated: the driver waits at least
     LOCAL_SERVER_STARTUP_S for its own server."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+
     waited: list[float] = []
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     monkeypatch.setattr(prefect_server, "start_local_server",
                         lambda: PrefectServer(FakeProcess(None), "127.0.0.1", free_port()))  # type: ignore[arg-type]
     monkeypatch.setattr(PrefectServer, "wait_ready", lambda self, timeout_s: waited.append(timeout_s))
     monkeypatch.setattr(PrefectServer, "stop", lambda self, timeout_s=20.0: None)
     monkeypatch.setattr(prefect_server.KeepAlive, "start", lambda self: None)
     monkeypatch.setattr(prefect_server, "reporting_to", lambda url: contextlib.nullcontext())
-    with prefect_server.local_prefect_api() as server:
+    # Settings, not the environment: a Prefect harness earlier in this worker's session
+    # (CI's xdist workers mix tiers) points PREFECT_API_URL at itself through its settings.
+    with temporary_settings(
+            restore_defaults={PREFECT_API_URL},
+            updates={PREFECT_SERVER_ALLOW_EPHEMERAL_MODE: True,
+                     PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 90}), \
+            prefect_server.local_prefect_api() as server:
         assert server is not None
     assert waited == [prefect_server.LOCAL_SERVER_STARTUP_S] and waited[0] >= 300
