@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -83,16 +83,11 @@ class RouterProcess:
         self.port = 0
         self.metrics_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        fd, self._log_path = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
-        self._log = os.fdopen(fd, "wb")
+        self._log, self._log_reader = _unnamed_log()
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def log_path(self) -> str:
-        return self._log_path
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> str:
@@ -164,10 +159,8 @@ class RouterProcess:
 
     def shutdown(self) -> None:
         self._stop_process()
-        if not self._log.closed:
-            self._log.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self._log_path)
+        self._log.close()
+        self._log_reader.close()
 
     def _stop_process(self) -> None:
         if self._proc is None:
@@ -194,8 +187,9 @@ class RouterProcess:
 
     def _log_tail(self, lines: int = 5) -> str:
         self._log.flush()
-        with open(self._log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+        self._log_reader.seek(0)
+        text = self._log_reader.read().decode(errors="replace")
+        return "".join(text.splitlines(keepends=True)[-lines:])
 
     def _proc_returncode(self) -> int | None:
         return None if self._proc is None else self._proc.returncode
@@ -233,3 +227,17 @@ class RouterProcess:
             time.sleep(0.1)
         missing = sorted(set(self.worker_urls) - healthy)
         raise RouterError(f"workers not healthy behind the router: {missing}")
+
+
+def _unnamed_log() -> tuple[BinaryIO, BinaryIO]:
+    """A router's output file, with no name: a handle the router writes through and one to
+    read its tail back. Its name is removed at once, so the file goes when the last
+    handle closes, even when the rollout actor that started the router is killed (how runs
+    end their actors): named logs were left in /tmp, 850 of them on one machine."""
+    fd, path = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
+    try:
+        writer = os.fdopen(fd, "ab")
+        reader = open(path, "rb")  # noqa: SIM115 (closed in shutdown, or with the process)
+    finally:
+        os.unlink(path)
+    return writer, reader
