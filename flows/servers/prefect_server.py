@@ -263,15 +263,18 @@ class KeepAlive(threading.Thread):
     (stopped, deadlocked: one stopped answering after six EP=2 steps on a GPU machine and
     the driver hung) is killed and started again the same way; a server still starting has
     `startup_s` to answer first. A server that keeps dying is left dead after
-    `max_restarts`: then the driver fails. Start it once the server has answered
-    (`wait_ready`)."""
+    `max_restarts`: then the driver fails. A restart first waits up to `port_busy_s` for
+    the old port, which another socket can hold for a while (as `start_server`'s
+    `port_busy_s`): otherwise each restart on a taken port exits at once, and the five are
+    spent in seconds. Start it once the server has answered (`wait_ready`)."""
 
     def __init__(self, server: PrefectServer, max_restarts: int = 5, poll_s: float = 0.5,
                  probe_s: float = 5.0, hung_after_s: float = 60.0,
-                 startup_s: float = 180.0) -> None:
+                 startup_s: float = 180.0, port_busy_s: float = 60.0) -> None:
         super().__init__(name="prefect-server-keepalive", daemon=True)
         self.server, self.max_restarts, self.poll_s = server, max_restarts, poll_s
         self.probe_s, self.hung_after_s, self.startup_s = probe_s, hung_after_s, startup_s
+        self.port_busy_s = port_busy_s
         self.restarts = 0
         self._stopping = threading.Event()
         self._since = time.monotonic()  # the last health answer, or the server's start
@@ -309,8 +312,15 @@ class KeepAlive(threading.Thread):
             self.restarts += 1
             log.warning("the driver's Prefect server (pid %d) exited with code %s; starting "
                         "it again on port %d", self.server.process.pid, code, self.server.port)
+            self._wait_for_port()
             self.server.process = start_local_server(self.server.port).process
             self._since, self._has_answered = time.monotonic(), False  # (starting)
+
+    def _wait_for_port(self) -> None:
+        deadline = time.monotonic() + self.port_busy_s
+        while (_port_in_use(self.server.host, self.server.port) is not None
+               and time.monotonic() < deadline and not self._stopping.wait(self.poll_s)):
+            pass
 
     def stop(self) -> None:
         self._stopping.set()

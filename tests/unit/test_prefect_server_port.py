@@ -1,7 +1,7 @@
 """A Prefect server started again on its old port (`start_server(port_busy_s=...)`) waits
 for a port another socket holds, and is started again if it exits as it starts (it lost
 the port between the check and its bind); without `port_busy_s` both fail at once, as a
-first start on a taken `--port` must."""
+first start on a taken `--port` must. The driver's KeepAlive waits for the port too."""
 
 from __future__ import annotations
 
@@ -122,3 +122,28 @@ def test_a_drivers_own_server_gets_at_least_the_local_startup_time(
             prefect_server.local_prefect_api() as server:
         assert server is not None
     assert waited == [prefect_server.LOCAL_SERVER_STARTUP_S] and waited[0] >= 300
+
+
+def test_keepalive_waits_for_its_port_before_starting_the_server_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's own server died; its port is some client's for a moment: KeepAlive's
+    restart waits for it instead of spending its restarts on a port it cannot bind."""
+    port, holder = held_port(1.5)
+    port_free_at_start: list[bool] = []
+
+    def restart(port: int) -> PrefectServer:
+        port_free_at_start.append(prefect_server._port_in_use("127.0.0.1", port) is None)
+        return PrefectServer(FakeProcess(None), "127.0.0.1", port)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefect_server, "start_local_server", restart)
+    monkeypatch.setattr(PrefectServer, "healthy", lambda self: True)
+    keeper = prefect_server.KeepAlive(
+        PrefectServer(FakeProcess(-9), "127.0.0.1", port), poll_s=0.05, port_busy_s=30)  # type: ignore[arg-type]
+    keeper.start()
+    holder.join()
+    for _ in range(200):  # (10 s at most)
+        if port_free_at_start:
+            break
+        threading.Event().wait(0.05)
+    keeper.stop()
+    assert port_free_at_start == [True] and keeper.restarts == 1
