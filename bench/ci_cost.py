@@ -1,0 +1,223 @@
+"""CI's CPU by kind of process: a fresh clone's `.ci/run` with every process on the machine sampled.
+
+On a 2-core machine CI is bound by CPU: its pytest workers never wait for one another, and
+the processes they start keep both cores busy (bench/RESULTS.md, "CI cost"). So its wall
+time follows the CPU seconds of everything it starts: pytest's workers, Ray's actors (most of
+an actor's CPU is its imports), drivers, Prefect servers, Ray's daemons. To cut it, first see
+where those seconds go; this was done by hand for several sessions before it was a module.
+
+This clones the repository's HEAD into a temporary directory, runs `.ci/run` there (or
+`scripts/test.sh` with the arguments after `--`), and reads every process's CPU seconds from
+/proc twice a second. A process counts from its first reading (or from the start, for one
+already running) to its last one before it exited: the CPU of the half second before a
+process exits is lost, so short-lived processes are undercounted. Every process on the
+machine is counted, so run it on an otherwise idle one: the machine's own daemons land in
+"other". Linux only.
+
+    python -m bench.ci_cost                            # `.ci/run` on a fresh clone of HEAD
+    python -m bench.ci_cost --json ci.json -- tests/unit -n 2   # scripts/test.sh tests/unit -n 2
+
+Figures: bench/RESULTS.md, "CI cost".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (a piece of the command line or process title, the kind it marks), first match wins. Ray
+# actors are titled `ray::<Class>` (and `ray::<run>:<role>@...` while their __init__ runs).
+KINDS: tuple[tuple[str, str], ...] = (
+    # (a title read from /proc/<pid>/comm, when the command line is gone, has 15 characters)
+    ("ray::TrainActor", "train actors"), (":trainer", "train actors"),
+    ("ray::EngineActo", "engine actors"), (":engine", "engine actors"),
+    ("ray::RolloutMan", "rollout actors"), (":rollout@", "rollout actors"),
+    ("ray::IDLE", "Ray workers before their actor"),
+    ("ray::DashboardAgent", "Ray's daemons"), ("ray::RuntimeEnvAgent", "Ray's daemons"),
+    ("ray::", "other Ray actors and tasks"),
+    ("raylet", "Ray's daemons"), ("gcs_server", "Ray's daemons"),
+    ("ray/dashboard", "Ray's daemons"), ("ray.dashboard", "Ray's daemons"),
+    ("ray-dashboard", "Ray's daemons"), ("ray.util.client", "Ray's daemons"),
+    ("log_monitor", "Ray's daemons"), ("ray/autoscaler", "Ray's daemons"),
+    ("uvicorn", "Prefect servers of the test harness"),
+    ("prefect_app", "Prefect servers started by runs and tests"),
+    ("flows.cli", "drivers (CLI)"), ("rollflow train", "drivers (CLI)"),
+    ("prefect.runner", "Prefect workers and their flow runs"),
+    ("openenv_server", "environment servers"),
+    ("sglang_router", "sglang-router"),
+    ("while os.getppid()", "CPU burners of the load tests"),
+    ("multiprocessing", "spawned processes (torch ranks, reward workers)"),
+    ("mypy", "lint and type checks"), ("ruff", "lint and type checks"),
+    ("lint-imports", "lint and type checks"),
+    ("compileall", "setup"), ("uv pip", "setup"), ("pip install", "setup"),
+    ("moto", "moto (S3)"),
+    ("bwrap", "code sandboxes"),
+    ("chrom", "browser"),
+    # last: a test's own subprocesses carry pytest's temporary paths in their arguments
+    ("pytest", "pytest workers"),
+)
+
+
+def kind_of(title: str) -> str:
+    """The kind of process a command line or title marks (KINDS), else "other"."""
+    for piece, kind in KINDS:
+        if piece in title:
+            return kind
+    return "other"
+
+
+@dataclass
+class Seen:
+    """One process: its most telling title and its first and last CPU readings."""
+
+    title: str
+    first_cpu: float
+    last_cpu: float
+
+    @property
+    def cpu(self) -> float:
+        return self.last_cpu - self.first_cpu
+
+
+def better_title(old: str, new: str) -> str:
+    """A Ray worker starts as a plain Python command, then takes its actor's title; keep the
+    title that names the most: an actor's class over anything, else the longer one."""
+    if kind_of(old) in _ACTOR_KINDS:
+        return old
+    if kind_of(new) in _ACTOR_KINDS:
+        return new
+    return new if len(new) > len(old) else old
+
+
+_ACTOR_KINDS = {"train actors", "engine actors", "rollout actors"}
+
+
+def read_processes(proc: str = "/proc") -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, start tick) -> (title, user + system CPU seconds) of every process now."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat") as f:
+                stat = f.read()
+            with open(f"{proc}/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # it exited between listdir and the reads
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        title = cmdline or stat[stat.find("(") + 1:stat.rfind(")")]
+        out[(int(name), int(fields[19]))] = (title, cpu)  # starttime tells reused pids apart
+    return out
+
+
+@dataclass
+class Sampler:
+    """Reads every process's CPU every `period_s` on a thread until `stop()`."""
+
+    period_s: float = 0.5
+    seen: dict[tuple[int, int], Seen] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Sampler:
+        me = os.getpid()
+        for key, (title, cpu) in read_processes().items():  # running before: from now
+            if key[0] != me:
+                self.seen[key] = Seen(title, cpu, cpu)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while not self._stop.wait(self.period_s):
+            self.sample(me)
+
+    def sample(self, me: int) -> None:
+        for key, (title, cpu) in read_processes().items():
+            if key[0] == me:
+                continue
+            old = self.seen.get(key)
+            if old is None:
+                self.seen[key] = Seen(title, 0.0, cpu)  # started since: all its CPU
+            else:
+                old.title, old.last_cpu = better_title(old.title, title), cpu
+
+    def stop(self) -> dict[str, tuple[float, int]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample(os.getpid())
+        return cpu_by_kind(self.seen.values())
+
+
+def cpu_by_kind(processes: Iterable[Seen]) -> dict[str, tuple[float, int]]:
+    """kind -> (CPU seconds, processes that used any), largest first."""
+    cpu: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    for p in processes:
+        if p.cpu > 0:
+            kind = kind_of(p.title)
+            cpu[kind] += p.cpu
+            count[kind] += 1
+    return {kind: (cpu[kind], count[kind]) for kind in sorted(cpu, key=cpu.__getitem__, reverse=True)}
+
+
+def table(by_kind: dict[str, tuple[float, int]]) -> str:
+    total = sum(seconds for seconds, _ in by_kind.values()) or 1.0
+    rows = ["| kind | CPU-s | share | processes |", "|---|---|---|---|"]
+    rows += [f"| {kind} | {seconds:,.0f} | {seconds / total:.1%} | {n} |"
+             for kind, (seconds, n) in by_kind.items()]
+    rows.append(f"| all | {total:,.0f} | | {sum(n for _, n in by_kind.values())} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the sums and the run's outcome here")
+    parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    parser.add_argument("test_args", nargs="*",
+                        help="after --: run scripts/test.sh with these instead of .ci/run")
+    args = parser.parse_args(argv)
+    clone = Path(tempfile.mkdtemp(prefix="ci-cost-")) / "repo"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    command = (["bash", "scripts/test.sh", *args.test_args] if args.test_args
+               else ["bash", ".ci/run"])
+    print(f"{' '.join(command)} in {clone} (HEAD {head})", flush=True)
+    sampler = Sampler().start()
+    started = time.monotonic()
+    code = subprocess.run(command, cwd=clone).returncode
+    wall = time.monotonic() - started
+    by_kind = sampler.stop()
+    print(f"\nexit code {code} after {wall:.0f} s (HEAD {head})\n{table(by_kind)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"head": head, "command": command, "exit_code": code, "wall_s": round(wall, 1),
+             "cpu_s": {k: [round(s, 1), n] for k, (s, n) in by_kind.items()}}, indent=1))
+    if args.keep:
+        print(f"clone kept: {clone}")
+    else:
+        shutil.rmtree(clone.parent, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
