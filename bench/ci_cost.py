@@ -190,7 +190,8 @@ def table(by_kind: dict[str, tuple[float, int]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="also write the sums and the run's outcome here")
+    parser.add_argument("--json", help="also write the sums, the run's outcome and every "
+                        "process of a CPU-second or more here")
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     parser.add_argument("test_args", nargs="*",
                         help="after --: run scripts/test.sh with these instead of .ci/run")
@@ -211,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"head": head, "command": command, "exit_code": code, "wall_s": round(wall, 1),
-             "cpu_s": {k: [round(s, 1), n] for k, (s, n) in by_kind.items()}}, indent=1))
+             "cpu_s": {k: [round(s, 1), n] for k, (s, n) in by_kind.items()},
+             # every process of a CPU-second or more, costliest first: [CPU-s, kind, title]
+             "processes": [[round(p.cpu, 2), kind_of(p.title), p.title[:300]]
+                           for p in sorted(sampler.seen.values(), key=lambda p: -p.cpu)
+                           if p.cpu >= 1.0]}, indent=1))
     if args.keep:
         print(f"clone kept: {clone}")
     else:
