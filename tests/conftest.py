@@ -112,14 +112,14 @@ def ray_address() -> Iterator[str]:
     # dashboard, so nothing reads the node stats its dashboard agent's reporter collects
     # every 5 s by default (about 1 CPU-s a minute, the whole session long).
     os.environ["REPORTER_UPDATE_INTERVAL_MS"] = "600000"
-    # Nor the two head processes `ray.init` starts for a dashboard-less head all the same,
-    # busy the whole session long: the dashboard's process with its usage-stats module only,
-    # and the autoscaler's monitor, of no use to one fixed node (bench/RESULTS.md, "CI cost").
+    # Nor the autoscaler's monitor, busy the whole session long and of no use to one fixed
+    # node. (The dashboard's process `ray.init` starts all the same, with its usage-stats
+    # module only, stays: without it the dashboard agent's event module asks the GCS for its
+    # address every second, logging a traceback each time, at more CPU than it saves.)
     no_log_monitor = mock.patch.object(Node, "start_log_monitor", lambda self: None)
-    no_api_server = mock.patch.object(Node, "start_api_server", lambda self, **kwargs: None)
     no_monitor = mock.patch.object(Node, "start_monitor", lambda self: None)
     try:
-        with no_log_monitor, no_api_server, no_monitor:
+        with no_log_monitor, no_monitor:
             ctx = ray.init(
                 address="local",  # never join a cluster left running by `rollflow` itself
                 num_cpus=4, namespace="rollflow-tests", include_dashboard=False,
