@@ -113,9 +113,9 @@ def ray_address() -> Iterator[str]:
     # every 5 s by default (about 1 CPU-s a minute, the whole session long).
     os.environ["REPORTER_UPDATE_INTERVAL_MS"] = "600000"
     # Nor the autoscaler's monitor, busy the whole session long and of no use to one fixed
-    # node. (The dashboard's process `ray.init` starts all the same, with its usage-stats
-    # module only, stays: without it the dashboard agent's event module asks the GCS for its
-    # address every second, logging a traceback each time, at more CPU than it saves.)
+    # node. The dashboard's process, which `ray.init` starts all the same with only its
+    # usage-stats module, stays: without it the dashboard agent's event module asks the GCS
+    # for its address every second and logs a traceback each time, at more CPU than it saves.
     no_log_monitor = mock.patch.object(Node, "start_log_monitor", lambda self: None)
     no_monitor = mock.patch.object(Node, "start_monitor", lambda self: None)
     try:
