@@ -124,6 +124,15 @@ def _port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def _wait_for_port(host: str, port: int, deadline: float,
+                   stop: threading.Event | None = None, poll_s: float = 0.5) -> None:
+    """Until `host:port` can be bound, the monotonic `deadline` passes or `stop` is set."""
+    stop = stop or threading.Event()
+    while (_port_in_use(host, port) is not None and time.monotonic() < deadline
+           and not stop.wait(poll_s)):
+        pass
+
+
 def _check_port_free(host: str, port: int) -> None:
     """A second server on a port in use exited at once, after the first one's health check
     had answered for it: the CLI printed the other server's address as its own."""
@@ -155,8 +164,7 @@ def start_server(
     time such a server is started again."""
     deadline = time.monotonic() + port_busy_s
     while True:
-        while _port_in_use(host, port) is not None and time.monotonic() < deadline:
-            time.sleep(0.5)
+        _wait_for_port(host, port, deadline)
         server = _launch(host, port, home, log_path, database)
         if wait_s is None:
             return server
@@ -312,15 +320,10 @@ class KeepAlive(threading.Thread):
             self.restarts += 1
             log.warning("the driver's Prefect server (pid %d) exited with code %s; starting "
                         "it again on port %d", self.server.process.pid, code, self.server.port)
-            self._wait_for_port()
+            _wait_for_port(self.server.host, self.server.port,
+                           time.monotonic() + self.port_busy_s, self._stopping, self.poll_s)
             self.server.process = start_local_server(self.server.port).process
             self._since, self._has_answered = time.monotonic(), False  # (starting)
-
-    def _wait_for_port(self) -> None:
-        deadline = time.monotonic() + self.port_busy_s
-        while (_port_in_use(self.server.host, self.server.port) is not None
-               and time.monotonic() < deadline and not self._stopping.wait(self.poll_s)):
-            pass
 
     def stop(self) -> None:
         self._stopping.set()
