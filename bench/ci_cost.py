@@ -92,6 +92,9 @@ class Seen:
         return self.last_cpu - self.first_cpu
 
 
+_ACTOR_KINDS = {"train actors", "engine actors", "rollout actors"}
+
+
 def better_title(old: str, new: str) -> str:
     """A Ray worker starts as a plain Python command, then takes its actor's title; keep the
     title that names the most: an actor's class over anything, else the longer one."""
@@ -100,9 +103,6 @@ def better_title(old: str, new: str) -> str:
     if kind_of(new) in _ACTOR_KINDS:
         return new
     return new if len(new) > len(old) else old
-
-
-_ACTOR_KINDS = {"train actors", "engine actors", "rollout actors"}
 
 
 def read_processes(proc: str = "/proc") -> dict[tuple[int, int], tuple[str, float]]:
