@@ -54,13 +54,16 @@ def code_digest() -> str:
     return h.hexdigest()[:8]
 
 
-# How long torch's OpenMP threads (libgomp) spin at a barrier before they sleep. Its default
-# spin is long: beside other programs, the waiting thread of a 2-thread train step holds a
-# core its partner needs (a main-job train step beside two CPU burners: 4.4-10.1 s, against
-# 1.0-1.2 s idle). Passive waiting (no spin) brought that to 1.6-2.4 s but slowed the idle
-# step to 1.4-1.7 s; a spin of 1000 gave 2.1-2.8 s and 0.9-1.4 s (bench/RESULTS.md, "Busy
-# machine").
-OPENMP_WAIT = {"GOMP_SPINCOUNT": "1000"}
+# How long torch's OpenMP threads (libgomp) spin at a barrier before they sleep, in spins
+# (about 0.1 us each). libgomp's default (300000) is long: beside other programs, the waiting
+# thread of a 2-thread train step holds a core its partner needs (a main-job train step
+# beside two CPU burners: 4.4-10.1 s, against 1.0-1.2 s idle). Too short a spin costs the
+# idle machine instead: between a small step's many short ops the partner sleeps, and on a
+# virtual machine each wake-up is slow (the main job's SFT train steps on the 2-core Xeon
+# VM: 59-62 s at 1000, 41-47 s at 30000). 30000 keeps the idle speed of the long spin and
+# the busy ratio of the short one (a 3-step GRPO run beside two burners: 2.42x idle, 2.24x
+# at 1000). Figures: bench/RESULTS.md, "Busy machine".
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "30000"}
 _OPENMP_WAIT_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
