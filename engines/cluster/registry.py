@@ -55,7 +55,7 @@ def code_digest() -> str:
 
 
 # How long torch's OpenMP threads (libgomp) spin at a barrier before they sleep, in spins
-# (about 0.1 us each). libgomp's default (300000) is long: beside other programs, the waiting
+# (libgomp reckons about 100,000 a millisecond). Its default (300000) is long: beside other programs, the waiting
 # thread of a 2-thread train step holds a core its partner needs (a main-job train step
 # beside two CPU burners: 4.4-10.1 s, against 1.0-1.2 s idle). Too short a spin costs the
 # idle machine instead: between a small step's many short ops the partner sleeps, and on a
