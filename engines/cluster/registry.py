@@ -55,14 +55,14 @@ def code_digest() -> str:
 
 
 # How long torch's OpenMP threads (libgomp) spin at a barrier before they sleep, in spins
-# (libgomp reckons about 100,000 a millisecond). Its default (300000) is long: beside other programs, the waiting
-# thread of a 2-thread train step holds a core its partner needs (a main-job train step
-# beside two CPU burners: 4.4-10.1 s, against 1.0-1.2 s idle). Too short a spin costs the
-# idle machine instead: between a small step's many short ops the partner sleeps, and on a
-# virtual machine each wake-up is slow (the main job's SFT train steps on the 2-core Xeon
-# VM: 59-62 s at 1000, 41-47 s at 30000). 30000 keeps the idle speed of the long spin and
-# the busy ratio of the short one (a 3-step GRPO run beside two burners: 2.42x idle, 2.24x
-# at 1000). Figures: bench/RESULTS.md, "Busy machine".
+# (libgomp reckons about 100,000 a millisecond). Its default (300000) is long: beside other
+# programs, the waiting thread of a 2-thread train step holds a core its partner needs (a
+# main-job train step beside two CPU burners: 4.4-10.1 s, against 1.0-1.2 s idle). Too short
+# a spin costs the idle machine instead: between a small step's many short ops the partner
+# sleeps, and on a virtual machine each wake-up is slow (the main job's SFT train steps on
+# the 2-core Xeon VM: 59-62 s at 1000, 41-47 s at 30000). 30000 keeps the idle speed of the
+# long spin and the busy ratio of the short one (a 3-step GRPO run beside two burners: 2.42x
+# idle, 2.24x at 1000). Figures: bench/RESULTS.md, "Busy machine".
 OPENMP_WAIT = {"GOMP_SPINCOUNT": "30000"}
 _OPENMP_WAIT_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
