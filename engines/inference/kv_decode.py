@@ -45,7 +45,22 @@ from engines.inference.kv_cache import KVCache, RowFinish
 from engines.inference.sampling import SamplingRows
 
 log = logging.getLogger(__name__)
+# the compiled step's per-layer weights, per-layer scalars and transposed lm_head
+_FusedWeights = tuple[list[torch.Tensor], list[float], torch.Tensor]
 TRITON_SWITCH = "ROLLFLOW_TRITON_DECODE"  # "0": the captured GPU step without Triton kernels
+
+
+def _panels(weight_t: torch.Tensor, width: int = 64) -> torch.Tensor:
+    """A transposed weight [in, out] as the compiled step's row-invariant chains read it:
+    panels of `width` outputs, `[ceil(out / width), in, width]`, zeros past `out`, so that
+    every load is a whole register (no mask in the chains' loop: see `chain_tile` in
+    csrc/fused_decode.cpp) and a panel is one run of memory, read front to back."""
+    rows, out = weight_t.shape
+    blocks = -(-out // width)
+    padded = weight_t.new_zeros(rows, blocks * width)
+    padded[:, :out] = weight_t
+    return padded.view(rows, blocks, width).transpose(0, 1).contiguous()
+
 
 class Decoder(Protocol):
     """Decode one token per row: write its keys/values at column `cache.width`, advance the
@@ -191,7 +206,7 @@ class LlamaDecoder:
         weight = model.get_input_embeddings().weight
         on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         self._fused = fused_decode.load() if use_fused and on_cpu else None  # no build for GPUs
-        self._fused_weights: tuple[list[torch.Tensor], list[float]] | None = None
+        self._fused_weights: _FusedWeights | None = None
         self._layer_fn: Callable[..., torch.Tensor] = _decode_layer
         # a captured step on a GPU runs `triton_decode`'s kernels (ROLLFLOW_TRITON_DECODE=0:
         # the eager ops, as a graph of them; torch.compile's layers use them too)
@@ -241,19 +256,28 @@ class LlamaDecoder:
             self._key = key
         return self._layers
 
-    def _flatten_for_fused(self) -> tuple[list[torch.Tensor], list[float]] | None:
+    def _flatten_for_fused(self) -> _FusedWeights | None:
         """The compiled step's weights and per-layer scalars, or None where it does not
-        apply: it covers float32 on CPU without biases or q/k norms (HF's Llama default)."""
-        weight, _, _, _, lm_bias = self._head
+        apply: it covers float32 on CPU without biases or q/k norms (HF's Llama default).
+        Each projection goes as its weight transposed, [in, out]: a view for MKL's matmuls,
+        a contiguous copy for the row-invariant chains, whose lanes run along the outputs."""
+        weight, _, _, lm_head, lm_bias = self._head
         layers = self._layers
         if (self._fused is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
                 or lm_bias is not None
                 or any(w.qkv_bias is not None or w.gate_up_bias is not None
                        or w.q_norm is not None for w in layers)):
             return None
-        weights = [t for w in layers for t in (w.norm1, w.qkv, w.o_t, w.norm2, w.gate_up, w.down_t)]
+
+        def t(w: torch.Tensor) -> torch.Tensor:
+            return _panels(w) if self.row_invariant else w
+
+        weights = [m for w in layers
+                   for m in (w.norm1, t(w.qkv.t()), t(w.o_t), w.norm2, t(w.gate_up.t()),
+                             t(w.down_t))]
         scalars = [float(v) for w in layers for v in (w.eps1, w.eps2, w.scaling)]
-        return weights, scalars
+        head = lm_head.t().contiguous() if self.row_invariant else lm_head.t()
+        return weights, scalars, head
 
     @property
     def parallel_rows(self) -> int | None:
@@ -262,7 +286,7 @@ class LlamaDecoder:
         return 2 * fused_decode.MIN_BLOCK_ROWS if self._fused_weights is not None else None
 
     def _fused_step(
-        self, fused: tuple[list[torch.Tensor], list[float]], tokens: torch.Tensor,
+        self, fused: _FusedWeights, tokens: torch.Tensor,
         positions: torch.Tensor, cache: KVCache,
     ) -> torch.Tensor:
         assert self._fused is not None  # (weights are flattened only when it is there)
@@ -274,17 +298,18 @@ class LlamaDecoder:
         return logits
 
     def _compiled_args(
-        self, fused: tuple[list[torch.Tensor], list[float]], tokens: torch.Tensor,
+        self, fused: _FusedWeights, tokens: torch.Tensor,
         positions: torch.Tensor, cache: KVCache, steps: int,
     ) -> tuple[Any, ...]:
         """What `decode_step` takes, and `decode_steps` first, for steps from column
         `cache.width` on (the RoPE table covers `steps` more positions)."""
         col = cache.width
-        embed, norm, eps, lm_head, _ = self._head
+        embed, norm, eps, _, _ = self._head
+        weights, scalars, lm_head_t = fused
         return (
-            tokens.long().contiguous(), positions.long().contiguous(), *fused, cache.layers,
-            cache.mask, cache.padded, self._rope_rows(col + steps - 1), embed, norm, float(eps),
-            lm_head, self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS,
+            tokens.long().contiguous(), positions.long().contiguous(), weights, scalars,
+            cache.layers, cache.mask, cache.padded, self._rope_rows(col + steps - 1), embed, norm,
+            float(eps), lm_head_t, self.heads, self.kv_heads, col, fused_decode.MIN_BLOCK_ROWS,
             self.row_invariant,
         )  # fmt: skip
 

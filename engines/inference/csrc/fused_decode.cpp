@@ -24,9 +24,11 @@ using at::Tensor;
 namespace {
 
 // Batch-invariant mode (`fixed`, engine.batch_invariant): every reduction below runs in one
-// order written out here, 16 lanes then a fixed tree, whatever the row's address, the batch
-// size or the thread; a compiler may vectorise it but not reorder it (no -ffast-math), so a
-// row's numbers depend on that row alone. MKL's matmuls pick kernels by the batch's shape.
+// order written out here, whatever the row's address, the batch size or the thread: a
+// matmul's output one chain of fused multiply-adds along its inputs (matvec_rows), a dot
+// product of the norms and attention 16 lanes then a fixed tree (dot_fixed). A compiler may
+// vectorise them but not reorder them (no -ffast-math), so a row's numbers depend on that
+// row alone. MKL's matmuls pick kernels by the batch's shape.
 constexpr int64_t kLanes = 16;
 
 inline float lanes_sum(const float* acc) {
@@ -38,7 +40,7 @@ inline float lanes_sum(const float* acc) {
 }
 
 // Each lane a chain of fused multiply-adds (written out, not left to the compiler's
-// contraction), so the vector paths below (tile_fixed, dots16_fixed) give the same bits.
+// contraction), so the vector path below (dots16_fixed) gives the same bits.
 inline float dot_fixed(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
@@ -46,6 +48,54 @@ inline float dot_fixed(const float* a, const float* b, int64_t n) {
     for (int64_t l = 0; l < kLanes; ++l) acc[l] = __builtin_fmaf(a[i + l], b[i + l], acc[l]);
   for (int64_t l = 0; i + l < n; ++l) acc[l] = __builtin_fmaf(a[i + l], b[i + l], acc[l]);
   return lanes_sum(acc);
+}
+
+// exp(x) as one fixed sequence of operations per element: x clamped to [-104, 89] (exp is 0
+// or inf there in float32), k = round(x / ln 2), r = x - k ln 2 in two steps (|r| <= ln 2 / 2),
+// the Taylor polynomial of degree 7 in r (error under 1e-8, relative), then times 2^k. About an
+// ulp from std::exp, and vectorised below with the same operations: the same bits in every
+// lane and in this scalar version.
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpTaylor[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720,
+                                 1.f / 5040};
+
+inline float exp_fixed(float x) {
+  x = x > -104.f ? x : -104.f;  // (the vector max and min, NaN included)
+  x = x < 89.f ? x : 89.f;
+  const float k = std::nearbyint(x * kLog2e);
+  const float r = __builtin_fmaf(-k, kLn2Lo, __builtin_fmaf(-k, kLn2Hi, x));
+  float p = kExpTaylor[7];
+  for (int d = 6; d >= 0; --d) p = __builtin_fmaf(p, r, kExpTaylor[d]);
+  return std::ldexp(p, static_cast<int>(k));
+}
+
+#ifdef __AVX512F__
+inline __m512 exp16_fixed(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo),
+                                    _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpTaylor[7]);
+  for (int d = 6; d >= 0; --d) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[d]));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+// One row of the MLP's activation: o = silu(g) * u = g / (1 + exp(-g)) * u, for a row's
+// gate|up pair `gu` [2 * inner], each element by exp_fixed's operations.
+inline void silu_mul_fixed(const float* gu, int64_t inner, float* o) {
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < inner; i += 16) {
+    const __mmask16 m = inner - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (inner - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gu + i), u = _mm512_maskz_loadu_ps(m, gu + inner + i);
+    const __m512 e = exp16_fixed(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(silu, u));
+  }
+#else
+  for (int64_t i = 0; i < inner; ++i) o[i] = gu[i] / (1.f + exp_fixed(0.f - gu[i])) * gu[inner + i];
+#endif
 }
 
 #ifdef __AVX512F__
@@ -77,60 +127,37 @@ inline __m512 lanes_sum16(const __m512* v) {
                        _mm512_permutex2var_ps(pair[0], odd, pair[1]));
 }
 
-// R rows x C outputs of y = a . w^T (y's rows `ldy` apart): each output element's sum runs in
-// dot_fixed's order (16 lanes along n, each lane a chain of fused multiply-adds, then
-// lanes_sum) whatever R and C are, so a row's numbers do not depend on the rows processed
-// beside it. The tile shares loads (each row's values serve C outputs, each weight row's R
-// rows) and, with AVX-512 at 4 x 4, runs the 16 outputs' lanes_sum trees side by side
-// across registers (lanes_sum16) instead of one lane at a time.
-template <int R, int C>
-inline void tile_fixed(const float* x, int64_t n, const float* w, float* y, int64_t ldy,
-                       bool accumulate) {
-  static_assert(kLanes == 16, "one AVX-512 register of lanes");
+// R rows x C registers (16 outputs each) of y = x . w, `wt` a panel of w (Panels) with its rows
+// `ldw` apart and y's rows `ldy` apart: every output is one chain of fused multiply-adds over
+// i = 0, 1, ..., n - 1, whatever R and C are, so a row's numbers do not depend on the rows
+// processed beside it. The lanes run along the outputs, so no sum ever crosses lanes. `last`
+// masks the last register's lanes (the outputs past `out`) in the stores, and in the loads
+// only where the panel has no zeros there (`Masked`): with a masked load in the loop, GCC
+// kept the 24 accumulators in memory as well, a store per multiply-add (bench/RESULTS.md,
+// "Deterministic mode").
+template <int R, int C, bool Masked>
+inline void chain_tile(const float* x, int64_t n, const float* wt, int64_t ldw, float* y,
+                       int64_t ldy, __mmask16 last, bool accumulate) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < C; ++k) c[r][k] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    // each row's and weight row's values loaded once, held in registers: left to itself
-    // GCC folds the loads of one side into each multiply-add that uses them (R x C loads an
-    // iteration instead of R + C), and the tile waited on its loads (bench/RESULTS.md,
-    // "Deterministic mode")
-    __m512 xv[R], wv[C];
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 wv[C];
+    for (int k = 0; k < C; ++k)
+      wv[k] = k + 1 < C || !Masked ? _mm512_loadu_ps(wt + i * ldw + 16 * k)
+                                   : _mm512_maskz_loadu_ps(last, wt + i * ldw + 16 * k);
     for (int r = 0; r < R; ++r) {
-      xv[r] = _mm512_loadu_ps(x + r * n + i);
-      asm("" : "+v"(xv[r]));
-    }
-    for (int k = 0; k < C; ++k) {
-      wv[k] = _mm512_loadu_ps(w + k * n + i);
-      asm("" : "+v"(wv[k]));
-    }
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < C; ++k) c[r][k] = _mm512_fmadd_ps(xv[r], wv[k], c[r][k]);
-  }
-  if constexpr (R == 4 && C == 4) {
-    if (i == n) {  // (n a multiple of 16) the 16 sums at once, in lanes_sum's order
-      const __m512 sums = lanes_sum16(&c[0][0]);  // row r's C = 4 outputs in lanes 4r..4r+3
-      for (int r = 0; r < R; ++r) {
-        __m128 out = r == 0 ? _mm512_castps512_ps128(sums)
-                   : r == 1 ? _mm512_extractf32x4_ps(sums, 1)
-                   : r == 2 ? _mm512_extractf32x4_ps(sums, 2)
-                            : _mm512_extractf32x4_ps(sums, 3);
-        if (accumulate) out = _mm_add_ps(_mm_loadu_ps(y + r * ldy), out);
-        _mm_storeu_ps(y + r * ldy, out);
-      }
-      return;
+      const __m512 xv = _mm512_set1_ps(x[r * n + i]);
+      for (int k = 0; k < C; ++k) c[r][k] = _mm512_fmadd_ps(xv, wv[k], c[r][k]);
     }
   }
-  alignas(64) float acc[kLanes];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < C; ++k) {
-      _mm512_store_ps(acc, c[r][k]);
-      for (int64_t l = 0; i + l < n; ++l)
-        acc[l] = __builtin_fmaf(x[r * n + i + l], w[k * n + i + l], acc[l]);
-      const float d = lanes_sum(acc);
-      float& out = y[r * ldy + k];
-      out = accumulate ? out + d : d;
+      const __mmask16 lanes = k + 1 < C ? static_cast<__mmask16>(0xFFFF) : last;
+      float* out = y + r * ldy + 16 * k;
+      const __m512 sum = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, out), c[r][k])
+                                    : c[r][k];
+      _mm512_mask_storeu_ps(out, lanes, sum);
     }
 }
 
@@ -147,61 +174,87 @@ inline void dots16_fixed(const float* q, const float* keys, int64_t d, float* ou
   _mm512_storeu_ps(out, lanes_sum16(acc));
 }
 
-// R rows of `a` against every row of `w` [out, n]: four outputs a tile, then the rest singly.
-template <int R>
-void rows_fixed(const float* a, int64_t n, const float* w, int64_t out, float* y,
-                bool accumulate) {
-  int64_t j = 0;
-  for (; j + 4 <= out; j += 4) tile_fixed<R, 4>(a, n, w + j * n, y + j, out, accumulate);
-  for (; j < out; ++j) tile_fixed<R, 1>(a, n, w + j * n, y + j, out, accumulate);
-}
+#endif
 
-// y[r, j] (+)= a[r, :] . w[j, :] for `rows` rows of `a` [rows, n] and `w` [out, n], in tiles
-// of 4 rows, the last rows one at a time: the same numbers for every row either way.
-void matvec_rows(const float* a, int64_t rows, int64_t n, const float* w, int64_t out, float* y,
-                 bool accumulate) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) rows_fixed<4>(a + r * n, n, w, out, y + r * out, accumulate);
-  for (; r < rows; ++r) rows_fixed<1>(a + r * n, n, w, out, y + r * out, accumulate);
-}
-#else
-// y[r, j] (+)= a[r, :] . w[j, :] for `rows` rows of `a` [rows, n] and `w` [out, n]; four
-// outputs at a time share the loads of a row, each with its own fixed-order accumulators.
-void matvec_rows(const float* a, int64_t rows, int64_t n, const float* w, int64_t out, float* y,
-                 bool accumulate) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = a + r * n;
-    float* yr = y + r * out;
-    int64_t j = 0;
-    for (; j + 4 <= out; j += 4) {
-      const float *w0 = w + j * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-      float c0[kLanes] = {}, c1[kLanes] = {}, c2[kLanes] = {}, c3[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const float v = x[i + l];
-          c0[l] += v * w0[i + l];
-          c1[l] += v * w1[i + l];
-          c2[l] += v * w2[i + l];
-          c3[l] += v * w3[i + l];
-        }
-      for (int64_t l = 0; i + l < n; ++l) {
-        const float v = x[i + l];
-        c0[l] += v * w0[i + l];
-        c1[l] += v * w1[i + l];
-        c2[l] += v * w2[i + l];
-        c3[l] += v * w3[i + l];
-      }
-      const float d[4] = {lanes_sum(c0), lanes_sum(c1), lanes_sum(c2), lanes_sum(c3)};
-      for (int64_t k = 0; k < 4; ++k) yr[j + k] = accumulate ? yr[j + k] + d[k] : d[k];
+// A weight [n, out] as the chains read it, in panels of 64 outputs: panel b's row i (outputs
+// 64b .. 64b + 63) at `w + b * panel + i * ldw`. The projections come packed
+// ([ceil(out / 64), n, 64], zeros past `out`; ldw 64, panel n * 64), each panel read front
+// to back; the lm_head plain ([n, out]; ldw out, panel 64), whose rows are short.
+struct Panels {
+  const float* w;
+  int64_t out, ldw, panel;
+};
+
+#ifdef __AVX512F__
+// R rows of `a` against one panel's `left` (<= 64) outputs; `padded`: the panel's lanes past
+// `left` hold zeros up to a whole register (packed panels), so its loads need no mask
+template <int R>
+void panel_tile(const float* a, int64_t n, const float* panel, int64_t ldw, float* y, int64_t ldy,
+                int64_t left, bool padded, bool accumulate) {
+  const __mmask16 last = left % 16 == 0 ? 0xFFFF : static_cast<__mmask16>((1u << (left % 16)) - 1);
+  const int registers = static_cast<int>((left + 15) / 16);
+  if (padded || last == 0xFFFF) {
+    switch (registers) {
+      case 1: chain_tile<R, 1, false>(a, n, panel, ldw, y, ldy, last, accumulate); break;
+      case 2: chain_tile<R, 2, false>(a, n, panel, ldw, y, ldy, last, accumulate); break;
+      case 3: chain_tile<R, 3, false>(a, n, panel, ldw, y, ldy, last, accumulate); break;
+      default: chain_tile<R, 4, false>(a, n, panel, ldw, y, ldy, last, accumulate); break;
     }
-    for (; j < out; ++j) {
-      const float d = dot_fixed(x, w + j * n, n);
-      yr[j] = accumulate ? yr[j] + d : d;
+  } else {
+    switch (registers) {
+      case 1: chain_tile<R, 1, true>(a, n, panel, ldw, y, ldy, last, accumulate); break;
+      case 2: chain_tile<R, 2, true>(a, n, panel, ldw, y, ldy, last, accumulate); break;
+      case 3: chain_tile<R, 3, true>(a, n, panel, ldw, y, ldy, last, accumulate); break;
+      default: chain_tile<R, 4, true>(a, n, panel, ldw, y, ldy, last, accumulate); break;
     }
   }
 }
 
+// y[r, j] (+)= a[r, :] . w[:, j] for `rows` rows of `a` [rows, n]: panel by panel (a packed
+// panel stays in the cache while every row passes it), rows in tiles of 6, the last rows in one
+// smaller tile: the same numbers for every row either way.
+void matvec_rows(const float* a, int64_t rows, int64_t n, const Panels& w, float* y,
+                 bool accumulate) {
+  const bool packed = w.ldw == 64;  // (a plain [n, 64] is whole registers anyway)
+  for (int64_t j = 0; j < w.out; j += 64) {
+    const float* panel = w.w + (j / 64) * w.panel;
+    const int64_t left = std::min<int64_t>(64, w.out - j);
+    int64_t r = 0;
+    for (; r + 6 <= rows; r += 6)
+      panel_tile<6>(a + r * n, n, panel, w.ldw, y + r * w.out + j, w.out, left, packed,
+                    accumulate);
+    const float* rest = a + r * n;
+    float* into = y + r * w.out + j;
+    switch (rows - r) {
+      case 1: panel_tile<1>(rest, n, panel, w.ldw, into, w.out, left, packed, accumulate); break;
+      case 2: panel_tile<2>(rest, n, panel, w.ldw, into, w.out, left, packed, accumulate); break;
+      case 3: panel_tile<3>(rest, n, panel, w.ldw, into, w.out, left, packed, accumulate); break;
+      case 4: panel_tile<4>(rest, n, panel, w.ldw, into, w.out, left, packed, accumulate); break;
+      case 5: panel_tile<5>(rest, n, panel, w.ldw, into, w.out, left, packed, accumulate); break;
+      default: break;
+    }
+  }
+}
+#else
+// y[r, j] (+)= a[r, :] . w[:, j] for `rows` rows of `a` [rows, n]: the AVX-512 path's chains
+// (one fused multiply-add per i, in order), which the compiler may vectorise along j without
+// reordering any one output's sum: the same bits.
+void matvec_rows(const float* a, int64_t rows, int64_t n, const Panels& w, float* y,
+                 bool accumulate) {
+  float sum[64];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < w.out; j += 64) {
+      const float* panel = w.w + (j / 64) * w.panel;
+      const int64_t left = std::min<int64_t>(64, w.out - j);
+      std::fill(sum, sum + left, 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = a[r * n + i];
+        for (int64_t k = 0; k < left; ++k) sum[k] = __builtin_fmaf(v, panel[i * w.ldw + k], sum[k]);
+      }
+      float* yr = y + r * w.out + j;
+      for (int64_t k = 0; k < left; ++k) yr[k] = accumulate ? yr[k] + sum[k] : sum[k];
+    }
+}
 #endif
 
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then the weight.
@@ -336,24 +389,32 @@ struct Step {
   const std::vector<Tensor>& weights;
   const std::vector<double>& scalars;
   const std::vector<Tensor>& caches;
-  const Tensor &positions, &mask, &rope_table, &final_norm, &lm_head;
+  const Tensor &positions, &mask, &rope_table, &final_norm, &lm_head_t;
   bool padded;
   double final_eps;
   int64_t heads, kv_heads, col;
   bool fixed;  // batch-invariant: fixed-order loops instead of MKL's matmuls
 
-  // a @ w.T (added to `into` when given), `w` [out, n] contiguous: MKL's or the fixed loops
-  Tensor linear(const Tensor& a, const Tensor& w, Tensor* into = nullptr) const {
+  // a @ w (added to `into` when given) for a weight of `out` outputs: MKL's matmul of `w`
+  // [n, out] (a transposed view of the weight), or the fixed chains over `w` packed in panels
+  // ([ceil(out / 64), n, 64], Panels) or plain ([n, out], contiguous)
+  Tensor linear(const Tensor& a, const Tensor& w, int64_t out, Tensor* into = nullptr) const {
     if (!fixed) {
-      if (into == nullptr) return at::mm(a, w.t());
-      into->addmm_(a, w.t());
+      if (into == nullptr) return at::mm(a, w);
+      into->addmm_(a, w);
       return *into;
     }
     const Tensor in = a.contiguous();
-    Tensor out = into != nullptr ? *into : at::empty({a.size(0), w.size(0)}, a.options());
-    matvec_rows(in.data_ptr<float>(), in.size(0), in.size(1), w.data_ptr<float>(), w.size(0),
-                out.data_ptr<float>(), into != nullptr);
-    return out;
+    const int64_t n = in.size(1);
+    const bool packed = w.dim() == 3;
+    TORCH_CHECK(packed ? (w.size(0) * 64 >= out && w.size(1) == n && w.size(2) == 64)
+                       : (w.size(0) == n && w.size(1) == out),
+                "fused decode: a fixed-step weight of the wrong shape");
+    Tensor result = into != nullptr ? *into : at::empty({a.size(0), out}, a.options());
+    const Panels panels{w.data_ptr<float>(), out, packed ? 64 : out, packed ? n * 64 : 64};
+    matvec_rows(in.data_ptr<float>(), in.size(0), n, panels, result.data_ptr<float>(),
+                into != nullptr);
+    return result;
   }
 
   void run(Tensor x, Tensor logits, int64_t r0, int64_t r1) const {
@@ -366,53 +427,52 @@ struct Step {
       const int64_t block = cache.stride(0) * r0;  // this block's first row of the cache
       rms_norm(x.data_ptr<float>(), w[0].data_ptr<float>(), static_cast<float>(scalars[3 * l]),
                h.data_ptr<float>(), rows, hidden, fixed);
-      Tensor qkv = linear(h, w[1]);
+      Tensor qkv = linear(h, w[1], s.width());
       rope_and_store(qkv.data_ptr<float>(), positions.data_ptr<int64_t>() + r0,
                      rope_table.data_ptr<float>(), cache.data_ptr<float>() + block, s);
       Tensor attended = at::empty({rows, heads * s.head_dim}, x.options());
       attention(qkv.data_ptr<float>(), cache.data_ptr<float>() + block,
                 padded ? mask.data_ptr<bool>() + r0 * mask.size(1) : nullptr, mask.size(1),
                 static_cast<float>(scalars[3 * l + 2]), attended.data_ptr<float>(), s, fixed);
-      linear(attended, w[2].t(), &x);  // (o_t is a transposed view: .t() is o_proj's weight)
+      linear(attended, w[2], hidden, &x);
       rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(),
                static_cast<float>(scalars[3 * l + 1]), h.data_ptr<float>(), rows, hidden, fixed);
-      Tensor gate_up = linear(h, w[4]);
-      const int64_t inner = gate_up.size(1) / 2;
+      const int64_t inner = w[5].size(w[5].dim() - 2);  // down's inputs
+      Tensor gate_up = linear(h, w[4], 2 * inner);
       Tensor act;
-      if (fixed) {  // element by element, the same scalar code for every row
+      if (fixed) {  // the same elementwise code for every row (silu_mul_fixed)
         act = at::empty({rows, inner}, x.options());
-        const float* gu = gate_up.data_ptr<float>();
-        float* o = act.data_ptr<float>();
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < inner; ++i) {
-            const float g = gu[r * 2 * inner + i], u = gu[r * 2 * inner + inner + i];
-            o[r * inner + i] = g / (1.f + std::exp(-g)) * u;
-          }
+          silu_mul_fixed(gate_up.data_ptr<float>() + r * 2 * inner, inner,
+                         act.data_ptr<float>() + r * inner);
       } else {
         act = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
       }
-      linear(act, w[5].t(), &x);
+      linear(act, w[5], hidden, &x);
     }
     rms_norm(x.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps),
              h.data_ptr<float>(), rows, hidden, fixed);
     if (fixed) {
-      matvec_rows(h.data_ptr<float>(), rows, hidden, lm_head.data_ptr<float>(), lm_head.size(0),
-                  logits.data_ptr<float>(), false);
+      const int64_t vocab = lm_head_t.size(1);  // (plain [hidden, vocab], checked by the caller)
+      const Panels head{lm_head_t.data_ptr<float>(), vocab, vocab, 64};
+      matvec_rows(h.data_ptr<float>(), rows, hidden, head, logits.data_ptr<float>(), false);
     } else {
-      at::mm_out(logits, h, lm_head.t());
+      at::mm_out(logits, h, lm_head_t);
     }
   }
 };
 
-// `weights`: per layer norm1, qkv [(H+2KV)d, hidden], o_t [Hd, hidden] (a transposed view),
-// norm2, gate_up [2I, hidden], down_t [I, hidden]; `scalars`: per layer eps1, eps2, scaling.
+// `weights`: per layer norm1, qkv_t [hidden, (H+2KV)d], o_t [Hd, hidden], norm2,
+// gate_up_t [hidden, 2I], down_t [I, hidden] (each projection's weight transposed: views for
+// MKL, contiguous copies for `fixed`); `scalars`: per layer eps1, eps2, scaling. `lm_head_t`
+// [hidden, vocab], likewise.
 // `caches`: per layer [rows, kv_heads, 2, capacity, d]; writes column `col` of each.
 // `min_block_rows`: the fewest rows a pool thread takes (fused_decode.MIN_BLOCK_ROWS).
 Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vector<Tensor>& weights,
                    const std::vector<double>& scalars, const std::vector<Tensor>& caches,
                    const Tensor& mask, bool padded, const Tensor& rope_table,
                    const Tensor& embed, const Tensor& final_norm, double final_eps,
-                   const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col,
+                   const Tensor& lm_head_t, int64_t heads, int64_t kv_heads, int64_t col,
                    int64_t min_block_rows, bool fixed) {
   TORCH_CHECK(weights.size() == 6 * caches.size() && scalars.size() == 3 * caches.size(),
               "fused decode: 6 weights and 3 scalars per layer");
@@ -438,9 +498,14 @@ Tensor decode_step(const Tensor& tokens, const Tensor& positions, const std::vec
                 col < caches[l].size(3), "fused decode: a KV cache layer of the wrong shape");
   }
   Tensor x = embed.index_select(0, tokens);
-  Tensor logits = at::empty({rows, lm_head.size(0)}, x.options());
-  TORCH_CHECK(!fixed || lm_head.is_contiguous(), "fused decode: lm_head must be contiguous");
-  const Step step{weights, scalars, caches, positions, mask, rope_table, final_norm, lm_head,
+  Tensor logits = at::empty({rows, lm_head_t.size(1)}, x.options());
+  if (fixed) {  // (the fixed chains read them unchecked)
+    for (const Tensor& w : weights) check(w, "a weight of the fixed step");
+    check(lm_head_t, "the fixed step's lm_head");
+    TORCH_CHECK(lm_head_t.dim() == 2 && lm_head_t.size(0) == x.size(1),
+                "fused decode: the fixed step's lm_head must be [hidden, vocab]");
+  }
+  const Step step{weights, scalars, caches, positions, mask, rope_table, final_norm, lm_head_t,
                   padded, final_eps, heads, kv_heads, col, fixed};
   const at::ThreadLocalState caller;  // inference and grad mode are per thread
   // blocks of at least `min_block_rows` rows: below that a second thread costs more than it
@@ -519,7 +584,7 @@ std::tuple<Tensor, Tensor> decode_steps(
     const Tensor& tokens, const Tensor& positions, const std::vector<Tensor>& weights,
     const std::vector<double>& scalars, const std::vector<Tensor>& caches, Tensor mask,
     bool padded, const Tensor& rope_table, const Tensor& embed, const Tensor& final_norm,
-    double final_eps, const Tensor& lm_head, int64_t heads, int64_t kv_heads, int64_t col,
+    double final_eps, const Tensor& lm_head_t, int64_t heads, int64_t kv_heads, int64_t col,
     int64_t min_block_rows, bool fixed, int64_t steps, const c10::optional<Tensor>& divisor,
     const c10::optional<Tensor>& uniforms, const c10::optional<Tensor>& greedy,
     const Tensor& live, const Tensor& left, const Tensor& stop_ids) {
@@ -546,7 +611,7 @@ std::tuple<Tensor, Tensor> decode_steps(
   while (taken < steps && !finished) {
     for (int64_t r = 0; r < rows; ++r) real[r * mask.size(1) + col + taken] = true;
     Tensor logits = decode_step(current, pos, weights, scalars, caches, mask, padded, rope_table,
-                                embed, final_norm, final_eps, lm_head, heads, kv_heads,
+                                embed, final_norm, final_eps, lm_head_t, heads, kv_heads,
                                 col + taken, min_block_rows, fixed);
     c10::optional<Tensor> uniform;
     if (uniforms) uniform = uniforms->select(0, taken);
