@@ -20,6 +20,15 @@ from typing import Any
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """`tokenizer.encode(text, add_special_tokens=False)` of each text: in one batch call
+    where the tokenizer is a fast (Rust) one, whose Python around each `encode` was most of
+    the cost of an SFT step's 6,400 prompts and labels (bench/RESULTS.md, "The main job")."""
+    if texts and getattr(tokenizer, "is_fast", False):
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
 def read_json_object(path: str) -> dict[str, Any] | None:
     """The JSON object in `path`; None if it is missing, unreadable or not an object."""
     try:

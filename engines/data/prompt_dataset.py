@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.chat.tokenizer import read_json_object
+from engines.chat.tokenizer import encode_texts, read_json_object
 from engines.config.data import DataConfig
 from engines.data.prompt_checks import FieldReport, check_fields
 from engines.data.prompt_files import DatasetError, DatasetSpec, PromptRows, open_rows
@@ -120,19 +120,34 @@ def to_sample(spec: DatasetSpec, tokenizer: PromptTokenizer | None, file: str, l
               row: dict[str, Any], source_file: bool = False) -> Sample | None:
     """The row as a pending Sample (`tokens`: the prompt ids when a tokenizer is given);
     None when its prompt is over `max_prompt_len` tokens (dropped, as slime does)."""
-    metadata = check_row(spec, file, line, row)
-    prompt = row[spec.input_key]
-    raw_label = row.get(spec.label_key) if spec.label_key is not None else None
-    text = prompt
-    if spec.apply_chat_template and tokenizer is not None:
-        text = _render_chat(spec, file, line, prompt, tokenizer)
-    tokens = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
-    if spec.max_prompt_len is not None and len(tokens) > spec.max_prompt_len:
-        return None
-    where = {"source_line": line, **({"source_file": file} if source_file else {})}
-    return Sample(index=-1, group_index=-1, prompt=text, tokens=tokens,
-                  label=None if raw_label is None else str(raw_label),
-                  metadata={**metadata, **where})
+    return to_samples(spec, tokenizer, [(file, line, row)], source_file)[0]
+
+
+def to_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
+               rows: Sequence[tuple[str, int, dict[str, Any]]],
+               source_file: bool = False) -> list[Sample | None]:
+    """`to_sample` of each row, in order; the prompts tokenised in one call (`encode_texts`).
+    A bad row raises before any is tokenised."""
+    checked = []
+    for file, line, row in rows:
+        metadata = check_row(spec, file, line, row)
+        text = row[spec.input_key]
+        if spec.apply_chat_template and tokenizer is not None:
+            text = _render_chat(spec, file, line, text, tokenizer)
+        checked.append((metadata, text))
+    ids = (encode_texts(tokenizer, [text for _, text in checked]) if tokenizer is not None
+           else [[] for _ in checked])
+    samples: list[Sample | None] = []
+    for (file, line, row), (metadata, text), tokens in zip(rows, checked, ids, strict=True):
+        if spec.max_prompt_len is not None and len(tokens) > spec.max_prompt_len:
+            samples.append(None)
+            continue
+        raw_label = row.get(spec.label_key) if spec.label_key is not None else None
+        where = {"source_line": line, **({"source_file": file} if source_file else {})}
+        samples.append(Sample(index=-1, group_index=-1, prompt=text, tokens=tokens,
+                              label=None if raw_label is None else str(raw_label),
+                              metadata={**metadata, **where}))
+    return samples
 
 
 class PromptDataset:
@@ -149,8 +164,8 @@ class PromptDataset:
 
     def take(self, indices: Sequence[int] | np.ndarray) -> list[Sample | None]:
         """Samples of rows `indices`, in order; None for a row dropped as too long."""
-        return [to_sample(self.spec, self.tokenizer, file, line, row, self.multi_file)
-                for file, line, row in self.rows.rows(indices)]
+        return to_samples(self.spec, self.tokenizer, list(self.rows.rows(indices)),
+                          self.multi_file)
 
 
 def open_prompt_dataset(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> PromptDataset:
@@ -168,9 +183,9 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
     read whole, like eval sets. Prompts over `max_prompt_len` tokens are dropped and counted
     (a warning, and `LoadedPrompts.dropped_too_long`)."""
     dataset = open_prompt_dataset(spec, tokenizer)
-    samples = [s for batch in dataset.rows.batches(limit=limit) for s in (
-        to_sample(spec, tokenizer, f, line, row, dataset.multi_file) for f, line, row in batch
-    ) if s is not None]
+    samples = [s for batch in dataset.rows.batches(limit=limit)
+               for s in to_samples(spec, tokenizer, list(batch), dataset.multi_file)
+               if s is not None]
     rows = min(len(dataset), limit or len(dataset))
     _report_drops(spec, rows, rows - len(samples))
     return LoadedPrompts(samples, rows - len(samples))
@@ -219,8 +234,7 @@ def check_prompt_dataset(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
     if tokenizer is not None:
         for batch in dataset.rows.batches(limit=token_rows):
             tokenized += len(batch)
-            dropped += sum(to_sample(spec, tokenizer, f, line, row) is None
-                           for f, line, row in batch)
+            dropped += sum(s is None for s in to_samples(spec, tokenizer, list(batch)))
         if tokenized == fields.rows:
             _report_drops(spec, tokenized, dropped)
         elif dropped:

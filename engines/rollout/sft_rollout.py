@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from engines.chat.tokenizer import load_tokenizer
+from engines.chat.tokenizer import encode_texts, load_tokenizer
 from engines.data.prompt_dataset import DatasetSpec, data_spec
 from engines.data.prompt_files import open_rows
 from engines.rollout.loss_mask import chat_loss_mask
@@ -60,10 +60,13 @@ def _finish(s: Sample, tokens: list[int], response_length: int, loss_mask: list[
     s.check()
 
 
-def sft_prompt_label(tokenizer: Any, s: Sample) -> None:
-    """Response = label + EOS after the (already tokenised) prompt."""
+def sft_prompt_label(tokenizer: Any, s: Sample, label_ids: list[int] | None = None) -> None:
+    """Response = label + EOS after the (already tokenised) prompt; `label_ids`: the label's
+    ids where the caller tokenised many at once (`encode_texts`)."""
     assert s.label is not None
-    response_ids = tokenizer.encode(s.label, add_special_tokens=False) + [tokenizer.eos_token_id]
+    if label_ids is None:
+        label_ids = tokenizer.encode(s.label, add_special_tokens=False)
+    response_ids = list(label_ids) + [tokenizer.eos_token_id]
     _finish(s, list(s.tokens) + response_ids, len(response_ids), [1] * len(response_ids), s.label)
 
 
@@ -86,10 +89,13 @@ def sft_rollout(
     """`rollout_batch_size` groups of SFT samples (a `RolloutFn`)."""
     tokenizer = _tokenizer(args.train.model_path or args.train.load)
     groups = data_source.get_samples(args.rollout.rollout_batch_size)
+    labelled = [s for group in groups for s in group if s.label is not None]
+    label_ids = encode_texts(tokenizer, [str(s.label) for s in labelled])
+    for s, ids in zip(labelled, label_ids, strict=True):
+        sft_prompt_label(tokenizer, s, ids)
     for group in groups:
         for s in group:
             if s.label is not None:
-                sft_prompt_label(tokenizer, s)
                 continue
             messages = _messages(args, s)
             if messages is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engines.chat.tokenizer import is_generic_tokenizer_dir, load_tokenizer
+from engines.chat.tokenizer import encode_texts, is_generic_tokenizer_dir, load_tokenizer
 from engines.data.prompt_dataset import model_context
 from tests.support import REPO_ROOT
 
@@ -25,6 +25,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from examples.arithmetic.build_model import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tok") / "tiny"), num_layers=1, hidden_size=32)
+
+
+def test_texts_encoded_in_one_call_get_the_ids_of_one_call_each(model_dir: str) -> None:
+    """`encode_texts` batches a fast tokenizer's calls: the same ids as `encode` of each text
+    (no special tokens, no padding); a tokenizer with only `encode` is called per text."""
+    fast = load_tokenizer(model_dir)
+    texts = TEXTS * 3 + ["99+1=" * 40]
+    want = [fast.encode(t, add_special_tokens=False) for t in texts]
+    assert fast.is_fast and encode_texts(fast, texts) == want
+
+    class EncodeOnly:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [len(text), int(add_special_tokens)]
+
+    assert encode_texts(EncodeOnly(), ["ab", ""]) == [[2, 0], [0, 0]]
+    assert encode_texts(fast, []) == []
 
 
 def test_the_generic_tokenizer_is_the_one_autotokenizer_builds(model_dir: str) -> None:
