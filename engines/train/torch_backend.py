@@ -188,14 +188,9 @@ class TorchTrainBackend:
         # wrapped first: FSDP2 replaces the parameters with their shards, which the
         # optimizer must hold (DDP keeps the module's own)
         wrapped = self._shard(module)
-        # On the CPU, AdamW as one fused kernel per parameter instead of torch's foreach ops:
-        # 5.7 -> 1.8 ms of the main job's 50-70 ms SFT step (bench/RESULTS.md, "The SFT warm
-        # start's train step"). Not for FSDP2's shards (DTensors), and not on GPUs: their
-        # path is as it was.
-        fused = self.device.type == "cpu" and not self.dp.sharded
         opt = torch.optim.AdamW(
             lora.trainable_parameters(module), lr=lr, betas=cfg.adam_betas,
-            weight_decay=cfg.weight_decay, fused=fused or None,
+            weight_decay=cfg.weight_decay,
         )
         return OptimizedModel(wrapped, opt, make_scheduler(opt, cfg, lr), cfg.clip_grad,
                          cfg.max_consecutive_skipped_steps)
