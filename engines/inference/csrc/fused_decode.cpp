@@ -2,12 +2,13 @@
 //
 // The Python step (kv_decode.LlamaDecoder) issues ~140 aten calls a step; at batch 64 on
 // the example model their dispatch, the temporaries between them and a thread-pool wake-up
-// per op cost more than the matmuls. Here the matmuls stay ATen's (MKL/oneDNN), and
-// everything between them runs as plain loops over the same buffers: RMS norm, RoPE and the
-// cache write in one pass, attention in one pass per (row, kv head) over its keys and
-// values. Rows never meet in a decode step, so each pool thread takes a block of rows
-// through the whole step: one wake-up of the pool a step. The arithmetic is the same as
-// HF's Llama in float32 (summation order aside): log-probs stay within 1e-6 of it.
+// per op cost more than the matmuls. Here the matmuls stay ATen's (MKL/oneDNN; the
+// batch-invariant mode has fixed-order chains of its own, below), and everything between
+// them runs as plain loops over the same buffers: RMS norm, RoPE and the cache write in one
+// pass, attention in one pass per (row, kv head) over its keys and values. Rows never meet
+// in a decode step, so each pool thread takes a block of rows through the whole step: one
+// wake-up of the pool a step. The arithmetic is the same as HF's Llama in float32
+// (summation order aside): log-probs stay within 1e-6 of it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
