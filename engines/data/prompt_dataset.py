@@ -116,18 +116,13 @@ def check_row(spec: DatasetSpec, file: str, line: int, row: dict[str, Any]) -> d
     return metadata
 
 
-def to_sample(spec: DatasetSpec, tokenizer: PromptTokenizer | None, file: str, line: int,
-              row: dict[str, Any], source_file: bool = False) -> Sample | None:
-    """The row as a pending Sample (`tokens`: the prompt ids when a tokenizer is given);
-    None when its prompt is over `max_prompt_len` tokens (dropped, as slime does)."""
-    return to_samples(spec, tokenizer, [(file, line, row)], source_file)[0]
-
-
 def to_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
                rows: Sequence[tuple[str, int, dict[str, Any]]],
                source_file: bool = False) -> list[Sample | None]:
-    """`to_sample` of each row, in order; the prompts tokenised in one call (`encode_texts`).
-    A bad row raises before any is tokenised."""
+    """Each row as a pending Sample, in order (`tokens`: the prompt ids when a tokenizer is
+    given; the prompts tokenised in one call, `encode_texts`); None for a row whose prompt
+    is over `max_prompt_len` tokens (dropped, as slime does). A bad row raises before any is
+    tokenised."""
     checked = []
     for file, line, row in rows:
         metadata = check_row(spec, file, line, row)

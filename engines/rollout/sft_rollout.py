@@ -60,13 +60,11 @@ def _finish(s: Sample, tokens: list[int], response_length: int, loss_mask: list[
     s.check()
 
 
-def sft_prompt_label(tokenizer: Any, s: Sample, label_ids: list[int] | None = None) -> None:
+def sft_prompt_label(tokenizer: Any, s: Sample, label_ids: list[int]) -> None:
     """Response = label + EOS after the (already tokenised) prompt; `label_ids`: the label's
-    ids where the caller tokenised many at once (`encode_texts`)."""
+    ids (the caller tokenises a draw's labels at once, `encode_texts`)."""
     assert s.label is not None
-    if label_ids is None:
-        label_ids = tokenizer.encode(s.label, add_special_tokens=False)
-    response_ids = list(label_ids) + [tokenizer.eos_token_id]
+    response_ids = [*label_ids, tokenizer.eos_token_id]
     _finish(s, list(s.tokens) + response_ids, len(response_ids), [1] * len(response_ids), s.label)
 
 
