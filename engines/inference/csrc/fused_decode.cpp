@@ -443,9 +443,9 @@ struct Step {
       Tensor act;
       if (fixed) {  // the same elementwise code for every row (silu_mul_fixed)
         act = at::empty({rows, inner}, x.options());
-        for (int64_t r = 0; r < rows; ++r)
-          silu_mul_fixed(gate_up.data_ptr<float>() + r * 2 * inner, inner,
-                         act.data_ptr<float>() + r * inner);
+        const float* gu = gate_up.data_ptr<float>();
+        float* o = act.data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r) silu_mul_fixed(gu + r * 2 * inner, inner, o + r * inner);
       } else {
         act = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
       }
