@@ -199,7 +199,16 @@ class RouterProcess:
         """The router's `GET /workers` list (url, is_healthy, load, ...)."""
         response = httpx.get(f"{self.url}/workers", timeout=5.0)
         response.raise_for_status()
-        return list(response.json().get("workers", []))
+        try:
+            listing = response.json()
+        except ValueError:
+            # Another server took the port between free_port() and the router's bind (a
+            # Prefect server's UI answers every path with its HTML page): start() retries.
+            raise RouterError(
+                f"GET {self.url}/workers did not answer JSON ({response.text[:60]!r}): "
+                "not the router, another server holds its port?"
+            ) from None
+        return list(listing.get("workers", []))
 
     def sync_workers(self, urls: list[str]) -> None:
         """Make the router's worker set exactly `urls` (engines may be replaced between
