@@ -23,10 +23,12 @@ they start share, below every other part of `engines/`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import secrets
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -133,6 +135,22 @@ class ServerExited(RuntimeError):
     pass
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return httpx.create_ssl_context()  # what httpx builds for each client by default
+
+
+def tls_verify(url: str) -> ssl.SSLContext | bool:
+    """httpx's `verify` for a client of `url`: one certificate context for every https client
+    (httpx builds a new one per client by default, parsing the CA bundle each time, and the
+    remote reward model opens one client per sample; bench/RESULTS.md, "Engine HTTP
+    throughput"); none at all for plain http. One-shot calls (`httpx.get(...)`) pass it too:
+    each builds a client, and with httpx's default context that is about 19 ms of CPU, so a
+    health poll every 0.1 s cost more than the server it waited for (bench/RESULTS.md, "CI
+    cost")."""
+    return _tls_context() if url.startswith("https://") else False
+
+
 def wait_for_health(
     url: str, is_alive: Callable[[], bool], timeout_s: float, poll_s: float = 0.05, what: str = "server"
 ) -> None:
@@ -143,7 +161,7 @@ def wait_for_health(
         if not is_alive():
             raise ServerExited(f"{what} at {url} exited during start-up")
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2.0, verify=tls_verify(url)).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

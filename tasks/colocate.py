@@ -16,6 +16,7 @@ import httpx
 import ray
 
 from engines.cluster.actors import RunActors
+from engines.process import tls_verify
 
 MEMORY_TAGS = ["weights", "kv_cache"]
 
@@ -24,7 +25,7 @@ def _engines_memory(actors: RunActors, action: str) -> None:
     urls = ray.get([e.url.remote() for e in actors.engines])
     for url in urls:
         response = httpx.post(f"{url}/{action}_memory_occupation", json={"tags": MEMORY_TAGS},
-                              timeout=600.0)
+                              timeout=600.0, verify=tls_verify(url))
         response.raise_for_status()
 
 

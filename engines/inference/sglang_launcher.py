@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import httpx
 
 from engines.config.engine import EngineConfig
-from engines.process import free_port, wait_for_health
+from engines.process import free_port, tls_verify, wait_for_health
 
 
 def launch_command(
@@ -61,7 +61,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: floa
 
 
 def read_weight_version(url: str) -> int:
-    response = httpx.get(f"{url}/get_weight_version", timeout=10.0)
+    response = httpx.get(f"{url}/get_weight_version", timeout=10.0, verify=tls_verify(url))
     response.raise_for_status()
     value = response.json().get("weight_version", 0)
     return int(value) if str(value).isdigit() else 0

@@ -131,7 +131,8 @@ class RouterProcess:
         (its own retries: a killed engine's requests), since it started; 0 if its metrics
         do not answer."""
         try:
-            text = httpx.get(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5.0).text
+            text = httpx.get(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5.0,
+                             verify=False).text
         except httpx.HTTPError:
             return 0
         return generate_retries_in(text)
@@ -143,7 +144,7 @@ class RouterProcess:
         if not self.process_alive():
             return False
         try:
-            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.url}/health", timeout=2.0, verify=False).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -197,7 +198,7 @@ class RouterProcess:
     # -- workers -------------------------------------------------------------------------
     def workers(self) -> list[dict[str, Any]]:
         """The router's `GET /workers` list (url, is_healthy, load, ...)."""
-        response = httpx.get(f"{self.url}/workers", timeout=5.0)
+        response = httpx.get(f"{self.url}/workers", timeout=5.0, verify=False)
         response.raise_for_status()
         try:
             listing = response.json()
@@ -217,10 +218,11 @@ class RouterProcess:
         current = {w["url"].rstrip("/"): w for w in self.workers()}
         for url, w in current.items():
             if url not in wanted:
-                httpx.delete(f"{self.url}/workers/{w['id']}", timeout=5.0)
+                httpx.delete(f"{self.url}/workers/{w['id']}", timeout=5.0, verify=False)
         for url in wanted:
             if url not in current:
-                response = httpx.post(f"{self.url}/workers", json={"url": url}, timeout=5.0)
+                response = httpx.post(f"{self.url}/workers", json={"url": url}, timeout=5.0,
+                                      verify=False)
                 if response.status_code >= 400:
                     raise RouterError(f"POST /workers {url} -> {response.status_code}: "
                                       f"{response.text}")

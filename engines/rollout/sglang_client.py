@@ -17,15 +17,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
 import json
-import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import httpx
 import numpy as np
 import orjson
 
@@ -137,19 +134,6 @@ def generate_body(
     if return_routed_experts:
         body["return_routed_experts"] = True
     return body
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    return httpx.create_ssl_context()  # what httpx builds for each client by default
-
-
-def tls_verify(url: str) -> ssl.SSLContext | bool:
-    """httpx's `verify` for a client of `url`: one certificate context for every https client
-    (httpx builds a new one per client by default, parsing the CA bundle each time, and the
-    remote reward model opens one client per sample; bench/RESULTS.md, "Engine HTTP
-    throughput"); none at all for plain http."""
-    return _tls_context() if url.startswith("https://") else False
 
 
 # What a failed call to an engine raises besides SGLangError (no answer, or a cut one).

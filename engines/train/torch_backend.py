@@ -29,6 +29,7 @@ from engines.train import fsdp, lora
 from engines.train.batching import PaddedBatch, build_padded_batch, effective_temperature
 from engines.train.context_parallel import ContextGroup, use_context_parallel
 from engines.train.critic import CRITIC_DIR, ValueModel, response_values
+from engines.train.device import resolve_device
 from engines.train.distributed import DataParallel, data_shares
 from engines.train.finite import check_finite, raise_nonfinite
 from engines.train.flash_attention import runs_flash_attention, use_flash_attention
@@ -48,7 +49,6 @@ from engines.train.torch_models import (
     compile_layers,
     load_causal_lm,
     move_state,
-    resolve_device,
     response_log_probs,
     response_outputs,
     score_samples,

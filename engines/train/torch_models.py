@@ -1,5 +1,6 @@
-"""Model plumbing shared by the actor, reference, teacher and critic: device choice,
-mixed precision, loading, and no-grad scoring in token-budgeted micro-batches.
+"""Model plumbing shared by the actor, reference, teacher and critic: mixed precision,
+loading, and no-grad scoring in token-budgeted micro-batches (the device choice:
+`engines.train.device`).
 
 Precision: weights (and so optimizer state) stay float32; `dtype: bfloat16` runs forward and
 backward under `torch.autocast`. This is the usual mixed-precision recipe (fp32 master
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,15 +40,6 @@ from engines.train.flash_attention import attention_mask_for, varlen_kwargs
 from engines.train.routing_replay import replayed_routing
 from engines.train.token_stats import token_stats
 from storage.sample import Sample
-
-
-def resolve_device(choice: str) -> torch.device:
-    """`auto`: this process's GPU (LOCAL_RANK) when CUDA is present, else the CPU."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("train.device is 'cuda' but CUDA is not available")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:

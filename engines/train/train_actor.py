@@ -199,7 +199,7 @@ class TrainActor:
         """Colocated on a GPU, `tensor` sync hands the engines CUDA IPC handles over HTTP
         (SGLang's format, nothing copied through the CPU) instead of a CPU copy through
         Ray's object store."""
-        from engines.train.torch_models import resolve_device
+        from engines.train.device import resolve_device
 
         return (self.cfg.cluster.colocate and self.cfg.train.weight_sync == "tensor"
                 and resolve_device(self.cfg.train.device).type == "cuda")

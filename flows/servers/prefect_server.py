@@ -24,6 +24,7 @@ from typing import TextIO
 
 import httpx
 
+from engines.process import tls_verify
 from flows.bookkeeping.start_lines import phase
 from flows.config.run import ConfigError
 from flows.servers.prefect_env import SERVER_ENV_DEFAULTS, prefect_env_defaults
@@ -56,7 +57,8 @@ class PrefectServer:
 
     def healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.api_url}/health", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.api_url}/health", timeout=2.0,
+                             verify=tls_verify(self.api_url)).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -17,7 +17,8 @@ from engines.inference.engine_actor import EngineActor, build_generator
 from engines.inference.gen_types import GenRequest, GenResult, SamplingParams
 from engines.inference.mock_generator import MockGenerator
 from engines.inference.scheduler import ContinuousScheduler
-from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output, tls_verify
+from engines.process import tls_verify
+from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config.run import EngineConfig
 from tests.support.engines import embedded_engine

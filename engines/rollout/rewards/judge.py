@@ -41,8 +41,8 @@ from typing import Any
 import httpx
 
 from engines.config.judge import PLACEHOLDERS, JudgeConfig
+from engines.process import tls_verify
 from engines.rollout.rewards.remote import backoff_delay
-from engines.rollout.sglang_client import tls_verify
 from storage.sample import Prompt, Sample
 from storage.secrets import redact_url
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from engines.rollout.sglang_client import tls_verify
+from engines.process import tls_verify
 from storage.sample import Sample
 
 logger = logging.getLogger(__name__)
