@@ -29,6 +29,10 @@ bash scripts/setup.sh --no-build
 build=$!
 bash scripts/install_debian_packages.sh
 export PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_AUTH_MODE=disabled
+# pytest caches each test module's assertion-rewritten bytecode unless PYTHONDONTWRITEBYTECODE
+# is set; set, every xdist worker rewrites and compiles all of them again (2.5 of the 16 CPU-s
+# a worker's collection takes on this project's machine, which sets it).
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/lint-imports  # flows -> tasks -> engines -> storage (pyproject [tool.importlinter])
