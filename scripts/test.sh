@@ -23,8 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --no-build
 # The fused decode step's build (one compiler process, ~30 s on a fresh clone) runs beside the
-# Debian packages, lint and the type check (one process each): on 2 cores that is about 30 s
-# less than one after the other (bench/RESULTS.md, "CI cost").
+# Debian packages, lint and the type check (one process each): a fresh clone reached pytest
+# 15 s sooner on 2 cores, 90 s against 105 (bench/RESULTS.md, "CI cost").
 .venv/bin/python -m engines.inference.fused_decode > .venv/fused-decode-build.log 2>&1 &
 build=$!
 bash scripts/install_debian_packages.sh
