@@ -159,8 +159,7 @@ class PromptDataset:
 
     def take(self, indices: Sequence[int] | np.ndarray) -> list[Sample | None]:
         """Samples of rows `indices`, in order; None for a row dropped as too long."""
-        return to_samples(self.spec, self.tokenizer, list(self.rows.rows(indices)),
-                          self.multi_file)
+        return to_samples(self.spec, self.tokenizer, self.rows.rows(indices), self.multi_file)
 
 
 def open_prompt_dataset(spec: DatasetSpec, tokenizer: PromptTokenizer | None) -> PromptDataset:
@@ -179,7 +178,7 @@ def load_prompt_samples(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
     (a warning, and `LoadedPrompts.dropped_too_long`)."""
     dataset = open_prompt_dataset(spec, tokenizer)
     samples = [s for batch in dataset.rows.batches(limit=limit)
-               for s in to_samples(spec, tokenizer, list(batch), dataset.multi_file)
+               for s in to_samples(spec, tokenizer, batch, dataset.multi_file)
                if s is not None]
     rows = min(len(dataset), limit or len(dataset))
     _report_drops(spec, rows, rows - len(samples))
@@ -229,7 +228,7 @@ def check_prompt_dataset(spec: DatasetSpec, tokenizer: PromptTokenizer | None,
     if tokenizer is not None:
         for batch in dataset.rows.batches(limit=token_rows):
             tokenized += len(batch)
-            dropped += sum(s is None for s in to_samples(spec, tokenizer, list(batch)))
+            dropped += sum(s is None for s in to_samples(spec, tokenizer, batch))
         if tokenized == fields.rows:
             _report_drops(spec, tokenized, dropped)
         elif dropped:
