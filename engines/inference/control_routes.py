@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engines.inference.gen_types import MEMORY_TAGS, Generator
 from engines.inference.scheduler import ContinuousScheduler
 from engines.inference.sglang_protocol import error_response, json_body
-from engines.weights.cuda_ipc import FLATTENED_BUCKET, named_tensors_from_entry
-from engines.weights.sync import WeightUpdateGroup
+
+if TYPE_CHECKING:  # torch is imported by the first weight update that carries tensors: the
+    # mock engine gets none and never pays its import (engines/train/mock_backend.py)
+    from engines.weights.sync import WeightUpdateGroup
 
 Handler = Callable[[dict[str, Any]], Awaitable[str]]
 
@@ -84,6 +85,10 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
     def load_tensor_entry(entry: str, load_format: str | None, version: int | None) -> int:
         """Decode and copy in the scheduler's gap; CUDA IPC tensors alias the trainer's
         memory, so the copy is finished before the handles are let go."""
+        import torch
+
+        from engines.weights.cuda_ipc import named_tensors_from_entry
+
         named = named_tensors_from_entry(entry, load_format)
         scheduler.between_steps(generator.load_weights, named, version)
         if any(t.is_cuda for _, t in named):
@@ -91,6 +96,8 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
         return len(named)
 
     async def from_tensor(body: dict[str, Any]) -> str:
+        from engines.weights.cuda_ipc import FLATTENED_BUCKET
+
         entries = _str_list(body, "serialized_named_tensors")
         if not entries or not all(isinstance(e, str) for e in entries):
             raise ValueError("serialized_named_tensors must be a non-empty list of strings")
@@ -114,6 +121,8 @@ def add_control_routes(app: FastAPI, generator: Generator, scheduler: Continuous
         leftover = groups.pop(name, None)
         if leftover is not None:  # a restarted trainer joins again; its old group is dead
             await asyncio.to_thread(leftover.destroy, True)
+        from engines.weights.sync import WeightUpdateGroup
+
         groups[name] = await asyncio.to_thread(
             WeightUpdateGroup,
             str(body["master_address"]),

@@ -14,9 +14,7 @@ import math
 import os
 import random
 from collections.abc import Collection, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engines.chat.tokenizer import load_tokenizer
 from engines.inference.gen_types import (
@@ -27,7 +25,9 @@ from engines.inference.gen_types import (
     finish_text,
     never_abort,
 )
-from engines.weights.sync import weights_checksum
+
+if TYPE_CHECKING:  # a mock engine holds no tensors and never imports torch (mock_backend.py)
+    import torch
 
 
 class _IdsTokenizer:
@@ -82,6 +82,8 @@ class MockGenerator(GeneratorIdentity):
         """Nothing to restore."""
 
     def weights_checksum(self) -> str:
+        from engines.weights.sync import weights_checksum
+
         return weights_checksum([])
 
     def new_batch(self) -> _MockBatch:

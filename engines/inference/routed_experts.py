@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import base64
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from engines.weights.model_families import moe_layout, moe_routers
+
+if TYPE_CHECKING:  # the capture is made for a model, torch long imported; the wire encoding
+    # is the HTTP server's, which the mock engine runs without torch (mock_generator.py)
+    import torch
 
 
 class RoutingCapture:
@@ -47,6 +50,8 @@ class RoutingCapture:
     def take(self, rows: int, width: int) -> torch.Tensor:
         """The last forward's ids as int16 `[rows, width, layers, topk]` on the CPU (its
         tokens were `[rows, width]`), -1 for layers without a router; then forgets them."""
+        import torch
+
         out = torch.full((rows, width, self.layers, self.topk), -1, dtype=torch.int16)
         for layer, ids in self._ids.items():
             out[:, :, layer] = ids.reshape(rows, width, self.topk).to("cpu", torch.int16)

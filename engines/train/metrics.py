@@ -8,15 +8,14 @@ the set of keys is fixed in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
-from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
-
-from engines.algorithms.corrections import mismatch_metrics as batch_mismatch_metrics
 from engines.config.algorithm import RolloutCorrectionConfig
 from storage.sample import Sample
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the mock backend has none, and
+    # a mock run's train actor then never pays torch's import (bench/RESULTS.md, "CI cost")
+    from torch import Tensor
 
 SKIPPED: dict[str, float] = {"skipped": 1.0}
 """Returned by `train()` when the policy is already past the rollout (idempotent replays)."""
@@ -139,6 +138,8 @@ def rollout_logprob_abs_diff(
     samples: list[Sample], old_log_probs: list[Tensor | None] | None
 ) -> float:
     """Token-mean |trainer - engine| log-prob over samples that carry engine log-probs."""
+    import torch
+
     total, count = 0.0, 0
     for s, old in zip(samples, old_log_probs or [], strict=False):
         if old is None or len(s.rollout_log_probs) != s.response_length or not s.response_length:
@@ -156,6 +157,11 @@ def mismatch_metrics(
     """`mismatch/...` over the loss tokens of the samples that carry engine log-probs and
     have old log-probs (`corrections.mismatch_metrics`): computed once on the whole batch,
     since a minimum and a maximum do not sum over micro-batches like the loss terms."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    from engines.algorithms.corrections import mismatch_metrics as batch_mismatch_metrics
+
     olds, rollouts, masks = [], [], []
     for s, old in zip(samples, old_log_probs or [], strict=False):
         if old is None or not s.response_length or len(s.rollout_log_probs) != s.response_length:

@@ -496,21 +496,26 @@ class JudgeServer(_LocalServer):
                     failing = len(server.requests) <= server.fail_first
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                # out of flight before the answer is sent: a client that gets it may send its
+                # next request at once, which must not find this one still counted (a loaded
+                # machine descheduled this thread between the two, and the cap test saw 3)
                 try:
                     time.sleep(server.delay_s)
-                    if failing:
-                        return self.send_json(server.fail_status, {"error": "busy"})
-                    chat = self.path == "/v1/chat/completions"
-                    if not chat and self.path != "/v1/completions":
-                        return self.send_json(404, {"error": "no route"})
-                    text = server.answer(body["messages"][-1]["content"] if chat
-                                         else body["prompt"])
-                    choice = ({"message": {"role": "assistant", "content": text}} if chat
-                              else {"text": text})
-                    self.send_json(200, {"choices": [{"index": 0, **choice}]})
+                    status, payload = self.reply(body, failing)
                 finally:
                     with lock:
                         server.in_flight -= 1
+                self.send_json(status, payload)
+
+            def reply(self, body: dict[str, Any], failing: bool) -> tuple[int, dict[str, Any]]:
+                if failing:
+                    return server.fail_status, {"error": "busy"}
+                chat = self.path == "/v1/chat/completions"
+                if not chat and self.path != "/v1/completions":
+                    return 404, {"error": "no route"}
+                text = server.answer(body["messages"][-1]["content"] if chat else body["prompt"])
+                choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                return 200, {"choices": [{"index": 0, **choice}]}
 
 
         self.base_url = f"http://127.0.0.1:{self._serve(Handler)}/v1"

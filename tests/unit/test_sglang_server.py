@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -21,6 +23,7 @@ from engines.process import tls_verify
 from engines.rollout.sglang_client import SGLangClient, SGLangError, parse_output
 from examples.arithmetic.build_model import save_tiny_model
 from flows.config.run import EngineConfig
+from tests.support import REPO_ROOT
 from tests.support.engines import embedded_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
@@ -215,6 +218,34 @@ def test_mock_backend_serves_the_same_protocol(model_dir: str) -> None:
         actor.shutdown()
     with pytest.raises(ValueError, match="sglang"):
         build_generator(EngineConfig(backend="sglang", urls=["http://x"]), 0)
+
+
+MOCK_ACTORS_SCRIPT = """
+import sys, tempfile
+from engines.inference.engine_actor import EngineActor
+from engines.train.train_actor import TrainActor
+from flows.config.run import EngineConfig
+from tests.support.configs import small_config
+
+cfg = small_config("storage.uri=" + tempfile.mkdtemp(), "storage.run_name=no-torch")
+trainer = TrainActor(cfg)
+engine = EngineActor(EngineConfig(backend="mock", model_path=sys.argv[1]), 0)
+try:
+    assert engine.update_weights_from_tensor(trainer.weights(), 3) == 3
+finally:
+    engine.shutdown()
+print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+
+
+def test_a_mock_runs_trainer_and_engine_never_import_torch(model_dir: str) -> None:
+    """Neither holds a tensor: their weights are empty and only the version moves. torch's
+    import was about 1.3 CPU-s of each of the ~170 such actors a CI run starts on a 2-core
+    machine (bench/RESULTS.md, "CI cost")."""
+    out = subprocess.run([sys.executable, "-c", MOCK_ACTORS_SCRIPT, model_dir], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 class CountingGenerator(MockGenerator):

@@ -203,7 +203,7 @@ def test_mock_backend_records_trains_and_checkpoints(tmp_path: Path) -> None:
     other = MockTrainBackend()
     other.load_checkpoint(str(tmp_path))
     assert other.version == 2 and other.trained_by_rollout() == mock.trained_by_rollout()
-    assert other.state_dict_for_engine()["mock.version"].item() == 2.0
+    assert other.state_dict_for_engine() == {}  # no weights: only the version is pushed
 
 
 # -- algorithms through the backend ---------------------------------------------------------
