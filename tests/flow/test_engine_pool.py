@@ -26,7 +26,10 @@ from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.faults import THREE_STEPS, run_with_fault
 
-PROMPTS, SAMPLES_PER_PROMPT = 16, 4  # a step sends PROMPTS x SAMPLES_PER_PROMPT requests
+# a step sends PROMPTS x SAMPLES_PER_PROMPT requests: 16 an engine, one at a time, about 4 s
+# of generation on an idle 2-core machine (16 prompts, twice that, were about 20 CPU-s a run
+# for no more evidence)
+PROMPTS, SAMPLES_PER_PROMPT = 8, 4
 TWO_ENGINES = ("engine.num_engines=2", "rollout.use_router=false",
                f"rollout.rollout_batch_size={PROMPTS}",
                f"rollout.n_samples_per_prompt={SAMPLES_PER_PROMPT}", "rollout.max_response_len=100",
