@@ -36,9 +36,11 @@ def test_async_overlaps_generation_with_training(make_config, sync_layout):
     from flows.train import train
 
     # Training long enough that the next step (which took ~2 s to start on this 2-core
-    # machine as a flow run while another was busy) reaches generation before it ends.
+    # machine as a flow run while another was busy) reaches generation before it ends: 16
+    # micro-batches a step, each loss 0.4 s late (48 epochs did it once, at ~20 CPU-s).
     cfg = make_config("async", "rollout.mode=one_step", "rollout.max_staleness=1",
-                      "train.num_epochs_per_rollout=48")
+                      "algorithm.loss_type=custom_loss",
+                      "algorithm.custom_loss_function_path=tests.support.hooks:slow_policy_loss")
     train(cfg)
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
     assert layout.committed_steps() == [0, 1, 2, 3]

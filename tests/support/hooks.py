@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import httpx
@@ -91,6 +92,20 @@ def nan_grad_loss_once(algo: Any, inputs: Any, denominator: float) -> tuple[Any,
         nan_grad_loss_once.fired = True  # type: ignore[attr-defined]
         loss = loss + torch.sqrt(loss - loss)
     return loss, metrics
+
+
+SLOW_LOSS_S = 0.4
+"""How much later `slow_policy_loss` answers than the policy loss."""
+
+
+def slow_policy_loss(algo: Any, inputs: Any, denominator: float) -> tuple[Any, dict[str, Any]]:
+    """The policy loss, SLOW_LOSS_S later each call (each micro-batch): a train step that
+    lasts seconds on a wall clock without the CPU that dozens of epochs of training burned
+    for it (tests/flow/test_async.py)."""
+    from engines.algorithms.losses import actor_loss
+
+    time.sleep(SLOW_LOSS_S)
+    return actor_loss(algo, inputs, denominator)
 
 
 async def engine_versions(args: Any, weight_version: int) -> dict[str, float]:
