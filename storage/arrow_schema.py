@@ -89,6 +89,19 @@ def _routed_experts_array(samples: list[Sample]) -> pa.Array:
                                     mask=mask)
 
 
+def numeric_values(array: pa.Array) -> np.ndarray:
+    """A null-free integer or float array's values as a numpy view of its data buffer.
+    pyarrow's `Array.to_numpy` does the same, but imports pandas on its first call: about
+    0.25 CPU-s in every trainer, which has no other use for it (bench/RESULTS.md, "CI cost").
+    Anything else (nulls, booleans, strings) goes through `to_numpy`."""
+    kind = array.type
+    if array.null_count or not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        return array.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(kind.to_pandas_dtype())
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array),
+                         offset=array.offset * dtype.itemsize)
+
+
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Building a batch allocates millions of objects and no reference cycles; the cyclic
@@ -106,8 +119,8 @@ def _row_lists(column: pa.ChunkedArray) -> list[list[Any]]:
     """A list column as one Python list per row: the flat values convert in one pass (numpy's
     `tolist`), rows are slices of that list."""
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    offsets = array.offsets.to_numpy().tolist()
-    flat = array.flatten().to_numpy().tolist()
+    offsets = numeric_values(array.offsets).tolist()
+    flat = numeric_values(array.flatten()).tolist()
     base = offsets[0] if offsets else 0
     return [flat[a - base : b - base] for a, b in zip(offsets, offsets[1:], strict=False)]
 
@@ -120,8 +133,8 @@ def _routed_experts_rows(table: pa.Table) -> list[RoutedExperts | None]:
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if array.null_count == len(array):
         return [None] * table.num_rows
-    offsets = array.offsets.to_numpy()
-    values = array.values.to_numpy(zero_copy_only=False)
+    offsets = numeric_values(array.offsets)
+    values = numeric_values(array.values)
     valid = array.is_valid().to_numpy(zero_copy_only=False)
     return [RoutedExperts(values[a:b].copy()) if ok else None
             for a, b, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)]

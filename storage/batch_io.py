@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from storage.arrow_schema import samples_to_table, table_to_samples
+from storage.arrow_schema import numeric_values, samples_to_table, table_to_samples
 from storage.integrity import CorruptFileError, FileDigest, sealed_digest, verify_bytes
 from storage.object_store import ObjectStore
 from storage.sample import Sample
@@ -80,10 +80,10 @@ def _flat(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """A list column as (values, row offsets): numpy views of the table's buffers."""
     column = table.column(name)
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    offsets = array.offsets.to_numpy()
+    offsets = numeric_values(array.offsets)
     if offsets[0]:  # a sliced array: its values start at its first offset
         offsets = offsets - offsets[0]
-    return array.flatten().to_numpy(zero_copy_only=True), offsets
+    return numeric_values(array.flatten()), offsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ def token_arrays(table: pa.Table) -> TokenArrays:
     tokens, token_offsets = _flat(table, "tokens")
     loss_mask, mask_offsets = _flat(table, "loss_mask")
     log_probs, log_prob_offsets = _flat(table, "rollout_log_probs")
-    lengths = table.column("response_length").to_numpy()
+    lengths = numeric_values(table.column("response_length").combine_chunks())
     return TokenArrays(
         tokens, token_offsets, lengths, loss_mask, mask_offsets, log_probs, log_prob_offsets
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,7 +53,10 @@ class StagingDir:
 
 
 def _dist() -> Any | None:
-    """torch.distributed when this process is one of several ranks of a group."""
+    """torch.distributed when this process is one of several ranks of a group. A process that
+    never imported torch is in none: the mock trainer, which then never pays its import."""
+    if "torch" not in sys.modules:
+        return None
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -198,11 +198,13 @@ class TrainActor:
     def sends_cuda_ipc(self) -> bool:
         """Colocated on a GPU, `tensor` sync hands the engines CUDA IPC handles over HTTP
         (SGLang's format, nothing copied through the CPU) instead of a CPU copy through
-        Ray's object store."""
+        Ray's object store. (torch, which the device check imports, only where that could
+        be so: a mock run's trainer never imports it, test_sglang_server.py.)"""
+        if not (self.cfg.cluster.colocate and self.cfg.train.weight_sync == "tensor"):
+            return False
         from engines.train.device import resolve_device
 
-        return (self.cfg.cluster.colocate and self.cfg.train.weight_sync == "tensor"
-                and resolve_device(self.cfg.train.device).type == "cuda")
+        return resolve_device(self.cfg.train.device).type == "cuda"
 
     def close_weight_sender(self) -> None:
         if self._sender is not None:

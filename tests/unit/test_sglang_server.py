@@ -225,13 +225,22 @@ import sys, tempfile
 from engines.inference.engine_actor import EngineActor
 from engines.train.train_actor import TrainActor
 from flows.config.run import EngineConfig
+from storage.batch_io import write_samples
+from storage.run_layout import step_dir
+from storage.sample import Sample
 from tests.support.configs import small_config
 
 cfg = small_config("storage.uri=" + tempfile.mkdtemp(), "storage.run_name=no-torch")
 trainer = TrainActor(cfg)
+samples = [Sample(index=i, group_index=0, prompt="1+1=", tokens=[5, 6, 7], response_length=1,
+                  loss_mask=[1], rollout_log_probs=[-0.5], reward=1.0) for i in range(2)]
+write_samples(trainer.layout.store, samples, step_dir(0), "train.arrow")
 engine = EngineActor(EngineConfig(backend="mock", model_path=sys.argv[1]), 0)
 try:
-    assert engine.update_weights_from_tensor(trainer.weights(), 3) == 3
+    assert trainer.train_step(0)["num_samples"] == 2  # a step as a flow runs it
+    trainer.save_checkpoint(0)
+    assert not trainer.sends_cuda_ipc()  # asked at every push (tasks.step_tasks)
+    assert engine.update_weights_from_tensor(trainer.weights(), 1) == 1
 finally:
     engine.shutdown()
 print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +22,7 @@ from storage.integrity import CorruptFileError
 from storage.object_store import ObjectStore
 from storage.run_layout import RunLayout
 from storage.sample import Sample, Status
+from tests.support import REPO_ROOT
 
 
 def make_samples() -> list[Sample]:
@@ -92,6 +95,28 @@ def test_a_sliced_or_multi_chunk_table_reads_back_its_own_rows():
     assert table_to_samples(pa.concat_tables([table.slice(0, 1), table.slice(2)])) == [
         samples[0], samples[2]]
     assert table_to_samples(table.slice(0, 0)) == []
+
+
+READ_SCRIPT = """
+import sys
+from storage.batch_io import read_samples, read_token_arrays
+from storage.object_store import ObjectStore
+store = ObjectStore(sys.argv[1])
+assert len(read_samples(store, "b.arrow")) == int(sys.argv[2])
+assert len(read_token_arrays(store, "b.arrow").response_lengths) == int(sys.argv[2])
+print("pandas" in sys.modules)
+"""
+
+
+def test_reading_a_batch_imports_no_pandas(tmp_path):
+    """A trainer only reads batches; pyarrow's `to_numpy` would import pandas for it
+    (about 0.25 CPU-s a process, `storage.arrow_schema.numeric_values`)."""
+    samples = make_samples()
+    write_samples(ObjectStore(str(tmp_path)), samples, "b.arrow")
+    out = subprocess.run([sys.executable, "-c", READ_SCRIPT, str(tmp_path), str(len(samples))],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("compression", ["zstd", None])
