@@ -98,6 +98,8 @@ def numeric_values(array: pa.Array) -> np.ndarray:
     if array.null_count or not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         return array.to_numpy(zero_copy_only=False)
     dtype = np.dtype(kind.to_pandas_dtype())
+    if not len(array):  # (an empty array may have no data buffer at all)
+        return np.zeros(0, dtype=dtype)
     return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array),
                          offset=array.offset * dtype.itemsize)
 

@@ -239,7 +239,7 @@ engine = EngineActor(EngineConfig(backend="mock", model_path=sys.argv[1]), 0)
 try:
     assert trainer.train_step(0)["num_samples"] == 2  # a step as a flow runs it
     trainer.save_checkpoint(0)
-    assert not trainer.sends_cuda_ipc()  # asked at every push (tasks.step_tasks)
+    assert not trainer.sends_cuda_ipc()  # asked at every push (engines/cluster/engine_pool.py)
     assert engine.update_weights_from_tensor(trainer.weights(), 1) == 1
 finally:
     engine.shutdown()
