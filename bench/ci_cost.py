@@ -16,6 +16,13 @@ machine is counted, so run it on an otherwise idle one: the machine's own daemon
 
     python -m bench.ci_cost                            # `.ci/run` on a fresh clone of HEAD
     python -m bench.ci_cost --json ci.json -- tests/unit -n 2   # scripts/test.sh tests/unit -n 2
+    python -m bench.ci_cost --per-test                 # scripts/test.sh, and CPU per test
+
+`--per-test` charges each process's CPU to the test its xdist worker was running when it was
+spent: every process a worker starts (its Ray head's actors, drivers, servers) inherits the
+worker's `PYTEST_XDIST_WORKER`, read from /proc/<pid>/environ; a worker's own CPU goes to the
+test its title names; `bench/test_timeline.py` records when each test ran. CPU between a
+worker's tests (module fixtures' teardown) goes to the test before.
 
 Figures: bench/RESULTS.md, "CI cost".
 """
@@ -23,6 +30,7 @@ Figures: bench/RESULTS.md, "CI cost".
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -86,6 +94,7 @@ class Seen:
     title: str
     first_cpu: float
     last_cpu: float
+    worker: str | None = None  # the xdist worker that started it (--per-test)
 
     @property
     def cpu(self) -> float:
@@ -126,12 +135,32 @@ def read_processes(proc: str = "/proc") -> dict[tuple[int, int], tuple[str, floa
     return out
 
 
+def xdist_worker(pid: int, proc: str = "/proc") -> str | None:
+    """The `PYTEST_XDIST_WORKER` a process was started with (inherited from the worker that
+    started it, or its ancestors), None without one or if it is gone."""
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"PYTEST_XDIST_WORKER="):
+            return entry.split(b"=", 1)[1].decode(errors="replace")
+    return None
+
+
+RUNNING = "[pytest-xdist running] "  # an xdist worker's title while it runs a test
+
+
 @dataclass
 class Sampler:
     """Reads every process's CPU every `period_s` on a thread until `stop()`."""
 
     period_s: float = 0.5
+    per_test: bool = False
     seen: dict[tuple[int, int], Seen] = field(default_factory=dict)
+    # (time, worker or RUNNING + a test's node id, CPU-s since the reading before), --per-test
+    charges: list[tuple[float, str, float]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -150,14 +179,23 @@ class Sampler:
             self.sample(me)
 
     def sample(self, me: int) -> None:
+        now = time.time()
+        spent: dict[str, float] = collections.defaultdict(float)
         for key, (title, cpu) in read_processes().items():
             if key[0] == me:
                 continue
             old = self.seen.get(key)
             if old is None:
-                self.seen[key] = Seen(title, 0.0, cpu)  # started since: all its CPU
-            else:
-                old.title, old.last_cpu = better_title(old.title, title), cpu
+                worker = xdist_worker(key[0]) if self.per_test else None
+                old = self.seen[key] = Seen(title, 0.0, 0.0, worker)  # started since: all of it
+            delta, old.last_cpu = cpu - old.last_cpu, cpu
+            old.title = better_title(old.title, title)
+            if self.per_test and delta > 0:
+                if title.startswith(RUNNING):
+                    spent[title] += delta
+                elif old.worker is not None:
+                    spent[old.worker] += delta
+        self.charges += [(now, who, seconds) for who, seconds in spent.items()]
 
     def stop(self) -> dict[str, tuple[float, int]]:
         self._stop.set()
@@ -179,6 +217,32 @@ def cpu_by_kind(processes: Iterable[Seen]) -> dict[str, tuple[float, int]]:
     return {kind: (cpu[kind], count[kind]) for kind in sorted(cpu, key=cpu.__getitem__, reverse=True)}
 
 
+def worker_spans(events: Iterable[tuple[str, str, float]]) -> list[tuple[float, str]]:
+    """A worker's (start time, node id) per test, in order, from its timeline's events."""
+    return sorted((t, node) for kind, node, t in events if kind == "start")
+
+
+def charge_to_tests(charges: Iterable[tuple[float, str, float]],
+                    timelines: dict[str, list[tuple[float, str]]]) -> dict[str, float]:
+    """node id -> CPU seconds, costliest first: a charge to worker w at time t goes to the test
+    w started last before t (before its first test: "(collection on w)"); a charge to a
+    worker's RUNNING title goes to the test it names."""
+    cpu: dict[str, float] = collections.defaultdict(float)
+    starts = {w: [t for t, _ in spans] for w, spans in timelines.items()}
+    for t, who, seconds in charges:
+        if who.startswith(RUNNING):
+            cpu[who[len(RUNNING):].strip()] += seconds
+            continue
+        k = bisect.bisect_right(starts.get(who, []), t) - 1
+        cpu[timelines[who][k][1] if k >= 0 else f"(collection on {who})"] += seconds
+    return dict(sorted(cpu.items(), key=lambda item: -item[1]))
+
+
+def read_timelines(folder: Path) -> dict[str, list[tuple[float, str]]]:
+    return {f.stem: worker_spans(tuple(json.loads(line)) for line in f.read_text().splitlines())
+            for f in folder.glob("*.jsonl")}
+
+
 def table(by_kind: dict[str, tuple[float, int]]) -> str:
     total = sum(seconds for seconds, _ in by_kind.values()) or 1.0
     rows = ["| kind | CPU-s | share | processes |", "|---|---|---|---|"]
@@ -193,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the sums, the run's outcome and every "
                         "process of a CPU-second or more here")
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    parser.add_argument("--per-test", action="store_true",
+                        help="run scripts/test.sh with bench/test_timeline.py and charge CPU to "
+                        "tests (the 25 costliest printed; all of them in --json)")
     parser.add_argument("test_args", nargs="*",
                         help="after --: run scripts/test.sh with these instead of .ci/run")
     args = parser.parse_args(argv)
@@ -200,19 +267,30 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    command = (["bash", "scripts/test.sh", *args.test_args] if args.test_args
-               else ["bash", ".ci/run"])
+    timeline = clone.parent / "timeline"
+    env = dict(os.environ)
+    if args.per_test:
+        timeline.mkdir()
+        env["ROLLFLOW_TEST_TIMELINE"] = str(timeline)
+        command = ["bash", "scripts/test.sh", "-p", "bench.test_timeline", *args.test_args]
+    else:
+        command = (["bash", "scripts/test.sh", *args.test_args] if args.test_args
+                   else ["bash", ".ci/run"])
     print(f"{' '.join(command)} in {clone} (HEAD {head})", flush=True)
-    sampler = Sampler().start()
+    sampler = Sampler(per_test=args.per_test).start()
     started = time.monotonic()
-    code = subprocess.run(command, cwd=clone).returncode
+    code = subprocess.run(command, cwd=clone, env=env).returncode
     wall = time.monotonic() - started
     by_kind = sampler.stop()
     print(f"\nexit code {code} after {wall:.0f} s (HEAD {head})\n{table(by_kind)}")
+    by_test = charge_to_tests(sampler.charges, read_timelines(timeline)) if args.per_test else {}
+    for node, seconds in list(by_test.items())[:25]:
+        print(f"{seconds:8.1f} CPU-s  {node}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"head": head, "command": command, "exit_code": code, "wall_s": round(wall, 1),
              "cpu_s": {k: [round(s, 1), n] for k, (s, n) in by_kind.items()},
+             "cpu_s_by_test": {k: round(s, 2) for k, s in by_test.items()},
              # every process of a CPU-second or more, costliest first: [CPU-s, kind, title]
              "processes": [[round(p.cpu, 2), kind_of(p.title), p.title[:300]]
                            for p in sorted(sampler.seen.values(), key=lambda p: -p.cpu)
