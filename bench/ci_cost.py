@@ -22,7 +22,9 @@ machine is counted, so run it on an otherwise idle one: the machine's own daemon
 spent: every process a worker starts (its Ray head's actors, drivers, servers) inherits the
 worker's `PYTEST_XDIST_WORKER`, read from /proc/<pid>/environ; a worker's own CPU goes to the
 test its title names; `bench/test_timeline.py` records when each test ran. CPU between a
-worker's tests (module fixtures' teardown) goes to the test before.
+worker's tests (module fixtures' teardown) goes to the test before, and a fixture's start-up
+(the session's Ray head and Prefect server) to the first test that asks for it. A worker's
+collection is not charged: it runs before the worker has a title or a test.
 
 Figures: bench/RESULTS.md, "CI cost".
 """
