@@ -21,7 +21,7 @@ machine is counted, so run it on an otherwise idle one: the machine's own daemon
 `--per-test` charges each process's CPU to the test its xdist worker was running when it was
 spent: every process a worker starts (its Ray head's actors, drivers, servers) inherits the
 worker's `PYTEST_XDIST_WORKER`, read from /proc/<pid>/environ; a worker's own CPU goes to the
-test its title names; `bench/test_timeline.py` records when each test ran. CPU between a
+test its title names; `bench/pytest_timeline.py` records when each test ran. CPU between a
 worker's tests (module fixtures' teardown) goes to the test before, and a fixture's start-up
 (the session's Ray head and Prefect server) to the first test that asks for it. A worker's
 collection is not charged: it runs before the worker has a title or a test.
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                         "process of a CPU-second or more here")
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     parser.add_argument("--per-test", action="store_true",
-                        help="run scripts/test.sh with bench/test_timeline.py and charge CPU to "
+                        help="run scripts/test.sh with bench/pytest_timeline.py and charge CPU to "
                         "tests (the 25 costliest printed; all of them in --json)")
     parser.add_argument("test_args", nargs="*",
                         help="after --: run scripts/test.sh with these instead of .ci/run")
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_test:
         timeline.mkdir()
         env["ROLLFLOW_TEST_TIMELINE"] = str(timeline)
-        command = ["bash", "scripts/test.sh", "-p", "bench.test_timeline", *args.test_args]
+        command = ["bash", "scripts/test.sh", "-p", "bench.pytest_timeline", *args.test_args]
     else:
         command = (["bash", "scripts/test.sh", *args.test_args] if args.test_args
                    else ["bash", ".ci/run"])

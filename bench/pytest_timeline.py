@@ -1,7 +1,7 @@
 """A pytest plugin for `bench.ci_cost --per-test`: each test's start and end, one JSON line
 each, in `$ROLLFLOW_TEST_TIMELINE/<xdist worker>.jsonl` (`main` without xdist).
 
-    pytest -p bench.test_timeline ...
+    pytest -p bench.pytest_timeline ...
 """
 
 from __future__ import annotations
