@@ -39,7 +39,10 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def say(**record: object) -> None:
-    print(json.dumps(record), flush=True)
+    """One line of JSON in one write to stdout: a child killed mid-record leaves all of it or
+    none, never a record without its newline (one ran into the zygote's next record in CI)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(record) + "\n").encode())
 
 
 def main(runs_root: str, run: str, model_dir: str, data: str, attempt: int, steps: int,
