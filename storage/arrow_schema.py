@@ -117,14 +117,22 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def list_values(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (values, row offsets from 0): numpy views of the column's buffers (a
+    copy where it has several chunks); row i is `values[offsets[i]:offsets[i + 1]]`."""
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    offsets = numeric_values(array.offsets)
+    if len(offsets) and offsets[0]:  # a sliced array: its values start at its first offset
+        offsets = offsets - offsets[0]
+    return numeric_values(array.flatten()), offsets
+
+
 def _row_lists(column: pa.ChunkedArray) -> list[list[Any]]:
     """A list column as one Python list per row: the flat values convert in one pass (numpy's
     `tolist`), rows are slices of that list."""
-    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    offsets = numeric_values(array.offsets).tolist()
-    flat = numeric_values(array.flatten()).tolist()
-    base = offsets[0] if offsets else 0
-    return [flat[a - base : b - base] for a, b in zip(offsets, offsets[1:], strict=False)]
+    values, offsets = list_values(column)
+    flat, bounds = values.tolist(), offsets.tolist()
+    return [flat[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _routed_experts_rows(table: pa.Table) -> list[RoutedExperts | None]:

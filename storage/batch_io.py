@@ -14,7 +14,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from storage.arrow_schema import numeric_values, samples_to_table, table_to_samples
+from storage.arrow_schema import (
+    list_values,
+    numeric_values,
+    samples_to_table,
+    table_to_samples,
+)
 from storage.integrity import CorruptFileError, FileDigest, sealed_digest, verify_bytes
 from storage.object_store import ObjectStore
 from storage.sample import Sample
@@ -76,16 +81,6 @@ def read_samples(store: ObjectStore, *parts: str) -> list[Sample]:
         raise CorruptFileError(store.uri(*parts), f"not a sample batch ({exc})") from exc
 
 
-def _flat(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A list column as (values, row offsets): numpy views of the table's buffers."""
-    column = table.column(name)
-    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    offsets = numeric_values(array.offsets)
-    if offsets[0]:  # a sliced array: its values start at its first offset
-        offsets = offsets - offsets[0]
-    return numeric_values(array.flatten()), offsets
-
-
 @dataclass(frozen=True, slots=True)
 class TokenArrays:
     """A sample batch's per-token columns as flat arrays plus row offsets (row i's tokens are
@@ -103,9 +98,9 @@ class TokenArrays:
 
 
 def token_arrays(table: pa.Table) -> TokenArrays:
-    tokens, token_offsets = _flat(table, "tokens")
-    loss_mask, mask_offsets = _flat(table, "loss_mask")
-    log_probs, log_prob_offsets = _flat(table, "rollout_log_probs")
+    tokens, token_offsets = list_values(table.column("tokens"))
+    loss_mask, mask_offsets = list_values(table.column("loss_mask"))
+    log_probs, log_prob_offsets = list_values(table.column("rollout_log_probs"))
     lengths = numeric_values(table.column("response_length").combine_chunks())
     return TokenArrays(
         tokens, token_offsets, lengths, loss_mask, mask_offsets, log_probs, log_prob_offsets
