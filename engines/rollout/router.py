@@ -42,6 +42,15 @@ def sticky_headers(session_id: str) -> dict[str, str]:
     return {STICKY_ROUTING_HEADER: session_id}
 
 
+def _with_rollflow_on_path(env: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    """`env` with the directory that holds rollflow's packages first on PYTHONPATH: the
+    router's launcher is a rollflow module, and an actor may import rollflow from a Ray
+    working_dir rather than an installed package."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+
+
 def _die_with_parent() -> None:
     with contextlib.suppress(OSError):  # not Linux: shutdown() is the only cleanup
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -98,7 +107,7 @@ class RouterProcess:
             self.port = free_port(self.host)
             self._proc = subprocess.Popen(
                 self._command(), stdout=self._log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent, env=_with_rollflow_on_path(os.environ),
             )
             try:
                 self._wait_http(time.monotonic() + self.startup_timeout_s)
@@ -112,8 +121,9 @@ class RouterProcess:
         )
 
     def _command(self) -> list[str]:
+        # (rollflow's launcher of sglang-router's own router: engines/rollout/router_process.py)
         return [
-            sys.executable, "-m", "sglang_router.launch_router",
+            sys.executable, "-m", "engines.rollout.router_process",
             "--host", self.host, "--port", str(self.port),
             "--policy", self.policy, "--log-level", "warn",
             # The metrics exporter defaults to a fixed port: a second router on the machine
