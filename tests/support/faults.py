@@ -44,6 +44,14 @@ def trained_indices(cfg) -> list[int]:
 def run_with_fault(cfg, when: Callable[[RunLayout], bool], fault: Callable[[], Any]) -> dict:
     """Run the train flow in a thread; fire `fault` once `when(layout)` holds. The fault's
     return value is in the result as `fault` (e.g. the pid it killed)."""
+    result = run_with_faults(cfg, [(when, fault)])
+    return {**result, "fault": result["faults"][0]}
+
+
+def run_with_faults(cfg, faults: list[tuple[Callable[[RunLayout], bool], Callable[[], Any]]]) -> dict:
+    """`run_with_fault` with several faults, in order: each `(when, fault)` fires once its
+    `when` holds, after the one before it fired. Their return values are in the result as
+    `faults`."""
     from flows.train import train
 
     layout = RunLayout.open(cfg.storage.uri, cfg.storage.run_name)
@@ -51,16 +59,17 @@ def run_with_fault(cfg, when: Callable[[RunLayout], bool], fault: Callable[[], A
     # a daemon: a test that times out must not leave the process waiting on it at exit
     thread = threading.Thread(target=lambda: result.update(train(cfg)), daemon=True)
     thread.start()
-    fired, fault_result = False, None
+    fault_results: list[Any] = []
     while thread.is_alive():
-        if not fired and when(layout):
-            fault_result = fault()
-            fired = True
+        if len(fault_results) < len(faults):
+            when, fault = faults[len(fault_results)]
+            if when(layout):
+                fault_results.append(fault())
         time.sleep(0.01)
     thread.join()
-    assert fired, "the fault never fired"
+    assert len(fault_results) == len(faults), f"{len(faults) - len(fault_results)} faults never fired"
     assert result, "the train flow did not return"
-    return {**result, "fault": fault_result}
+    return {**result, "faults": fault_results}
 
 
 def actor_pid(cfg, role: str) -> int:
