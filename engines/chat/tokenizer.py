@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # tokenizer_config.json classes that are the plain `tokenizers` backend (transformers 5
 # names it TokenizersBackend; older saves say PreTrainedTokenizerFast)
@@ -66,6 +69,9 @@ PLAIN_CONFIG_KEYS = frozenset({
     "padding_side", "truncation_side", "clean_up_tokenization_spaces",
 })
 NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# above this many tokens transformers may rewrite the pre-tokenizer's regex (its
+# `_patch_mistral_regex`, TokenizersBackend.__init__)
+MISTRAL_PATCH_VOCAB = 100_000
 
 
 def _token_text(value: Any) -> str | None:
@@ -73,31 +79,44 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def plain_backend(path: str) -> dict[str, str] | None:
-    """The named special tokens (bos_token -> text) of a generic tokenizer directory whose
-    encode and decode transformers leaves to the `tokenizers` library as tokenizer.json
-    defines them: no key of tokenizer_config.json that changes them, no truncation or
-    padding, its own post-processor, every special token already one of its added tokens
-    (transformers would add a missing one), no vocabulary large enough for transformers'
-    Mistral regex patch. None otherwise."""
+def plain_backend(path: str) -> tuple[dict[str, str], Tokenizer] | None:
+    """The named special tokens (bos_token -> text) and the `tokenizers` library's tokenizer of
+    a generic tokenizer directory whose encode and decode transformers leaves to that library
+    as tokenizer.json defines them: no key of tokenizer_config.json that changes them, no
+    truncation or padding, its own post-processor, every special token already one of its
+    added tokens (transformers would add a missing one), no vocabulary large enough for
+    transformers' Mistral regex patch. None otherwise."""
     if not is_generic_tokenizer_dir(path):
         return None
     config = read_json_object(os.path.join(path, "tokenizer_config.json")) or {}
-    backend = read_json_object(os.path.join(path, "tokenizer.json"))
-    if (backend is None or not set(config) <= PLAIN_CONFIG_KEYS
-            or config.get("clean_up_tokenization_spaces", False) is not False
-            or backend.get("truncation") is not None or backend.get("padding") is not None
-            or backend.get("post_processor") is None):
+    if (not set(config) <= PLAIN_CONFIG_KEYS
+            or config.get("clean_up_tokenization_spaces", False) is not False):
         return None
-    added = {(t.get("id"), t.get("content")) for t in backend.get("added_tokens") or []
-             if isinstance(t, dict) and t.get("special")}
+    from tokenizers import Tokenizer
+
+    try:
+        backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    except Exception:  # (transformers' own load names what is wrong with it)
+        return None
+    if (backend.truncation is not None or backend.padding is not None
+            or backend.post_processor is None or backend.get_vocab_size() > MISTRAL_PATCH_VOCAB):
+        return None
+    added = {(i, t.content) for i, t in backend.get_added_tokens_decoder().items() if t.special}
     named = {key: _token_text(config[key]) for key in NAMED_TOKENS if config.get(key)}
     declared = {(int(i), _token_text(t)) for i, t in (config.get("added_tokens_decoder") or {}).items()}
     if not declared <= added or not set(named.values()) <= {text for _, text in added}:
         return None
     if not all(isinstance(text, str) for text in named.values()):
         return None
-    return named  # type: ignore[return-value]
+    return named, backend  # type: ignore[return-value]
+
+
+def generic_transformers_tokenizer(path: str) -> Any:
+    """The generic fast tokenizer of `path` as transformers builds it (AutoTokenizer's class
+    for it), without AutoTokenizer's config classes and torch."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 class TokenizersOnly:
@@ -108,20 +127,16 @@ class TokenizersOnly:
 
     is_fast = True
 
-    def __init__(self, path: str, named_tokens: dict[str, str]) -> None:
-        from tokenizers import Tokenizer
-
+    def __init__(self, path: str, named_tokens: dict[str, str], backend: Tokenizer) -> None:
         self.name_or_path = path
-        self._backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        self._backend = backend
         self._named = named_tokens
         self._transformers: Any = None
 
     def transformers_tokenizer(self) -> Any:
         """The tokenizer `AutoTokenizer.from_pretrained` builds for the directory."""
         if self._transformers is None:
-            from transformers import PreTrainedTokenizerFast
-
-            self._transformers = PreTrainedTokenizerFast.from_pretrained(self.name_or_path)
+            self._transformers = generic_transformers_tokenizer(self.name_or_path)
         return self._transformers
 
     def __getattr__(self, name: str) -> Any:
@@ -190,13 +205,11 @@ def load_tokenizer(path: str) -> Any:
     """The tokenizer AutoTokenizer.from_pretrained(path) gives, without torch where the
     directory holds the generic fast tokenizer, and without transformers until more than
     encode and decode is asked of it where `plain_backend` accepts the directory."""
-    named = plain_backend(path)
-    if named is not None:
-        return TokenizersOnly(path, named)
+    plain = plain_backend(path)
+    if plain is not None:
+        return TokenizersOnly(path, *plain)
     if is_generic_tokenizer_dir(path):
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
+        return generic_transformers_tokenizer(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
