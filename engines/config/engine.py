@@ -74,8 +74,11 @@ class EngineConfig(Section):
         description="Embedded engine: auto puts the model on the GPU the engine's process "
         "sees (an engine placed on a GPU bundle sees its own GPU), else on the CPU.",
     )
-    mock_response: str = Field(
-        "", description="Mock backend: fixed answer template; '' echoes the label."
+    mock_token_seconds: float = Field(
+        0.0, ge=0.0,
+        description="Mock backend: wall time each generated token takes, slept, not computed "
+        "(0: answers at once). A fault test's requests then stay in flight for a known "
+        "time at no CPU, where a real model would need seconds of decoding.",
     )
     expert_parallel: int = Field(
         1, ge=1,

@@ -56,12 +56,14 @@ def _mock(config: EngineConfig, index: int, num_threads: int | None) -> Generato
 
     path = config.model_path
     cfg_file = os.path.join(path, "config.json") if path else ""
+    delay = config.mock_token_seconds
     if not os.path.exists(cfg_file):
-        return MockGenerator(_MOCK_VOCAB, _MOCK_EOS, None)
+        return MockGenerator(_MOCK_VOCAB, _MOCK_EOS, None, token_seconds=delay)
     with open(cfg_file) as f:
         cfg = json.load(f)
     eos = cfg.get("eos_token_id", _MOCK_EOS)
-    return MockGenerator(int(cfg["vocab_size"]), eos[0] if isinstance(eos, list) else eos, path)
+    return MockGenerator(int(cfg["vocab_size"]), eos[0] if isinstance(eos, list) else eos, path,
+                         token_seconds=delay)
 
 
 GENERATOR_BACKENDS: dict[str, GeneratorFactory] = {"embedded": _embedded, "mock": _mock}

@@ -2,7 +2,10 @@
 
 Flow tests need an engine that answers instantly, reproducibly and without a model, but
 still behaves like one at the edges the flows care about: max_new_tokens, eos, stop ids,
-abort with partial output, and a weight_version that moves when weights are pushed. Tokens
+abort with partial output, and a weight_version that moves when weights are pushed. A fault
+test that needs requests in flight for seconds gives each token a wall time
+(`engine.mock_token_seconds`), slept on the scheduler's thread: the engine's HTTP server and
+its health probe answer meanwhile, as a real engine's do while it decodes. Tokens
 come from an RNG seeded by (sampling_seed, prompt ids, weight_version), so a new policy
 version gives new samples and a replayed request gives the same ones.
 """
@@ -13,6 +16,7 @@ import hashlib
 import math
 import os
 import random
+import time
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +59,10 @@ class _MockBatch:
 class MockGenerator(GeneratorIdentity):
     """Fake tokens, uniform log-probs (-log vocab_size), real stop/abort semantics."""
 
-    def __init__(self, vocab_size: int, eos_token_id: int, tokenizer_path: str | None = None):
+    def __init__(self, vocab_size: int, eos_token_id: int, tokenizer_path: str | None = None,
+                 token_seconds: float = 0.0):
         self.vocab_size = vocab_size
+        self.token_seconds = token_seconds
         self.eos_token_id = eos_token_id
         self.tokenizer_path = tokenizer_path
         self.tokenizer: Any = (
@@ -124,6 +130,8 @@ class MockGenerator(GeneratorIdentity):
             if ids and should_abort(request.rid):
                 reason = {"type": "abort", "message": "Abort before decoding finished."}
                 break
+            if self.token_seconds:
+                time.sleep(self.token_seconds)
             ids.append(rng.randrange(self.vocab_size))
             if len(ids) >= p.max_new_tokens:
                 reason = {"type": "length", "length": len(ids)}

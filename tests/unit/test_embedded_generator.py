@@ -347,6 +347,27 @@ def test_mock_generator_is_deterministic_and_honours_limits(model_dir: str) -> N
         mock.update_weights_from_disk(str(Path(model_dir) / "missing"))
 
 
+def test_mock_token_seconds_take_wall_time_not_cpu_and_change_no_token(model_dir: str) -> None:
+    """A fault test's stand-in for decoding: 20 tokens at 50 ms are a second in flight at
+    almost no CPU, the same tokens as an instant mock, and an abort still lands between
+    tokens."""
+    import time
+
+    instant = MockGenerator(vocab_size=50, eos_token_id=2, tokenizer_path=model_dir)
+    slow = MockGenerator(vocab_size=50, eos_token_id=2, tokenizer_path=model_dir,
+                         token_seconds=0.05)
+    req = GenRequest("a", [5, 6, 7], SamplingParams(max_new_tokens=20, sampling_seed=1,
+                                                    ignore_eos=True))
+    wall, cpu = time.monotonic(), time.process_time()
+    result = slow.generate([req])[0]
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    assert result == instant.generate([req])[0]
+    assert wall >= 20 * 0.05 and cpu < 0.5 * wall
+    asked: list[str] = []
+    aborted = slow.generate([req], lambda rid: len(asked) >= 3 or bool(asked.append(rid)))[0]
+    assert aborted.finish_reason["type"] == "abort" and len(aborted.output_ids) == 4
+
+
 def _drain(gen: EmbeddedGenerator, batch: object, done: dict[str, GenResult]) -> None:
     while len(batch):  # type: ignore[arg-type]
         done.update((r.rid, r) for r in gen.step(batch, []))  # type: ignore[arg-type]
