@@ -13,6 +13,7 @@ from flows.bookkeeping.reporting import artifact_key
 from storage.batch_io import read_samples
 from storage.run_layout import RunLayout
 from tests.support.configs import arithmetic_config
+from tests.support.prefect_ui import settled_task_runs
 
 STEP_FILES = ["prompts.arrow", "rollout.arrow", "train.arrow", "metrics.json", "COMMITTED"]
 TASKS = ["sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit"]
@@ -42,13 +43,16 @@ def read_artifacts(key):
 
 
 def read_flow_runs(names):
+    """The flow runs named `names`, and each one's task run names once the server has
+    recorded them all (`settled_task_runs`)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
-        tasks = {r.id: sorted({t.name for t in client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [r.id]}))}) for r in runs}
+    api = str(PREFECT_API_URL.value())
+    tasks = {r.id: sorted({t["name"] for t in settled_task_runs(api, str(r.id))}) for r in runs}
     return runs, tasks
 
 

@@ -21,6 +21,7 @@ from storage.config import StorageConfig
 from storage.object_store import ObjectStore, StorageError, open_store
 from storage.run_layout import RunLayout
 from tests.support.faults import reference_run
+from tests.support.prefect_ui import settled_task_runs
 from tests.support.s3_faults import FaultyS3Proxy
 from tests.support.server_faults import trained_samples
 
@@ -84,22 +85,19 @@ STEPS = ("rollout.num_rollout=3",)  # the fault fires in step 1
 
 
 def retried_task_runs(run_name: str) -> list[str]:
-    """The Prefect task runs of run `run_name` that ran more than once."""
+    """The Prefect task runs of run `run_name` that ran more than once, once the server has
+    recorded them all (`settled_task_runs`: a retry it has not recorded yet would pass)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterName,
-        TaskRunFilter,
-        TaskRunFilterFlowRunId,
-    )
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL
 
     with get_client(sync_client=True) as client:
         flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(like_=run_name)))
-        task_runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            flow_run_id=TaskRunFilterFlowRunId(any_=[r.id for r in flow_runs])))
+    api = str(PREFECT_API_URL.value())
+    task_runs = [t for r in flow_runs for t in settled_task_runs(api, str(r.id))]
     assert flow_runs and task_runs
-    return [t.name for t in task_runs if t.run_count > 1]
+    return [t["name"] for t in task_runs if t["run_count"] > 1]
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ the UI's pages call): flow runs by name, the task graph of a flow run, logs, art
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -39,15 +40,36 @@ def flow_runs(api_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in runs}
 
 
+FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def settled_task_runs(api_url: str, flow_run_id: str, timeout_s: float = 60.0) -> list[Any]:
+    """The flow run's task runs once the server has recorded them. Prefect 3 runs tasks in
+    the client and its server writes them from their events a moment later: right after a
+    run, a busy server can still show a task run Pending under the name it was created with
+    (`commit-4df`, before the task renamed itself `rollout-1/commit`). So read until every
+    one is in a final state and two reads half a second apart agree, or `timeout_s` passed
+    (then the caller's assertion shows what the server had)."""
+    deadline, before = time.monotonic() + timeout_s, None
+    while True:
+        runs = post(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+        now = sorted((r["id"], r["name"], r["state_type"]) for r in runs)
+        settled = now == before and all(r["state_type"] in FINAL_STATES for r in runs)
+        if settled or time.monotonic() > deadline:
+            return runs
+        before = now
+        time.sleep(0.5)
+
+
 def task_run_names(api_url: str, flow_run_id: str) -> list[str]:
-    """The names of the flow run's task runs, sorted."""
-    runs = post(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-    return sorted(r["name"] for r in runs)
+    """The names of the flow run's task runs, sorted, once the server has them all."""
+    return sorted(r["name"] for r in settled_task_runs(api_url, flow_run_id))
 
 
 def graph_edges(api_url: str, flow_run_id: str) -> set[tuple[str, str]]:
     """(upstream label, downstream label) of the flow run's graph (`/graph-v2`, what the
-    UI's canvas draws; its nodes are not DOM elements)."""
+    UI's canvas draws; its nodes are not DOM elements), once its task runs are recorded."""
+    settled_task_runs(api_url, flow_run_id)
     response = httpx.get(f"{api_url}/flow_runs/{flow_run_id}/graph-v2", timeout=30)
     response.raise_for_status()
     nodes = dict((node_id, node) for node_id, node in response.json()["nodes"])
