@@ -4,7 +4,7 @@ trains. Each run trains exactly the samples of an uninterrupted run (tokens, los
 rewards), the generate of each step with a fault ran once and names the engine it lost, and
 the run ends with two engines again, each replaced one a new process at the final weights.
 One run loses an engine twice: killed in step 1, the other one stopped in step 2 (one run
-for both costs a step, not a run: about 60 CPU-s on this project's machine). Through the real
+for both costs a step, not a run). Through the real
 sglang-router too: the lost engine leaves its worker set, only its own requests are sent
 again through it (at most the half round-robin gave it; the survivor's go on), and the
 replacement joins it (its workers are the two engines at the end).
