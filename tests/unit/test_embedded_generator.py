@@ -364,7 +364,12 @@ def test_mock_token_seconds_take_wall_time_not_cpu_and_change_no_token(model_dir
     assert result == instant.generate([req])[0]
     assert wall >= 20 * 0.05 and cpu < 0.5 * wall
     asked: list[str] = []
-    aborted = slow.generate([req], lambda rid: len(asked) >= 3 or bool(asked.append(rid)))[0]
+
+    def abort_at_the_fourth_ask(rid: str) -> bool:  # asked before each token after the first
+        asked.append(rid)
+        return len(asked) == 4
+
+    aborted = slow.generate([req], abort_at_the_fourth_ask)[0]
     assert aborted.finish_reason["type"] == "abort" and len(aborted.output_ids) == 4
 
 
