@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from flows.config.loader import dump_config
 from flows.servers.prefect_server import PrefectServer, start_server
 from tests.support import REPO_ROOT
 from tests.support.configs import arithmetic_config
+from tests.support.prefect_ui import settled_task_runs
 
 TASKS = {"sample_prompts", "generate", "filter", "reward", "train", "broadcast_weights", "commit"}
 
@@ -41,20 +41,6 @@ def api(server: PrefectServer, path: str, body: dict[str, Any]) -> Any:
     response = httpx.post(f"{server.api_url}{path}", json=body, timeout=30)
     response.raise_for_status()
     return response.json()
-
-
-def completed_task_runs(server: PrefectServer, flow_run_id: str, count: int) -> Any:
-    """The flow run's task runs once `count` or more are there and all are COMPLETED: the
-    server records task states from events in batches (flows.servers.prefect_env.SERVER_SETTINGS),
-    up to a flush interval late."""
-    deadline = time.monotonic() + 30
-    while True:
-        task_runs = api(server, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-        done = len(task_runs) >= count and all(
-            t["state_type"] == "COMPLETED" for t in task_runs)
-        if done or time.monotonic() > deadline:
-            return task_runs
-        time.sleep(0.5)
 
 
 def test_two_steps_show_up_in_the_prefect_server(
@@ -85,7 +71,7 @@ def test_two_steps_show_up_in_the_prefect_server(
     for k in (0, 1):
         step = flow_runs[f"{run}/rollout-{k}"]
         assert step["parameters"]["rollout_id"] == k
-        task_runs = completed_task_runs(prefect_server, step["id"], len(TASKS))
+        task_runs = settled_task_runs(prefect_server.api_url, step["id"], min_count=len(TASKS))
         assert {t["name"] for t in task_runs} == {f"rollout-{k}/{name}" for name in TASKS}
         assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
 

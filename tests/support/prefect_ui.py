@@ -43,18 +43,21 @@ def flow_runs(api_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def settled_task_runs(api_url: str, flow_run_id: str, timeout_s: float = 60.0) -> list[Any]:
+def settled_task_runs(api_url: str, flow_run_id: str, min_count: int = 0,
+                      timeout_s: float = 60.0) -> list[Any]:
     """The flow run's task runs once the server has recorded them. Prefect 3 runs tasks in
-    the client and its server writes them from their events a moment later: right after a
-    run, a busy server can still show a task run Pending under the name it was created with
-    (`commit-4df`, before the task renamed itself `rollout-1/commit`). So read until every
-    one is in a final state and two reads half a second apart agree, or `timeout_s` passed
-    (then the caller's assertion shows what the server had)."""
+    the client and its server writes them from their events a moment later (in batches, up
+    to a flush interval late): right after a run, a busy server can still show a task run
+    Pending under the name it was created with (`commit-4df`, before the task renamed itself
+    `rollout-1/commit`). So read until there are `min_count` or more, every one is in a final
+    state and two reads half a second apart agree, or `timeout_s` passed (then the caller's
+    assertion shows what the server had)."""
     deadline, before = time.monotonic() + timeout_s, None
     while True:
         runs = post(api_url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
         now = sorted((r["id"], r["name"], r["state_type"]) for r in runs)
-        settled = now == before and all(r["state_type"] in FINAL_STATES for r in runs)
+        settled = (now == before and len(runs) >= min_count
+                   and all(r["state_type"] in FINAL_STATES for r in runs))
         if settled or time.monotonic() > deadline:
             return runs
         before = now
